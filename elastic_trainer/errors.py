@@ -1,0 +1,43 @@
+"""One exception root for elastic_trainer; a subclass per failure family.
+
+Every message names the problem and the fix on one line: the CLI prints ``str(exc)``
+as is and exits with ``exit_code``.
+"""
+
+from __future__ import annotations
+
+
+class ElasticTrainError(Exception):
+    """Root of every error this package raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(ElasticTrainError):
+    """Bad flags, environment or configuration, found before any worker starts."""
+
+    exit_code = 2
+
+
+class EnvironmentProblem(ElasticTrainError):
+    """The worker environment set by the supervisor (or torchrun) is missing or inconsistent."""
+
+    exit_code = 2
+
+
+class DatasetError(ElasticTrainError):
+    """A dataset is missing, malformed, or does not match the saved sampler state."""
+
+    exit_code = 2
+
+
+class SamplerStateError(ElasticTrainError):
+    """A saved sampler state does not fit the current dataset, seed or shuffle settings."""
+
+    exit_code = 2
+
+
+class RestartBudgetExhausted(ElasticTrainError):
+    """The group failed more often than --max-restarts allows."""
+
+    exit_code = 1

@@ -1,0 +1,127 @@
+"""structlog set-up: one JSON object per line for machines, colours for a TTY.
+
+torch's own stdlib logging goes through the same pipeline, so an ops team parses one
+format. Every line carries ``timestamp`` (ISO-8601 UTC), ``level``, ``event`` and the
+static fields bound here (``job_id``, ``node``, ``pid``; workers add ``rank``...).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Literal
+
+import structlog
+
+LogFormat = Literal["json", "console", "auto"]
+
+# user:password@ in a URL, and query parameters that carry secrets (presigned URLs, SAS).
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+(:[^/@\s]*)?@")
+_SECRET_QUERY = re.compile(
+    r"(?i)(?P<key>[?&](?:[a-z0-9_.-]*(?:secret|token|signature|password|key|credential|sig)"
+    r"[a-z0-9_.-]*))=[^&\s]*"
+)
+
+
+def redact(text: str) -> str:
+    """Remove credentials from any URL inside ``text``."""
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    return _SECRET_QUERY.sub(r"\g<key>=***", text)
+
+
+def _redact_processor(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Any:
+    for key, value in event_dict.items():
+        if isinstance(value, str) and ("://" in value or "=" in value):
+            event_dict[key] = redact(value)
+    return event_dict
+
+
+def _resolve_format(fmt: LogFormat, stream: Any) -> Literal["json", "console"]:
+    if fmt != "auto":
+        return fmt
+    return "console" if hasattr(stream, "isatty") and stream.isatty() else "json"
+
+
+def _shared_processors() -> list[Any]:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _redact_processor,
+        structlog.processors.format_exc_info,
+    ]
+
+
+def configure_logging(
+    *,
+    fmt: LogFormat = "auto",
+    log_file: str | None = None,
+    static_fields: Mapping[str, Any] | None = None,
+    level: int = logging.INFO,
+) -> None:
+    """Configure structlog and the stdlib root logger for this process. Idempotent."""
+    stream = sys.stderr
+    console = _resolve_format(fmt, stream) == "console"
+    shared = _shared_processors()
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_elastic_train", False):
+            root.removeHandler(handler)
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=True)
+        if console
+        else structlog.processors.JSONRenderer()
+    )
+    handlers: list[logging.Handler] = [
+        _make_handler(logging.StreamHandler(stream), shared, renderer)
+    ]
+    if log_file:
+        file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        handlers.append(_make_handler(file_handler, shared, structlog.processors.JSONRenderer()))
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+    structlog.contextvars.clear_contextvars()
+    bind_static_fields(static_fields or {})
+
+
+def _make_handler(handler: logging.Handler, shared: list[Any], renderer: Any) -> logging.Handler:
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                _drop_logger_name,
+                renderer,
+            ],
+        )
+    )
+    handler._elastic_train = True  # type: ignore[attr-defined]
+    return handler
+
+
+def _drop_logger_name(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Any:
+    # Keep the stdlib logger's name only for foreign (torch) records, where it says who spoke.
+    if str(event_dict.get("logger", "")).startswith(("elastic_trainer", "snapshots")):
+        event_dict.pop("logger", None)
+    return event_dict
+
+
+def bind_static_fields(fields: Mapping[str, Any]) -> None:
+    """Bind fields every later event of this process carries (job_id, node, pid, rank...)."""
+    defaults = {
+        "node": os.environ.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    structlog.contextvars.bind_contextvars(**{**defaults, **fields})
