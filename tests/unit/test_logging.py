@@ -1,0 +1,68 @@
+"""Every log line is one JSON object with the fields ops teams parse; secrets never leak."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import structlog
+
+from elastic_trainer.logging import configure_logging, redact
+
+REQUIRED = {"timestamp", "level", "event", "job_id", "node", "pid"}
+
+
+@pytest.fixture
+def json_log(tmp_path):
+    path = tmp_path / "events.jsonl"
+    configure_logging(fmt="json", log_file=str(path), static_fields={"job_id": "job-7"})
+    yield path
+    logging.getLogger().handlers.clear()
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_structlog_and_stdlib_records_share_one_json_schema(json_log) -> None:
+    structlog.get_logger("elastic_trainer").info("supervisor.started", min_nodes=1)
+    logging.getLogger("torch.distributed.elastic.agent").warning("rendezvous %s", "slow")
+    ours, torch_line = _lines(json_log)
+    assert REQUIRED <= ours.keys() and REQUIRED <= torch_line.keys()
+    assert ours["job_id"] == torch_line["job_id"] == "job-7"
+    assert torch_line["event"] == "rendezvous slow"
+    assert torch_line["logger"] == "torch.distributed.elastic.agent"
+    assert ours["timestamp"].endswith("Z")
+
+
+def test_credentials_in_urls_are_redacted_in_events(json_log) -> None:
+    structlog.get_logger("snapshots").info(
+        "snapshot.saved", url="s3://AKIAXX:hunter2@bucket/run?X-Amz-Signature=deadbeef&part=1"
+    )
+    (line,) = _lines(json_log)
+    assert "hunter2" not in json.dumps(line) and "deadbeef" not in json.dumps(line)
+    assert line["url"].startswith("s3://***@bucket/run?X-Amz-Signature=***")
+    assert "part=1" in line["url"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("https://u:p@h/x", "https://***@h/x"),
+        ("gs://bucket/path/step-1", "gs://bucket/path/step-1"),
+        ("https://h/x?sig=abc&token=def&n=1", "https://h/x?sig=***&token=***&n=1"),
+        ("/local/path/without/url", "/local/path/without/url"),
+    ],
+)
+def test_redact(text: str, expected: str) -> None:
+    assert redact(text) == expected
+
+
+def test_reconfiguring_does_not_duplicate_lines(tmp_path) -> None:
+    path = tmp_path / "log.jsonl"
+    for _ in range(3):
+        configure_logging(fmt="json", log_file=str(path), static_fields={"job_id": "j"})
+    structlog.get_logger("elastic_trainer").info("job.finished")
+    assert len(path.read_text().splitlines()) == 1
+    logging.getLogger().handlers.clear()
