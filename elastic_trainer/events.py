@@ -49,6 +49,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "snapshot.corrupt": ("step", "url", "problem"),
     "snapshot.failed": ("step", "url", "error"),
     "snapshot.pruned": ("steps", "url"),
+    "snapshot.storage_retry": ("op", "url", "attempt", "error"),
     # training (worker side)
     "session.started": ("world_size", "backend", "snapshot_dir"),
     "session.stopping": ("step", "reason"),

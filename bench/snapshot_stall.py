@@ -1,0 +1,233 @@
+"""Snapshot stall: how long does a save block training? Side by side, in one run.
+
+ResNet-18 (10 classes) + SGD-momentum state (~90 MB) on local disk, CPU, single process:
+torch.save, DCP save, DCP async_save (on its own gloo group), and this package's
+SnapshotStore (blocking, asynchronous copy, and the opt-in overlapped capture). For each:
+median stall per save (ms), stall as a fraction of a training step, time until the snapshot
+is persisted and the resulting MB/s, and the median time of the training step that runs
+while the save persists in the background (a writer thread competes for 2 cores).
+
+    OMP_NUM_THREADS=1 python bench/snapshot_stall.py [--saves 5] [--dir /tmp/x]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torchvision
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from snapshots import SnapshotStore
+
+
+@dataclass
+class Trainer:
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def step(self) -> float:
+        begun = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+        return (time.perf_counter() - begun) * 1000
+
+
+@dataclass
+class Result:
+    name: str
+    stalls: list[float] = field(default_factory=list)
+    persists: list[float] = field(default_factory=list)
+    next_steps: list[float] = field(default_factory=list)
+
+
+def make_trainer(batch: int) -> Trainer:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trainer = Trainer(model, opt, torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
+    for _ in range(3):  # momentum buffers exist, allocator warm
+        trainer.step()
+    return trainer
+
+
+def state_bytes(t: Trainer) -> int:
+    tensors = list(t.model.state_dict().values())
+    tensors += [v for s in t.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(v.numel() * v.element_size() for v in tensors)
+
+
+# A save function returns (stall_ms, wait_until_persisted) where the second blocks until the
+# snapshot is durable and returns the ms from the call until then.
+SaveFn = Callable[[int], tuple[float, Callable[[], float]]]
+
+
+def run(name: str, t: Trainer, save: SaveFn, saves: int, steps_between: int) -> Result:
+    result = Result(name)
+    for i in range(saves + 1):  # the first save warms up (allocations, imports, threads)
+        stall, wait_persisted = save(i)
+        next_step = t.step()  # overlaps the background persist, if any
+        if isinstance(stall, _StallWithHook):
+            stall = stall.total()
+        for _ in range(steps_between - 1):
+            t.step()
+        persisted = wait_persisted()
+        if i:
+            result.stalls.append(stall)
+            result.persists.append(persisted)
+            result.next_steps.append(next_step)
+    return result
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    begun = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - begun) * 1000, out
+
+
+def torch_save(t: Trainer, root: str) -> SaveFn:
+    def save(i: int) -> tuple[float, Callable[[], float]]:
+        state = {"model": t.model.state_dict(), "optimizer": t.opt.state_dict()}
+        ms, _ = timed(lambda: torch.save(state, os.path.join(root, f"torch-{i % 2}.pt")))
+        return ms, lambda: ms
+
+    return save
+
+
+def dcp_save(t: Trainer, root: str) -> SaveFn:
+    def save(i: int) -> tuple[float, Callable[[], float]]:
+        def go() -> None:
+            model_sd, optim_sd = get_state_dict(t.model, t.opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/dcp-{i}")
+
+        ms, _ = timed(go)
+        return ms, lambda: ms
+
+    return save
+
+
+def dcp_async_save(t: Trainer, root: str, group: Any) -> SaveFn:
+    def save(i: int) -> tuple[float, Callable[[], float]]:
+        begun = time.perf_counter()
+
+        def go() -> Any:
+            model_sd, optim_sd = get_state_dict(t.model, t.opt)
+            return dcp.async_save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=f"{root}/dcpa-{i}",
+                process_group=group,
+            )
+
+        ms, future = timed(go)
+
+        def wait() -> float:
+            future.result()
+            return (time.perf_counter() - begun) * 1000
+
+        return ms, wait
+
+    return save
+
+
+def store_save(t: Trainer, store: SnapshotStore, mode: str) -> SaveFn:
+    state = {"model": t.model, "optimizer": t.opt}
+
+    def save(i: int) -> tuple[float, Callable[[], float]]:
+        begun = time.perf_counter()
+        store.last_hook_wait_ms = 0.0
+        overlap = t.opt if mode == "overlapped" else None
+        ms, handle = timed(
+            lambda: store.save(i, state, blocking=(mode == "blocking"), overlap_with=overlap)
+        )
+
+        def wait() -> float:
+            handle.result()
+            return (time.perf_counter() - begun) * 1000
+
+        # overlapped: training also waits in optimizer.step() until the copy is done;
+        # that wait is part of the stall. It is known once the next step ran.
+        return _StallWithHook(ms, store), wait
+
+    return save  # type: ignore[return-value]
+
+
+class _StallWithHook(float):
+    """A stall figure that adds the optimizer-hook wait, read after the next step ran."""
+
+    def __new__(cls, ms: float, store: SnapshotStore) -> _StallWithHook:
+        obj = super().__new__(cls, ms)
+        obj.store = store  # type: ignore[attr-defined]
+        return obj
+
+    def total(self) -> float:
+        return float(self) + self.store.last_hook_wait_ms  # type: ignore[attr-defined]
+
+
+def table(results: list[Result], step_ms: float, nbytes: int) -> str:
+    base = statistics.median(results[0].stalls)
+    lines = [
+        f"state {nbytes / 1e6:.1f} MB, training step median {step_ms:.1f} ms "
+        f"(stall vs torch.save in the same run; lower is better)",
+        f"{'method':<34}{'stall ms':>9}{'x torch.save':>13}{'of a step':>10}"
+        f"{'persist ms':>11}{'MB/s':>8}{'next step ms':>13}",
+    ]
+    for r in results:
+        stall = statistics.median(r.stalls)
+        persist = statistics.median(r.persists)
+        lines.append(
+            f"{r.name:<34}{stall:>9.1f}{stall / base:>13.3f}{stall / step_ms:>10.3f}"
+            f"{persist:>11.1f}{nbytes / 1e6 / (persist / 1000):>8.0f}"
+            f"{statistics.median(r.next_steps):>13.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--steps-between", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    root = tempfile.mkdtemp(prefix="snapshot-stall-", dir=args.dir)
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+    dcp_group = dist.new_group(backend="gloo")  # async_save on the training group crashes gloo
+    t = make_trainer(args.batch)
+    step_ms = statistics.median(t.step() for _ in range(5))
+    nbytes = state_bytes(t)
+    store = SnapshotStore(f"{root}/store", keep=2)
+    runs: list[tuple[str, SaveFn]] = [
+        ("torch.save", torch_save(t, root)),
+        ("dcp.save", dcp_save(t, root)),
+        ("dcp.async_save (thread)", dcp_async_save(t, root, dcp_group)),
+        ("SnapshotStore blocking", store_save(t, store, "blocking")),
+        ("SnapshotStore async (copy)", store_save(t, store, "async")),
+        ("SnapshotStore async overlapped", store_save(t, store, "overlapped")),
+    ]
+    results = []
+    for offset, (name, fn) in enumerate(runs):
+        # Distinct steps per run: a committed step is never overwritten.
+        shifted = (lambda f, o: lambda i: f(1000 * o + i))(fn, offset)
+        res = run(name, t, shifted, args.saves, args.steps_between)
+        results.append(res)
+        print(f"done: {name}", flush=True)
+    store.close()
+    print(table(results, step_ms, nbytes))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The events this package emits (names and fixed fields match elastic_trainer's catalogue).
+
+Logged through ``structlog.get_logger("snapshots")``; the package never imports
+elastic_trainer, so it stays usable on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+EVENTS: dict[str, tuple[str, ...]] = {
+    "snapshot.saved": ("step", "epoch", "url", "bytes", "stall_ms", "write_ms"),
+    "snapshot.skipped": ("step", "reason"),
+    "snapshot.restored": ("step", "saved_world_size", "world_size"),
+    "snapshot.corrupt": ("step", "url", "problem"),
+    "snapshot.failed": ("step", "url", "error"),
+    "snapshot.pruned": ("steps", "url"),
+}
+_LEVELS = {"snapshot.corrupt": "warning", "snapshot.failed": "error", "snapshot.skipped": "warning"}
+
+
+def emit(event: str, **fields: Any) -> None:
+    missing = [f for f in EVENTS[event] if f not in fields]
+    if missing:
+        raise KeyError(f"event {event} is missing fields {missing}")
+    log = structlog.get_logger("snapshots")
+    getattr(log, _LEVELS.get(event, "info"))(event, **fields)

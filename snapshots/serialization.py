@@ -1,0 +1,153 @@
+"""Capture state into reused staging buffers; bytes in and out without executing code.
+
+``Stager.capture`` walks a state tree, copies every tensor into a preallocated buffer that it
+keeps for the next save (copying into touched memory runs at ~9 GB/s; fresh memory page-faults
+at ~0.3 GB/s), and rejects values that ``torch.load(weights_only=True)`` could not read back,
+at the call rather than at restore time.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from snapshots.errors import SnapshotCorruptError, UnsafeStateError
+
+PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+def is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+class Stager:
+    """Copies state trees into buffers reused across saves (one save in flight at a time)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._defer: frozenset[int] = frozenset()
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
+
+    def capture_overlapped(
+        self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Like capture, but tensors that change only at ``optimizer.step()`` (its parameters
+        and its state) are left in ``deferred`` for ``copy_deferred`` to copy later."""
+        self._defer = frozenset(_optimizer_tensor_ptrs(optimizer))
+        self.deferred = []
+        try:
+            return self.capture(state)
+        finally:
+            self._defer = frozenset()
+
+    def copy_deferred(self) -> None:
+        with torch.no_grad():
+            for buf, source in self.deferred:
+                buf.copy_(source)
+        self.deferred = []
+
+    def capture(self, state: Mapping[str, Any], *, prefix: tuple[Any, ...] = ()) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for key, value in state.items():
+                if not isinstance(key, str):
+                    raise UnsafeStateError(f"state keys must be str, got {key!r}")
+                tree = value.state_dict() if is_stateful(value) else value
+                out[key] = self.copy_tree(tree, (*prefix, key))
+        return out
+
+    def copy_tree(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._stage(obj, path)
+        if isinstance(obj, Mapping):
+            return self._copy_mapping(obj, path)
+        if isinstance(obj, (torch.Size, PLAIN_TYPES)):
+            return obj
+        if type(obj) in (list, tuple):
+            return type(obj)(self.copy_tree(v, (*path, i)) for i, v in enumerate(obj))
+        raise UnsafeStateError(
+            f"state{_fmt(path)} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+            "cannot be loaded back without executing code; store plain values (numbers, "
+            "strings, tensors, lists, dicts) or give it a state_dict()"
+        )
+
+    def _copy_mapping(self, obj: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
+        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                raise UnsafeStateError(f"state{_fmt(path)} has a key of type {type(k).__name__}")
+            out[k] = self.copy_tree(v, (*path, k))
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            # nn.Module.state_dict() keeps per-module versions here (BatchNorm needs them).
+            out._metadata = self.copy_tree(metadata, (*path, "_metadata"))  # type: ignore[attr-defined]
+        return out
+
+    def _stage(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            return tensor.clone()
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            self._buffers[path] = buf
+        if tensor.data_ptr() in self._defer and tensor.device.type == "cpu":
+            self.deferred.append((buf, tensor))
+        else:
+            buf.copy_(tensor)
+        return buf
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _optimizer_tensor_ptrs(optimizer: torch.optim.Optimizer) -> set[int]:
+    ptrs = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    for per_param in optimizer.state.values():
+        ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+    return ptrs
+
+
+def _fmt(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def serialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def deserialize(data: bytes, *, what: str) -> Any:
+    """Load bytes with the weights-only unpickler: no code from storage ever runs."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        ImportError,
+        KeyError,
+        IndexError,
+    ) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SnapshotCorruptError(
+            f"{what} cannot be loaded safely (weights_only): {first_line[:300]}"
+        ) from exc

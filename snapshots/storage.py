@@ -1,0 +1,350 @@
+"""The narrow storage protocol the store is written against, and its implementations.
+
+Paths are ``str`` relative to the store's root, '/'-separated (pathlib mangles ``gs://``).
+- ``LocalStorage``: temp file in the target folder, fsync, ``os.replace`` (or ``os.link``
+  for an exclusive create), fsync the folder. fsspec transactions are not used: they stage
+  in the system temp dir, so their final move is a copy, not an atomic rename.
+- ``FsspecStorage``: any other fsspec URL. One object per file, written in one call;
+  never renamed. Exclusive create (S3 ``If-None-Match: *``) where the backend has it.
+- ``RetryingStorage``: retries transient errors with exponential backoff (tenacity) and
+  turns everything else except FileNotFoundError/FileExistsError into StorageError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import structlog
+import tenacity
+
+from snapshots import _faults, layout
+from snapshots.errors import StorageError
+from snapshots.retry import RetryPolicy, is_transient
+
+log = structlog.get_logger("snapshots")
+T = TypeVar("T")
+
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+(:[^/@\s]*)?@")
+_SECRET_QUERY = re.compile(
+    r"(?i)(?P<key>[?&](?:[a-z0-9_.-]*(?:secret|token|signature|password|key|credential|sig)"
+    r"[a-z0-9_.-]*))=[^&\s]*"
+)
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+
+
+def redact_url(text: str) -> str:
+    """Remove credentials (user:password@, secret query parameters) from a URL."""
+    return _SECRET_QUERY.sub(r"\g<key>=***", _URL_USERINFO.sub(r"\g<scheme>***@", text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    name: str  # base name
+    is_dir: bool
+    size: int | None = None
+    mtime: float | None = None
+
+
+@runtime_checkable
+class Storage(Protocol):
+    url: str  # for messages and events: redacted
+
+    def check(self, *, create: bool = True) -> None: ...
+    def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None: ...
+    def read(self, path: str) -> bytes: ...
+    def list(self, path: str = "") -> list[Entry]: ...
+    def delete(self, path: str) -> None: ...
+
+
+def _kill_point(path: str) -> str:
+    return "mid_manifest" if path.endswith(layout.MANIFEST_NAME) else "mid_file"
+
+
+class LocalStorage:
+    """A local (or network-mounted POSIX) folder, with durable atomic file writes."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, *[p for p in path.split("/") if p])
+
+    def check(self, *, create: bool = True) -> None:
+        if create:
+            self._makedirs(self.root)
+        elif not os.path.isdir(self.root):
+            raise FileNotFoundError(errno.ENOENT, "no such folder", self.root)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "folder is not writable", self.root)
+
+    def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        target = self._abs(path)
+        folder = os.path.dirname(target)
+        self._makedirs(folder)
+        tmp = os.path.join(folder, layout.temp_name(os.path.basename(target), os.getpid()))
+        try:
+            self._write_temp(tmp, data, _kill_point(path))
+            if exclusive:
+                # link() fails with EEXIST instead of replacing: an atomic "create if absent".
+                os.link(tmp, target)
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, target)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(folder)
+
+    @staticmethod
+    def _write_temp(tmp: str, data: bytes, point: str) -> None:
+        view = memoryview(data).cast("B")
+        half = len(view) // 2
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, view[:half])
+            _faults.hit(point)
+            _write_all(fd, view[half:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _makedirs(self, folder: str) -> None:
+        if os.path.isdir(folder):
+            return
+        parent = os.path.dirname(folder)
+        if parent != folder:
+            self._makedirs(parent)
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            return
+        _fsync_dir(parent)  # make the new folder's entry durable before files appear in it
+
+    def read(self, path: str) -> bytes:
+        with open(self._abs(path), "rb") as fh:
+            return fh.read()
+
+    def list(self, path: str = "") -> list[Entry]:
+        folder = self._abs(path)
+        try:
+            items = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [_local_entry(item) for item in items]
+
+    def delete(self, path: str) -> None:
+        target = self._abs(path)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target, ignore_errors=False, onerror=_ignore_missing)
+        else:
+            _unlink_quietly(target)
+
+
+def _local_entry(item: os.DirEntry[str]) -> Entry:
+    try:
+        st = item.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return Entry(name=item.name, is_dir=False)
+    is_dir = item.is_dir(follow_symlinks=False)
+    return Entry(
+        name=item.name, is_dir=is_dir, size=None if is_dir else st.st_size, mtime=st.st_mtime
+    )
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # platforms without directory fds (Windows) have no directory fsync
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _ignore_missing(func: Any, path: str, exc_info: Any) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
+class FsspecStorage:
+    """Any fsspec URL (memory://, s3://, gs://...). Objects are written whole, never renamed."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        import fsspec  # imported here: local-only users never pay for it
+
+        self.fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.url = redact_url(url.rstrip("/"))
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.object_store = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}".rstrip("/") if path else self.root
+
+    def check(self, *, create: bool = True) -> None:
+        try:
+            self.fs.ls(self.root)
+            return
+        except FileNotFoundError:
+            pass
+        if self.object_store:
+            bucket = self.root.split("/", 1)[0]
+            try:
+                self.fs.ls(bucket)
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(
+                    errno.ENOENT, f"bucket {bucket!r} does not exist; create it first", bucket
+                ) from exc
+        elif create:
+            self.fs.makedirs(self.root, exist_ok=True)
+        else:
+            raise FileNotFoundError(errno.ENOENT, "no such folder", self.root)
+
+    def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        target = self._abs(path)
+        _faults.hit(_kill_point(path))  # an object PUT is all-or-nothing; a crash here = none
+        if not exclusive:
+            self.fs.pipe_file(target, data)
+            return
+        try:
+            self.fs.pipe_file(target, data, mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if "PreconditionFailed" in str(exc) or "If-None-Match" in str(exc):
+                raise FileExistsError(errno.EEXIST, "already exists", target) from exc
+            raise
+        except (TypeError, NotImplementedError, ValueError):
+            # Backends without exclusive create: check, then write. Not atomic against a
+            # concurrent writer of the same step; the per-save file tokens still keep data apart.
+            if self.fs.exists(target):
+                raise FileExistsError(errno.EEXIST, "already exists", target) from None
+            self.fs.pipe_file(target, data)
+
+    def read(self, path: str) -> bytes:
+        return self.fs.cat_file(self._abs(path))
+
+    def list(self, path: str = "") -> list[Entry]:
+        folder = self._abs(path)
+        self.fs.invalidate_cache(folder)  # another process may have written since
+        try:
+            items = self.fs.ls(folder, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        entries = [_fsspec_entry(item) for item in items]
+        # Some backends list a file itself when asked for a file path; only children count.
+        return [e for e in entries if e.name and f"{folder}/{e.name}" != folder]
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._abs(path), recursive=True)
+
+
+def _fsspec_entry(item: Mapping[str, Any]) -> Entry:
+    name = str(item["name"]).rstrip("/").rsplit("/", 1)[-1]
+    is_dir = item.get("type") == "directory"
+    mtime = item.get("mtime") or item.get("LastModified") or item.get("created")
+    if hasattr(mtime, "timestamp"):
+        mtime = mtime.timestamp()
+    return Entry(
+        name=name,
+        is_dir=is_dir,
+        size=None if is_dir else int(item.get("size") or 0),
+        mtime=float(mtime) if isinstance(mtime, (int, float)) else None,
+    )
+
+
+class RetryingStorage:
+    """Adds retries (transient errors only) and one error type (StorageError) to a Storage."""
+
+    def __init__(self, inner: Storage, policy: RetryPolicy | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.policy = policy or RetryPolicy()
+
+    def check(self, *, create: bool = True) -> None:
+        self._call("check", "", lambda: self.inner.check(create=create))
+
+    def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        self._call("write", path, lambda: self.inner.write(path, data, exclusive=exclusive))
+
+    def read(self, path: str) -> bytes:
+        return self._call("read", path, lambda: self.inner.read(path))
+
+    def list(self, path: str = "") -> list[Entry]:
+        return self._call("list", path, lambda: self.inner.list(path))
+
+    def delete(self, path: str) -> None:
+        self._call("delete", path, lambda: self.inner.delete(path))
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        p = self.policy
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            stop=tenacity.stop_after_attempt(p.attempts) | tenacity.stop_after_delay(p.deadline_s),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=p.initial_s, max=p.max_s, jitter=p.initial_s
+            ),
+            before_sleep=lambda rs: log.warning(
+                "snapshot.storage_retry",
+                op=op,
+                url=self._where(path),
+                attempt=rs.attempt_number,
+                error=redact_url(repr(rs.outcome.exception())),
+            ),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except (FileNotFoundError, FileExistsError):
+            raise  # answers, not failures: the store decides what they mean
+        except Exception as exc:
+            raise StorageError(f"{op} {self._where(path)} failed: {redact_url(repr(exc))}") from exc
+
+    def _where(self, path: str) -> str:
+        return f"{self.url}/{path}" if path else self.url
+
+
+def open_storage(
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> RetryingStorage:
+    """Storage for a URL: the local fast path for paths and file://, fsspec for the rest."""
+    if not isinstance(url, str) or not url:
+        raise StorageError(f"snapshot URL must be a non-empty string, got {url!r}")
+    if "://" not in url or url.startswith("file://"):
+        inner: Storage = LocalStorage(url.removeprefix("file://"))
+    else:
+        try:
+            inner = FsspecStorage(url, storage_options)
+        except (ImportError, ValueError) as exc:
+            raise StorageError(
+                f"cannot open snapshot URL {redact_url(url)}: {exc}; install the fsspec "
+                "backend for this scheme (e.g. pip install 'elastic-train[s3]')"
+            ) from exc
+    return RetryingStorage(inner, retry)
