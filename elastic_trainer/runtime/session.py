@@ -1,0 +1,306 @@
+"""TrainingSession: what a training script adds to become restartable and elastic.
+
+Per completed optimizer step (``step_done``): advance the sampler's global cursor, append to
+the audit log, rewrite the progress file, agree on a stop with one tiny all-reduce, and save a
+snapshot every N steps (asynchronously). At start it restores the newest verified snapshot.
+See README "Make an existing torchrun script fault tolerant".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_trainer.errors import ConfigError, SamplerStateError
+from elastic_trainer.events import emit
+from elastic_trainer.runtime import distributed as D
+from elastic_trainer.runtime.audit import AuditLog, AuditRecord
+from elastic_trainer.runtime.context import WorkerContext
+from elastic_trainer.runtime.progress import (
+    STOP_MAX_STEPS,
+    STOP_PEER_PREEMPTED,
+    STOP_PREEMPTED,
+    ProgressFile,
+    stop_exit_code,
+)
+from elastic_trainer.runtime.sampler import ElasticSampler
+from elastic_trainer.runtime.snapshotting import SessionSnapshots
+
+SAMPLER_KEY = "elastic_sampler"
+SESSION_KEY = "elastic_session"
+
+
+class TrainingSession:
+    """Restores, counts steps, snapshots, publishes progress and coordinates stops.
+
+    ``state`` maps names to Statefuls (model, optimizer, scheduler, scaler...) saved by rank 0
+    and restored on every rank. Arguments left as None come from the environment the
+    supervisor sets (``WorkerContext``); ``snapshot_every`` defaults to 100 steps.
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        sampler: ElasticSampler | None = None,
+        *,
+        context: WorkerContext | None = None,
+        snapshot_dir: str | None = None,
+        snapshot_every: int | None = None,
+        keep: int | None = None,
+        audit_dir: str | None = None,
+        max_steps: int | None = None,
+        exit_on_stop: bool = True,
+        configure_logs: bool = True,
+    ) -> None:
+        _check_keys(state)
+        self.context = D.init_worker(context, configure_logs=configure_logs)
+        self.state = dict(state)
+        self.sampler = sampler
+        self.max_steps = max_steps
+        self.exit_on_stop = exit_on_stop
+        self.snapshot_every = snapshot_every or self.context.snapshot_every or 100
+        self.step = 0  # completed optimizer steps of the whole run
+        self.restored_step: int | None = None
+        self.stop_reason: str | None = None
+        self._micro = 0  # micro-batches of the step in progress seen by accumulate()
+        self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
+        url = snapshot_dir or self.context.snapshot_dir
+        keep = keep or self.context.snapshot_keep or 3
+        self._snapshots = SessionSnapshots(url, keep=keep) if url else None
+        self._progress = ProgressFile(self.context.progress_path)
+        self._audit = self._open_audit(audit_dir)
+        self._restore()
+        self._started(url)
+
+    # --- start ----------------------------------------------------------------------------
+    def _open_audit(self, directory: str | None) -> AuditLog | None:
+        if directory is None:
+            return None
+        return AuditLog(
+            directory,
+            rank=D.rank(),
+            restart_count=self.context.restart_count,
+            attempt=self.attempt,
+        )
+
+    def _restore(self) -> None:
+        if self._snapshots is None:
+            return
+        restored = self._snapshots.restore(self.state)
+        if restored is None:
+            return
+        if self.sampler is not None:
+            if SAMPLER_KEY not in restored.state:
+                raise SamplerStateError(
+                    f"snapshot of step {restored.info.step} has no sampler state; resume it "
+                    "without a sampler or start from a fresh snapshot directory"
+                )
+            self.sampler.load_state_dict(restored.state[SAMPLER_KEY])
+        self.step = int(restored.state[SESSION_KEY]["step"])
+        self.restored_step = self.step  # snapshot.restored is emitted by the snapshotter
+        if self.max_steps is not None and self.step >= self.max_steps:
+            self.stop_reason = STOP_MAX_STEPS  # already there: train nothing more
+
+    def _started(self, url: str | None) -> None:
+        self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
+        if D.rank() == 0:
+            emit(
+                "session.started",
+                world_size=D.world_size(),
+                backend=self.context.backend,
+                snapshot_dir=url,
+            )
+
+    # --- properties -----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch if self.sampler is not None else 0
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank at the same step once a stop is agreed (or max_steps reached)."""
+        return self.stop_reason is not None
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor for a *sum*-reduced loss so the update is the mean over the global batch
+        whatever the world size (0 on a rank that only holds a padding sample)."""
+        if self.sampler is None or self.sampler.global_batch_size is None:
+            return 1.0
+        return self.sampler.current_share().loss_scale
+
+    def scale_loss(self, loss: Any, batch_size: int) -> Any:
+        """Scale a *mean*-reduced micro-batch loss of ``batch_size`` samples (see loss_scale).
+
+        Without a global batch (plain mode) the loss is returned as is, like DistributedSampler.
+        """
+        if self.sampler is None or self.sampler.global_batch_size is None:
+            return loss
+        return loss * (batch_size * self.loss_scale)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """DataLoader batches this rank reads for the current step (1 without a global batch)."""
+        if self.sampler is None or self.sampler.global_batch_size is None:
+            return 1
+        return self.sampler.current_share().micro_batches
+
+    @property
+    def step_ready(self) -> bool:
+        """After ``accumulate``: the current step's last micro-batch has been processed."""
+        return self._micro >= self.micro_batches_per_step
+
+    # --- the loop -------------------------------------------------------------------------
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Yield the epochs still to train, from the restored one; stop when should_stop."""
+        if self.sampler is None:
+            raise ConfigError("TrainingSession.epochs needs a sampler: pass sampler=...")
+        epoch = self.sampler.epoch + (1 if self.sampler.epoch_done else 0)
+        while epoch < num_epochs and not self.should_stop:
+            self.sampler.set_epoch(epoch)
+            set_dataset_epoch = getattr(self.sampler.dataset, "set_epoch", None)
+            if callable(set_dataset_epoch):
+                set_dataset_epoch(epoch)
+            yield epoch
+            if not self.sampler.epoch_done:
+                break  # the loop left the epoch early (should_stop, or the caller broke out)
+            epoch += 1
+
+    @contextlib.contextmanager
+    def accumulate(self, model: Any) -> Iterator[None]:
+        """Wrap one micro-batch's forward/backward: DDP ``no_sync`` on all but the last one
+        of the step, so gradients are all-reduced once per optimizer step."""
+        last = self._micro + 1 >= self.micro_batches_per_step
+        no_sync = getattr(model, "no_sync", None)
+        context = no_sync() if (callable(no_sync) and not last) else contextlib.nullcontext()
+        with context:
+            yield
+        self._micro += 1
+
+    def step_done(self, num_samples: int | None = None) -> None:
+        """Call after every ``optimizer.step()``. ``num_samples`` (this rank's samples of the
+        step) is needed only without a global batch."""
+        self._check_micro_batches()
+        own_stop = self._own_stop_requested()
+        plain = self.sampler is not None and self.sampler.global_batch_size is None
+        if plain and num_samples is None:
+            raise ConfigError(
+                "ElasticSampler without global_batch_size: call step_done(num_samples=len(batch))"
+            )
+        any_stop, total = D.all_reduce_ints([int(own_stop), num_samples or 0])
+        indices = self._advance_sampler(num_samples, total)
+        self.step += 1
+        self._micro = 0
+        self._record(indices)
+        self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
+        if any_stop:
+            self._stop(STOP_PREEMPTED if own_stop else STOP_PEER_PREEMPTED)
+        elif self.max_steps is not None and self.step >= self.max_steps:
+            self.stop_reason = STOP_MAX_STEPS
+        elif self.step % self.snapshot_every == 0:
+            self._save(blocking=False)
+
+    def _check_micro_batches(self) -> None:
+        expected = self.micro_batches_per_step
+        if self._micro and self._micro != expected:
+            raise ConfigError(
+                f"step {self.step + 1} ended after {self._micro} micro-batches but this rank's "
+                f"share needs {expected}: use DataLoader(batch_size=sampler.micro_batch_size) "
+                "and call step_done once per optimizer step"
+            )
+
+    def _own_stop_requested(self) -> bool:
+        stop_file = self.context.stop_file
+        return stop_file is not None and os.path.exists(stop_file)
+
+    def _advance_sampler(self, local: int | None, total: int) -> list[int]:
+        if self.sampler is None:
+            return []
+        if self.sampler.global_batch_size is not None:
+            return self.sampler.complete_step()
+        return self.sampler.complete_step(local_samples=local, global_samples=total)
+
+    def _record(self, indices: list[int]) -> None:
+        if self._audit is None:
+            return
+        self._audit.write(
+            AuditRecord(
+                epoch=self.epoch,
+                step=self.step,
+                rank=D.rank(),
+                world_size=D.world_size(),
+                restart_count=self.context.restart_count,
+                indices=tuple(indices),
+                attempt=self.attempt,
+                restored_step=self.restored_step,
+            )
+        )
+
+    def _stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        if D.rank() == 0:
+            emit("session.stopping", step=self.step, reason=reason)
+        self._save(blocking=True)
+
+    # --- snapshots ------------------------------------------------------------------------
+    def _snapshot_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = dict(self.state)
+        if self.sampler is not None:
+            state[SAMPLER_KEY] = self.sampler.state_dict()
+        state[SESSION_KEY] = {"step": self.step, "epoch": self.epoch}
+        return state
+
+    def _save(self, *, blocking: bool) -> None:
+        if self._snapshots is None or self._snapshots.last_saved_step == self.step:
+            return
+        self._snapshots.save(self.step, self._snapshot_state(), epoch=self.epoch, blocking=blocking)
+
+    def finish(self) -> int:
+        """Commit a final snapshot (synchronously) and close. After a coordinated stop the
+        process exits with the supervisor's code (protocol.EXIT_PREEMPTED /
+        EXIT_PEER_PREEMPTED) unless ``exit_on_stop=False``; returns that code otherwise."""
+        self._save(blocking=True)
+        self.close()
+        D.shutdown()
+        code = stop_exit_code(self.stop_reason)
+        if code is not None and self.exit_on_stop:
+            sys.exit(code)
+        return code if code is not None else 0
+
+    def close(self) -> None:
+        """Collective: flush the in-flight snapshot and close files, without a final one."""
+        if self._snapshots is not None:
+            self._snapshots.close()
+        if self._audit is not None:
+            self._audit.close()
+
+    def abort(self) -> None:
+        """After an error: local clean-up only. No collective (a peer may be stuck in another
+        one); rank 0 still lets its in-flight snapshot commit, it was taken at a good step."""
+        if self._snapshots is not None:
+            self._snapshots.close_local()
+        if self._audit is not None:
+            self._audit.close()
+
+    def __enter__(self) -> TrainingSession:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()  # a crashed step's state is not worth a snapshot
+
+
+def _check_keys(state: Mapping[str, Any]) -> None:
+    reserved = {SAMPLER_KEY, SESSION_KEY} & set(state)
+    if reserved:
+        raise ConfigError(
+            f"state names {sorted(reserved)} are reserved by TrainingSession; rename them"
+        )
