@@ -1,0 +1,324 @@
+"""argv + torchrun's ``PET_*`` environment -> a validated ``RunConfig``.
+
+Precedence: a flag beats its ``PET_*`` variable, which beats our default. Every problem
+raises ``ConfigError`` (one line, exit 2) before any process starts.
+
+The command line is split by hand at the first positional word (SCRIPT) or at ``-m MODULE``:
+everything after it belongs to the training script, so its own flags never collide with ours.
+Without a SCRIPT, arguments after ``--`` go to the built-in job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn
+
+from elastic_trainer.config import (
+    DEFAULT_RDZV_PORT,
+    Entrypoint,
+    RendezvousTuning,
+    RunConfig,
+)
+from elastic_trainer.errors import ConfigError
+
+PROG = "elastic-train"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+# --rdzv-conf keys passed to torch's c10d backend as they are (ours are RendezvousTuning's).
+_BACKEND_KEYS = {"is_host", "store_type"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{PROG}: {message} (see {PROG} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        usage=f"{PROG} [options] [SCRIPT | -m MODULE] [args...]",
+        description="Fault-tolerant elastic training supervisor (a better torchrun).",
+    )
+    a = p.add_argument
+    a("--min-nodes", type=int, help="fewest nodes the job runs with (default 1)")
+    a("--max-nodes", type=int, help="most nodes admitted (default: --min-nodes)")
+    a("--nnodes", help="torchrun spelling: N or MIN:MAX (env PET_NNODES)")
+    a("--nproc-per-node", "--nproc_per_node", help="workers per node: N or auto")
+    a("--rdzv-endpoint", "--rdzv_endpoint", help="HOST[:PORT] of the c10d store")
+    a("--rdzv-backend", "--rdzv_backend", help="only c10d is supported")
+    a("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", help="id shared by all nodes")
+    a("--rdzv-conf", "--rdzv_conf", help="k=v,... rendezvous settings (see README)")
+    a("--standalone", action="store_true", help="single node, local store on a free port")
+    a("--max-restarts", "--max_restarts", type=int, help="failures tolerated (default 3)")
+    a("--monitor-interval", "--monitor_interval", type=float, help="seconds between checks")
+    a("--hang-timeout", type=float, help="seconds without progress = hang (0 = off)")
+    a("--grace-period", type=float, help="seconds to stop after SIGTERM (default 25)")
+    a("--snapshot-dir", help="local path or fsspec URL for snapshots")
+    a("--snapshot-every", type=int, help="steps between snapshots")
+    a("--snapshot-keep", type=int, help="newest snapshots kept")
+    a("--log-format", choices=("json", "console", "auto"), help="default auto")
+    a("--log-file", help="also append JSON lines to this file")
+    a("--node", help="this node's name in events (default: hostname)")
+    a("--collective-timeout", type=float, help="process-group timeout for workers, seconds")
+    a("-m", "--module", help="run a Python module instead of a script")
+    return p
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitArgv:
+    options: list[str]
+    script: str | None
+    module: str | None
+    rest: list[str]
+
+
+def _takes_value(parser: argparse.ArgumentParser) -> set[str]:
+    return {
+        opt
+        for action in parser._actions  # argparse exposes no public list of options
+        for opt in action.option_strings
+        if action.nargs != 0
+    }
+
+
+def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> SplitArgv:
+    """Separate our options from SCRIPT / -m MODULE and the script's own arguments."""
+    valued = _takes_value(parser)
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":
+            return SplitArgv(options=args[:i], script=None, module=None, rest=args[i + 1 :])
+        if tok in ("-m", "--module"):
+            if i + 1 >= len(args):
+                raise ConfigError(f"{PROG}: -m needs a MODULE name")
+            return SplitArgv(options=args[:i], script=None, module=args[i + 1], rest=args[i + 2 :])
+        if tok.startswith("--module="):
+            return SplitArgv(options=args[:i], script=None, module=tok[9:], rest=args[i + 1 :])
+        if not tok.startswith("-") or tok == "-":
+            return SplitArgv(options=args[:i], script=tok, module=None, rest=args[i + 1 :])
+        i += 2 if tok in valued else 1
+    return SplitArgv(options=args, script=None, module=None, rest=[])
+
+
+def parse_rdzv_conf(text: str | None) -> dict[str, str]:
+    """``k=v,k=v`` -> dict. Empty items are ignored; a malformed item is an error."""
+    conf: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--rdzv-conf item {item!r} is invalid: use key=value,key=value")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[v6]:PORT`` too) -> (host, port); the port defaults to 29400."""
+    text = text.strip()
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, tail = text[1:].partition("]")
+        port_text = tail.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ConfigError(f"--rdzv-endpoint={text!r} is invalid: use HOST[:PORT]")
+    if not port_text:
+        return host, DEFAULT_RDZV_PORT
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(
+            f"--rdzv-endpoint={text!r} has a bad port {port_text!r}: use HOST:PORT"
+        ) from None
+    return host, port
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        low = int(lo)
+        high = int(hi) if sep else low
+    except ValueError:
+        raise ConfigError(f"--nnodes={text!r} is invalid: use N or MIN:MAX") from None
+    return low, high
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"--rdzv-conf {name}={value!r} is invalid: use true or false")
+
+
+def _number(name: str, value: str, kind: type) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        wanted = "an integer" if kind is int else "a number"
+        raise ConfigError(f"--rdzv-conf {name}={value!r} is invalid: use {wanted}") from None
+
+
+def tuning_from_conf(conf: Mapping[str, str]) -> tuple[RendezvousTuning, bool | None]:
+    """Our rendezvous defaults overridden by ``--rdzv-conf``; unknown keys are errors."""
+    kinds = {f.name: (int if f.type in ("int", int) else float) for f in fields(RendezvousTuning)}
+    values: dict[str, Any] = {}
+    is_host: bool | None = None
+    for key, raw in conf.items():
+        if key == "is_host":
+            is_host = _parse_bool(key, raw)
+        elif key == "store_type":
+            if raw.strip().lower() != "tcp":
+                raise ConfigError(f"--rdzv-conf store_type={raw!r} is invalid: only tcp works")
+        elif key in kinds:
+            values[key] = _number(key, raw, kinds[key])
+        else:
+            known = ", ".join(sorted([*kinds, *_BACKEND_KEYS]))
+            raise ConfigError(f"--rdzv-conf key {key!r} is unknown: use one of {known}")
+    return RendezvousTuning(**values), is_host
+
+
+def _pick(flag: Any, env: Mapping[str, str], name: str) -> Any:
+    return flag if flag is not None else env.get(name)
+
+
+def _as_int(name: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is invalid: use an integer") from None
+
+
+def _as_float(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is invalid: use a number") from None
+
+
+def resolve_nodes(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int]:
+    """--min-nodes/--max-nodes and --nnodes must agree; PET_NNODES only fills gaps."""
+    if ns.nnodes is not None:
+        lo, hi = parse_nnodes(ns.nnodes)
+        for flag, given, implied in (
+            ("--min-nodes", ns.min_nodes, lo),
+            ("--max-nodes", ns.max_nodes, hi),
+        ):
+            if given is not None and given != implied:
+                raise ConfigError(
+                    f"{flag}={given} contradicts --nnodes={ns.nnodes}: "
+                    "give one spelling, or make them agree"
+                )
+        return lo, hi
+    if ns.min_nodes is None and ns.max_nodes is None and env.get("PET_NNODES"):
+        return parse_nnodes(env["PET_NNODES"])
+    low = ns.min_nodes if ns.min_nodes is not None else 1
+    high = ns.max_nodes if ns.max_nodes is not None else max(low, 1)
+    return low, high
+
+
+def resolve_nproc(value: Any) -> int:
+    if value is None:
+        return 1
+    text = str(value).strip()
+    if text in ("auto", "cpu", "gpu"):
+        return _count_devices(text)
+    return _as_int("--nproc-per-node", text)
+
+
+def _count_devices(kind: str) -> int:
+    if kind != "cpu":
+        import torch  # slow import: only when asked for auto/gpu
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if kind == "gpu":
+            raise ConfigError("--nproc-per-node=gpu is invalid: no CUDA device; use N or auto")
+    return os.cpu_count() or 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_endpoint(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, int]:
+    if ns.standalone or env.get("PET_STANDALONE", "").lower() in _TRUE:
+        return "127.0.0.1", _free_port()
+    text = _pick(ns.rdzv_endpoint, env, "PET_RDZV_ENDPOINT")
+    if not text and env.get("PET_MASTER_ADDR"):
+        # Kubeflow's non-elastic PyTorchJob: the master pod hosts the store.
+        text = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', DEFAULT_RDZV_PORT)}"
+    return parse_endpoint(text) if text else ("127.0.0.1", DEFAULT_RDZV_PORT)
+
+
+def _check_backend(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
+    backend = _pick(ns.rdzv_backend, env, "PET_RDZV_BACKEND")
+    if backend and backend.strip().lower() != "c10d":
+        raise ConfigError(f"--rdzv-backend={backend!r} is not supported: use c10d (the default)")
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfig:
+    """The whole command line and environment -> RunConfig, or ConfigError."""
+    env = os.environ if env is None else env
+    parser = build_parser()
+    split = split_argv(argv, parser)
+    ns = parser.parse_args(split.options)
+    _check_backend(ns, env)
+    lo, hi = resolve_nodes(ns, env)
+    host, port = resolve_endpoint(ns, env)
+    if ns.standalone:
+        lo, hi = 1, 1
+    tuning, is_host = tuning_from_conf(parse_rdzv_conf(_pick(ns.rdzv_conf, env, "PET_RDZV_CONF")))
+    return RunConfig(
+        min_nodes=lo,
+        max_nodes=hi,
+        nproc_per_node=resolve_nproc(_pick(ns.nproc_per_node, env, "PET_NPROC_PER_NODE")),
+        rdzv_host=host,
+        rdzv_port=port,
+        is_host=is_host,
+        job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
+        rdzv=tuning,
+        **_optional_fields(ns, env),
+        node=ns.node or env.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
+        entrypoint=Entrypoint(
+            script=split.script, module=split.module or ns.module, args=tuple(split.rest)
+        ),
+    )
+
+
+def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    restarts = _pick(ns.max_restarts, env, "PET_MAX_RESTARTS")
+    if restarts is not None:
+        out["max_restarts"] = _as_int("--max-restarts", restarts)
+    interval = _pick(ns.monitor_interval, env, "PET_MONITOR_INTERVAL")
+    if interval is not None:
+        out["monitor_interval"] = _as_float("--monitor-interval", interval)
+    for name in (
+        "hang_timeout",
+        "grace_period",
+        "snapshot_dir",
+        "snapshot_every",
+        "snapshot_keep",
+        "log_format",
+        "log_file",
+        "collective_timeout",
+    ):
+        value = getattr(ns, name)
+        if value is not None:
+            out[name] = value
+    return out

@@ -1,0 +1,142 @@
+"""torch's c10d dynamic rendezvous, with the knobs fast recovery needs.
+
+We use torch's own ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler``; the subclass
+changes three things, each for a measured reason (shared/BASELINES.md):
+
+- the last-call wait is patient on the first round (nodes start seconds apart: a short wait
+  splits the job in two) and short on later rounds (a failure or a membership change: every
+  second waited is a second of downtime);
+- heartbeats tick at half the keep-alive interval: torch only sends one when the previous is
+  at least an interval old, so ticking at the interval itself spaces them up to 2 intervals
+  apart and a live node can miss its expiry;
+- ``leave()`` takes this node out of the round *without* closing the rendezvous (torch's
+  ``shutdown()`` closes it for every node): a preempted node leaves, the others re-form.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+    _PeriodicTimer,
+    _RendezvousExitOp,
+)
+
+from elastic_trainer.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
+    """A ``DynamicRendezvousHandler`` with per-round last-call and a non-closing leave."""
+
+    _first_last_call = timedelta(seconds=15)
+    _later_last_call = timedelta(seconds=2)
+    _rounds_joined = 0
+
+    def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
+        self._first_last_call = timedelta(seconds=first_last_call_s)
+        self._later_last_call = timedelta(seconds=later_last_call_s)
+
+    def next_rendezvous(self) -> Any:
+        # RendezvousTimeout has no setter; the handler reads this attribute when it opens the
+        # last call of a round it joins (torch 2.x: RendezvousTimeout._last_call).
+        last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
+        self._settings.timeout._last_call = last_call
+        self._rounds_joined += 1
+        return super().next_rendezvous()
+
+    def _start_heartbeats(self) -> None:
+        self._keep_alive_timer = _PeriodicTimer(
+            self._settings.keep_alive_interval / 2, self._keep_alive_weak, _weak(self)
+        )
+        self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
+        self._keep_alive_timer.start()
+
+    @property
+    def round(self) -> int:
+        return int(self._state_holder.state.round)
+
+    def participants(self) -> set[Any]:
+        return set(self._state_holder.state.participants)
+
+    def leave(self) -> bool:
+        """Leave the current round without closing the rendezvous. Best effort."""
+        self._stop_heartbeats()
+        deadline = time.monotonic() + self._settings.timeout.close.total_seconds()
+        try:
+            with self._heartbeat_lock:
+                self._op_executor.run(_RendezvousExitOp(), deadline)
+            return True
+        except Exception as exc:  # the store may be gone: our heartbeat then simply expires
+            log.warning("could not leave the rendezvous cleanly: %s", exc)
+            return False
+
+    def stale_peers(self, members: set[Any]) -> set[Any]:
+        """Members of our last round that left it or stopped sending heartbeats."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+        state = self._state_holder.state
+        limit = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        expired = datetime.now(timezone.utc) - limit
+        gone = set()
+        for node in members - {self._this_node}:
+            beat = state.last_heartbeats.get(node)
+            if node not in state.participants or beat is None or beat < expired:
+                gone.add(node)
+        return gone
+
+    @property
+    def this_node(self) -> Any:
+        return self._this_node
+
+
+def _weak(obj: Any) -> Any:
+    import weakref
+
+    return weakref.ref(obj)
+
+
+def create_handler(cfg: RunConfig) -> FastRecoveryRendezvousHandler:
+    """Connect to (or host) the c10d store and build the handler. Raises on failure."""
+    extra: dict[str, Any] = {"read_timeout": str(cfg.rdzv.read_timeout)}
+    if cfg.is_host is not None:
+        extra["is_host"] = "true" if cfg.is_host else "false"
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=cfg.rdzv_endpoint,
+        run_id=cfg.job_id,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        **extra,
+    )
+    backend, store = create_backend(params)
+    tuning = cfg.rdzv
+    handler = FastRecoveryRendezvousHandler.from_backend(
+        cfg.job_id,
+        store,
+        backend,
+        cfg.min_nodes,
+        cfg.max_nodes,
+        None,
+        RendezvousTimeout(
+            join=timedelta(seconds=tuning.join_timeout),
+            last_call=timedelta(seconds=tuning.first_last_call_timeout),
+            close=timedelta(seconds=tuning.close_timeout),
+            heartbeat=timedelta(seconds=tuning.heartbeat_timeout),
+        ),
+        keep_alive_interval=tuning.keep_alive_interval,  # type: ignore[arg-type]  # float works
+        keep_alive_max_attempt=tuning.keep_alive_max_attempt,
+    )
+    handler.tune(
+        first_last_call_s=tuning.first_last_call_timeout,
+        later_last_call_s=tuning.last_call_timeout,
+    )
+    return handler

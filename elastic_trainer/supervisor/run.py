@@ -1,0 +1,246 @@
+"""``elastic-train [options] [SCRIPT | -m MODULE] [args...]``: argv -> exit code.
+
+Exit codes (``protocol``): 0 the job finished; 1 it failed (restart budget spent, rendezvous
+timed out, store lost); 2 bad configuration, found before any worker starts; 143 this node
+was preempted (SIGTERM/SIGUSR1) and stopped within its grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+from elastic_trainer import protocol
+from elastic_trainer.config import RunConfig
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.events import emit
+from elastic_trainer.logging import configure_logging, redact
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from elastic_trainer.supervisor import args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = args.parse(argv)
+        _check_log_file(cfg.log_file)
+        configure_logging(
+            fmt=cfg.log_format,  # type: ignore[arg-type]
+            log_file=cfg.log_file,
+            static_fields={"job_id": cfg.job_id, "node": cfg.node, "pid": os.getpid()},
+        )
+        preflight(cfg)
+    except ConfigError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return protocol.SUPERVISOR_EXIT_CONFIG
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    return Supervisor(cfg).run()
+
+
+# ---- checks before any worker starts ----------------------------------------------------
+def preflight(cfg: RunConfig) -> None:
+    _check_entrypoint(cfg)
+    if cfg.snapshot_dir:
+        check_snapshot_dir(cfg.snapshot_dir)
+    if not hosts_store(cfg):
+        check_endpoint(cfg.rdzv_host, cfg.rdzv_port, timeout_s=min(5.0, cfg.rdzv.join_timeout))
+
+
+def _check_log_file(path: str | None) -> None:
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--log-file={path!r} is not writable ({exc.strerror}): pick a writable path"
+        ) from exc
+
+
+def _check_entrypoint(cfg: RunConfig) -> None:
+    entry = cfg.entrypoint
+    if entry.script:
+        if not os.path.isfile(entry.script):
+            raise ConfigError(f"SCRIPT={entry.script!r} does not exist: check the path")
+        return
+    module = entry.effective_module or ""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"-m {module!r}: no such module; check the name and the PYTHONPATH")
+
+
+def check_snapshot_dir(url: str) -> None:
+    """Write and delete a probe file through fsspec (local or remote). ConfigError if not."""
+    import fsspec
+
+    safe = redact(url)
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path.rstrip('/')}/.elastic-train-probe-{uuid.uuid4().hex}"
+        with fs.open(probe, "wb") as f:
+            f.write(b"probe")
+        fs.rm(probe)
+    except Exception as exc:
+        reason = _scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, url)
+        raise ConfigError(
+            f"--snapshot-dir={safe!r} is not writable ({reason}): "
+            "fix the path, permissions or credentials"
+        ) from exc
+
+
+def _scrub(text: str, url: str) -> str:
+    """Redact URLs in ``text`` and the URL's own credentials wherever they were echoed."""
+    from urllib.parse import urlsplit
+
+    text = redact(text)
+    parts = urlsplit(url)
+    for secret in (parts.password, parts.username):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def hosts_store(cfg: RunConfig) -> bool:
+    if cfg.is_host is not None:
+        return cfg.is_host
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return bool(_matches_machine_hostname(cfg.rdzv_host))
+
+
+def check_endpoint(host: str, port: int, *, timeout_s: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--rdzv-endpoint={host}:{port} is unreachable ({exc.strerror or exc}): "
+            "start the store host first (elastic-train store) or fix HOST:PORT"
+        ) from exc
+
+
+def _route_torch_logs() -> None:
+    """torch gives its "torch" loggers their own stderr handlers; send them through ours."""
+    import logging
+
+    import torch.distributed.elastic  # noqa: F401  # installs torch's handlers first
+
+    for name in ("torch", "torch.distributed"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+
+
+# ---- the run ------------------------------------------------------------------------------
+class Supervisor:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def run(self) -> int:
+        cfg = self.cfg
+        started = time.monotonic()
+        # Workers must not reuse the agent's store across rounds: a restarted rank would read
+        # the dead rank 0's address, and scale-up deadlocks (shared/BASELINES.md).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1" if cfg.nproc_per_node > 1 else "")
+        if not os.environ["OMP_NUM_THREADS"]:
+            del os.environ["OMP_NUM_THREADS"]
+        from elastic_trainer.supervisor import procs, signals
+
+        _route_torch_logs()
+
+        stop = signals.StopRequest()
+        signals.install(stop)
+        procs.become_subreaper()
+        emit("supervisor.started", **cfg.summary())
+        status, code, restarts, goodput = self._run_agent(stop)
+        procs.reap_strays(keep=set())
+        emit(
+            "job.finished",
+            level="info" if code in (0, protocol.SUPERVISOR_EXIT_PREEMPTED) else "error",
+            status=status,
+            exit_code=code,
+            restarts=restarts,
+            wall_s=round(time.monotonic() - started, 3),
+            goodput=None if goodput is None else round(goodput, 4),
+        )
+        return code
+
+    def _run_agent(self, stop: object) -> tuple[str, int, int, float | None]:
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.elastic.rendezvous.api import (
+            RendezvousClosedError,
+            RendezvousError,
+            RendezvousTimeoutError,
+        )
+
+        from elastic_trainer.supervisor import agent as agent_mod
+        from elastic_trainer.supervisor.rendezvous import create_handler
+        from elastic_trainer.supervisor.signals import StopRequested
+
+        cfg = self.cfg
+        try:
+            handler = create_handler(cfg)
+        except StopRequested:
+            return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None
+        except Exception as exc:
+            self._store_unreachable(exc)
+            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None
+        control_root = agent_mod.make_control_root(cfg)
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=cfg.nproc_per_node,
+            entrypoint=sys.executable,
+            args=("-u", *cfg.entrypoint.argv()),
+            rdzv_handler=handler,
+            max_restarts=cfg.max_restarts,
+            monitor_interval=cfg.monitor_interval,
+        )
+        agent = agent_mod.ElasticTrainAgent(
+            spec=spec,
+            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(control_root, "logs")),
+            cfg=cfg,
+            stop=stop,  # type: ignore[arg-type]
+            control_root=control_root,
+        )
+        try:
+            outcome = agent.supervise()
+        except RendezvousClosedError:
+            return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None
+        except RendezvousTimeoutError:
+            # too few nodes within --rdzv-conf join_timeout
+            return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None
+        except (RendezvousError, RuntimeError) as exc:  # connection/state errors: store lost
+            self._store_unreachable(exc)
+            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None
+        finally:
+            shutil.rmtree(control_root, ignore_errors=True)
+        if outcome.status == agent_mod.STATUS_SUCCEEDED:
+            # close the rendezvous so that a node arriving now exits instead of waiting
+            with contextlib.suppress(Exception):
+                handler.shutdown()
+        return outcome.status, outcome.exit_code, outcome.restarts, outcome.goodput
+
+    def _store_unreachable(self, exc: BaseException) -> None:
+        cause = exc.__cause__ or exc
+        emit(
+            "store.unreachable",
+            level="error",
+            endpoint=self.cfg.rdzv_endpoint,
+            error=redact(str(cause).splitlines()[0] if str(cause) else type(cause).__name__),
+            consequence="this node stops; restart the job (it resumes from the last snapshot)",
+        )

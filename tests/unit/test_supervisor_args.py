@@ -1,0 +1,175 @@
+"""argv + PET_* -> RunConfig; every bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.supervisor import args
+from elastic_trainer.supervisor.run import main
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None):
+    return args.parse(argv, env or {})
+
+
+def test_script_and_its_own_flags_are_split_from_ours() -> None:
+    cfg = parse(["--max-restarts", "5", "train.py", "--max-restarts", "9", "--lr", "0.1"])
+    assert cfg.max_restarts == 5
+    assert cfg.entrypoint.script == "train.py"
+    assert cfg.entrypoint.args == ("--max-restarts", "9", "--lr", "0.1")
+
+
+def test_module_entrypoint_takes_the_rest() -> None:
+    cfg = parse(["--nproc-per-node", "2", "-m", "pkg.train", "--epochs", "3"])
+    assert cfg.entrypoint.module == "pkg.train"
+    assert cfg.entrypoint.argv() == ("-m", "pkg.train", "--epochs", "3")
+    assert cfg.nproc_per_node == 2
+
+
+def test_no_script_runs_the_builtin_job_with_args_after_double_dash() -> None:
+    cfg = parse(["--min-nodes", "1", "--max-nodes", "4", "--", "--epochs", "2"])
+    assert cfg.entrypoint.argv() == ("-m", "elastic_trainer.jobs.default", "--epochs", "2")
+    assert (cfg.min_nodes, cfg.max_nodes) == (1, 4)
+
+
+def test_nnodes_range_and_consistent_spellings() -> None:
+    assert (parse(["--nnodes", "2:4"]).min_nodes, parse(["--nnodes", "2:4"]).max_nodes) == (2, 4)
+    cfg = parse(["--nnodes", "1:3", "--min-nodes", "1", "--max-nodes", "3"])
+    assert (cfg.min_nodes, cfg.max_nodes) == (1, 3)
+    assert parse(["--nnodes", "3"]).max_nodes == 3
+
+
+def test_only_min_nodes_means_a_fixed_size() -> None:
+    cfg = parse(["--min-nodes", "2"])
+    assert (cfg.min_nodes, cfg.max_nodes) == (2, 2)
+
+
+def test_pet_env_fills_gaps_and_flags_win() -> None:
+    env = {
+        "PET_NNODES": "1:4",
+        "PET_NPROC_PER_NODE": "3",
+        "PET_RDZV_ENDPOINT": "10.0.0.5:1234",
+        "PET_RDZV_ID": "kube-job",
+        "PET_MAX_RESTARTS": "7",
+        "PET_RDZV_BACKEND": "c10d",
+    }
+    cfg = parse([], env)
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (1, 4, 3)
+    assert (cfg.rdzv_host, cfg.rdzv_port, cfg.job_id, cfg.max_restarts) == (
+        "10.0.0.5",
+        1234,
+        "kube-job",
+        7,
+    )
+    cfg = parse(["--max-restarts", "1", "--job-id", "mine", "--nnodes", "2"], env)
+    assert (cfg.max_restarts, cfg.job_id, cfg.min_nodes, cfg.max_nodes) == (1, "mine", 2, 2)
+
+
+def test_pet_master_addr_is_the_endpoint_fallback() -> None:
+    cfg = parse([], {"PET_MASTER_ADDR": "master-0", "PET_MASTER_PORT": "23456"})
+    assert cfg.rdzv_endpoint == "master-0:23456"
+
+
+def test_endpoint_default_port_and_ipv6() -> None:
+    assert parse(["--rdzv-endpoint", "node1"]).rdzv_port == 29400
+    cfg = parse(["--rdzv-endpoint", "[::1]:1234"])
+    assert (cfg.rdzv_host, cfg.rdzv_port) == ("::1", 1234)
+
+
+def test_rdzv_conf_overrides_our_tuning() -> None:
+    cfg = parse(["--rdzv-conf", "last_call_timeout=4,keep_alive_interval=0.5,is_host=false"])
+    assert cfg.rdzv.last_call_timeout == 4.0
+    assert cfg.rdzv.keep_alive_interval == 0.5
+    assert cfg.is_host is False
+
+
+def test_standalone_is_one_local_node_on_a_free_port() -> None:
+    cfg = parse(["--standalone", "--nproc-per-node", "2"])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv_host) == (1, 1, "127.0.0.1")
+    assert cfg.rdzv_port != 29400
+
+
+BAD = [
+    (["--min-nodes", "3", "--max-nodes", "2"], "--max-nodes"),
+    (["--nnodes", "1:4", "--max-nodes", "2"], "contradicts --nnodes"),
+    (["--nnodes", "a:b"], "--nnodes"),
+    (["--nproc-per-node", "many"], "--nproc-per-node"),
+    (["--rdzv-endpoint", "host:port"], "bad port"),
+    (["--rdzv-conf", "last_call_timeout"], "key=value"),
+    (["--rdzv-conf", "bogus=1"], "unknown"),
+    (["--rdzv-conf", "join_timeout=soon"], "join_timeout"),
+    (["--rdzv-conf", "is_host=maybe"], "is_host"),
+    (["--rdzv-backend", "etcd"], "c10d"),
+    (["--log-format", "xml"], "invalid choice"),
+    (["--snapshot-every", "0"], "--snapshot-every"),
+    (["--frobnicate"], "unrecognized"),
+    (["-m"], "MODULE"),
+    (["--grace-period", "-3"], "--grace-period"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD)
+def test_bad_input_is_a_config_error(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
+        parse(argv)
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD)
+def test_bad_input_prints_one_line_and_exits_2(argv, needle, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+def test_missing_script_and_module_exit_2(tmp_path, capsys) -> None:
+    assert main([str(tmp_path / "nope.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["-m", "no_such_module_xyz"]) == 2
+    assert "no such module" in capsys.readouterr().err
+
+
+def test_unwritable_snapshot_dir_exits_2(tmp_path, capsys) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    assert main(["--snapshot-dir", str(blocker / "snaps"), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "--snapshot-dir" in err and err.count("\n") == 1
+
+
+def test_unwritable_remote_snapshot_dir_exits_2_without_leaking_secrets(tmp_path, capsys) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    url = "s3://user:hunter2@bucket-that-is-not-there/run"
+    env_main = main(
+        [
+            "--snapshot-dir",
+            url,
+            str(script),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert env_main == 2
+    assert "hunter2" not in err
+
+
+def test_unreachable_endpoint_when_not_hosting_exits_2(tmp_path, capsys) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    script = tmp_path / "t.py"
+    script.write_text("")
+    code = main(
+        ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false", str(script)]
+    )
+    assert code == 2
+    assert "unreachable" in capsys.readouterr().err
+
+
+def test_unwritable_log_file_exits_2(tmp_path, capsys) -> None:
+    assert main(["--log-file", str(tmp_path / "no" / "such" / "dir.log"), "x.py"]) == 2
+    assert "--log-file" in capsys.readouterr().err
