@@ -58,8 +58,14 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "train.model_exported": ("step", "path", "val_accuracy"),
 }
 
-# Values of worker.failed's ``cause``.
-FAILURE_CAUSES = ("error", "signal", "oom", "hang", "preempted")
+# Closed vocabularies of some fields: dashboards may switch on these values.
+FAILURE_CAUSES = ("error", "signal", "oom", "hang", "preempted")  # worker.failed.cause
+RESTART_REASONS = ("failure", "hang", "membership")  # group.restarting.reason
+MEMBERSHIP_REASONS = ("node_lost", "node_joined", "peer_preempted")  # membership.changed.reason
+RECOVERY_CAUSES = (*FAILURE_CAUSES, "node_lost")  # recovery.completed.cause
+JOB_STATUSES = (  # job.finished.status
+    "succeeded", "failed", "preempted", "closed", "store_lost", "rendezvous_timeout",
+)
 
 
 def emit(event: str, *, level: str = "info", logger: Any = None, **fields: Any) -> None:
