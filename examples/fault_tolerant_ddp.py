@@ -1,7 +1,8 @@
 """A plain DDP training script made fault tolerant with elastic-train.
 
 Lines marked `# +` are the additions; the rest is an ordinary torchrun-style DDP script.
-Run it with `elastic-train --nproc-per-node 2 --snapshot-dir /tmp/run examples/fault_tolerant_ddp.py`
+Run it with
+    elastic-train --nproc-per-node 2 --snapshot-dir /tmp/run examples/fault_tolerant_ddp.py
 (or with torchrun, or plain `python`). Kill a worker: it resumes from the last snapshot and
 every sample of an epoch is still trained exactly once.
 """
