@@ -6,12 +6,12 @@ byte is downloaded, and every checksum is checked before anything is deserialise
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from snapshots import layout
 from snapshots.errors import SnapshotCorruptError
 from snapshots.manifest import FileEntry, Manifest, checksum, from_json
-from snapshots.storage import Storage
+from snapshots.storage import Entry, Storage
 
 
 def step_folders(storage: Storage) -> list[int]:
@@ -35,18 +35,52 @@ def check_files(
     storage: Storage, step: int, manifest: Manifest, files: Iterable[FileEntry]
 ) -> tuple[list[str], dict[str, bytes]]:
     """Size (from a listing) then checksum for each file. Returns (problems, verified bytes)."""
-    folder = layout.step_dir(step)
-    sizes = {e.name: e.size for e in storage.list(folder) if not e.is_dir}
-    problems: list[str] = []
     wanted = list(files)
-    for f in wanted:
-        problem = _size_problem(f, sizes.get(f.name, -1) if f.name in sizes else None)
-        if problem:
-            problems.append(problem)
+    listed = _listing(storage, step)
+    problems = [p for f in wanted if (p := _size_problem(f, _listed_size(listed, f)))]
     if problems:
         return problems, {}
+    return _check_contents(storage, step, manifest, wanted)
+
+
+def check_written(
+    storage: Storage, step: int, manifest: Manifest, expected_etags: Mapping[str, str]
+) -> list[str]:
+    """Post-write check from one listing; downloads only the files the listing cannot prove.
+
+    Every file must be listed at the manifest's size. A file with an expected ETag passes
+    when the listing shows that ETag (a hash the server computed over the stored bytes);
+    when it shows another one (SSE-KMS, a different multipart layout, or damage) the file is
+    downloaded and checksummed. A file with no expected ETag passes on its size.
+    """
+    listed = _listing(storage, step)
+    problems = [p for f in manifest.files if (p := _size_problem(f, _listed_size(listed, f)))]
+    if problems:
+        return problems
+    unproven = [
+        f
+        for f in manifest.files
+        if f.name in expected_etags and listed[f.name].etag != expected_etags[f.name]
+    ]
+    return _check_contents(storage, step, manifest, unproven)[0] if unproven else []
+
+
+def _listing(storage: Storage, step: int) -> dict[str, Entry]:
+    return {e.name: e for e in storage.list(layout.step_dir(step)) if not e.is_dir}
+
+
+def _listed_size(listed: Mapping[str, Entry], f: FileEntry) -> int | None:
+    entry = listed.get(f.name)
+    return entry.size if entry is not None else None
+
+
+def _check_contents(
+    storage: Storage, step: int, manifest: Manifest, files: list[FileEntry]
+) -> tuple[list[str], dict[str, bytes]]:
+    folder = layout.step_dir(step)
+    problems: list[str] = []
     verified: dict[str, bytes] = {}
-    for f in wanted:
+    for f in files:
         try:
             data = storage.read(f"{folder}/{f.name}")
         except FileNotFoundError:

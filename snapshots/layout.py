@@ -25,6 +25,7 @@ _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
 # A safe file name: no separators, no leading dot, nothing that could leave the folder.
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
+_DATA_FILE = re.compile(rf"^[A-Za-z0-9_-]+\.([0-9a-f]{{8}}){re.escape(DATA_SUFFIX)}$")
 
 
 def step_dir(step: int) -> str:
@@ -56,6 +57,12 @@ def entry_file_name(index: int, key: str, token: str) -> str:
 
 def rank_file_name(rank: int, token: str) -> str:
     return f"rank-{rank:05d}.{token}{DATA_SUFFIX}"
+
+
+def token_of(name: str) -> str | None:
+    """The save token in a data file name this package writes, or None for any other name."""
+    match = _DATA_FILE.match(name)
+    return match.group(1) if match else None
 
 
 def is_safe_file_name(name: str) -> bool:

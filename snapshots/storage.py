@@ -8,12 +8,18 @@ Paths are ``str`` relative to the store's root, '/'-separated (pathlib mangles `
   never renamed. Exclusive create (S3 ``If-None-Match: *``) where the backend has it.
 - ``RetryingStorage``: retries transient errors with exponential backoff (tenacity) and
   turns everything else except FileNotFoundError/FileExistsError into StorageError.
+
+Two optional extras beyond the five protocol methods, read with ``getattr`` so that any
+Storage (a test's wrapper included) works without them: ``object_store`` (True: reads cost
+network traffic, so post-write verification may use listings) and ``etag_of(data)`` (the
+ETag the backend's listing will show for ``data`` written by ``write``, or None).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -37,6 +43,9 @@ _SECRET_QUERY = re.compile(
     r"[a-z0-9_.-]*))=[^&\s]*"
 )
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
+# s3fs's pipe_file uploads in parts of this size once data reaches two parts (its default).
+S3FS_PART_SIZE = 50 * 2**20
 
 
 def redact_url(text: str) -> str:
@@ -50,6 +59,7 @@ class Entry:
     is_dir: bool
     size: int | None = None
     mtime: float | None = None
+    etag: str | None = None  # the backend's entity tag, quotes stripped (S3: a content MD5)
 
 
 @runtime_checkable
@@ -200,6 +210,11 @@ class FsspecStorage:
         self.url = redact_url(url.rstrip("/"))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.object_store = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+        self._s3 = bool(S3_PROTOCOLS.intersection(protocols))
+
+    def etag_of(self, data: bytes) -> str | None:
+        """The ETag S3 will list for ``data`` written by ``write``; None on other backends."""
+        return s3_etag(data) if self._s3 else None
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}".rstrip("/") if path else self.root
@@ -269,12 +284,29 @@ def _fsspec_entry(item: Mapping[str, Any]) -> Entry:
     mtime = item.get("mtime") or item.get("LastModified") or item.get("created")
     if hasattr(mtime, "timestamp"):
         mtime = mtime.timestamp()
+    etag = item.get("ETag") or item.get("etag")
     return Entry(
         name=name,
         is_dir=is_dir,
         size=None if is_dir else int(item.get("size") or 0),
         mtime=float(mtime) if isinstance(mtime, (int, float)) else None,
+        etag=str(etag).strip('"') if etag else None,
     )
+
+
+def s3_etag(data: bytes | memoryview, part_size: int = S3FS_PART_SIZE) -> str:
+    """S3's ETag for an unencrypted (or SSE-S3) upload: the MD5 of a single PUT, or for a
+    multipart upload the MD5 of the parts' MD5s and ``-<parts>``. SSE-KMS/SSE-C ETags are
+    not MD5s; a mismatch is therefore never taken as proof of damage by itself."""
+    view = memoryview(data).cast("B")
+    if len(view) < 2 * part_size:  # s3fs: one PUT below two parts
+        return hashlib.md5(view, usedforsecurity=False).hexdigest()
+    digests = [
+        hashlib.md5(view[i : i + part_size], usedforsecurity=False).digest()
+        for i in range(0, len(view), part_size)
+    ]
+    whole = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
+    return f"{whole}-{len(digests)}"
 
 
 class RetryingStorage:
@@ -284,6 +316,14 @@ class RetryingStorage:
         self.inner = inner
         self.url = inner.url
         self.policy = policy or RetryPolicy()
+
+    @property
+    def object_store(self) -> bool:
+        return bool(getattr(self.inner, "object_store", False))
+
+    def etag_of(self, data: bytes) -> str | None:
+        etag_of = getattr(self.inner, "etag_of", None)
+        return etag_of(data) if etag_of is not None else None
 
     def check(self, *, create: bool = True) -> None:
         self._call("check", "", lambda: self.inner.check(create=create))

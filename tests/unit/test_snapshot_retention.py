@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from snapshots.retention import orphans_to_clean, steps_to_prune
+from snapshots import layout
+from snapshots.retention import (
+    may_hold_strays,
+    orphans_to_clean,
+    steps_to_prune,
+    strays_to_sweep,
+)
 
 
 def test_keeps_newest_k() -> None:
@@ -64,3 +70,36 @@ def test_retention_invariants(
 def test_orphans_are_older_than_the_newest_commit_and_not_in_flight() -> None:
     assert orphans_to_clean([5, 15, 25, 35], newest_committed=30, in_flight={15}) == [5, 25]
     assert orphans_to_clean([5], newest_committed=None, in_flight=set()) == []
+
+
+def test_token_is_read_only_from_names_this_package_writes() -> None:
+    assert layout.token_of(layout.entry_file_name(2, "model.x/y", "a1b2c3d4")) == "a1b2c3d4"
+    assert layout.token_of(layout.rank_file_name(7, "0badf00d")) == "0badf00d"
+    others = (layout.MANIFEST_NAME, "NOTES.txt", "x.ABCDEF12.pt", ".tmp-000-w.a1b2c3d4.pt-1-ff")
+    for other in others:
+        assert layout.token_of(other) is None
+
+
+def test_one_token_and_no_temp_file_means_no_strays() -> None:
+    one = [layout.MANIFEST_NAME, "000-w.a1b2c3d4.pt", "rank-00000.a1b2c3d4.pt", "NOTES.txt"]
+    assert not may_hold_strays(one)
+    assert may_hold_strays([*one, "000-w.0badf00d.pt"])
+    assert may_hold_strays([*one, layout.temp_name("001-b.a1b2c3d4.pt", 42)])
+
+
+def test_strays_are_unlisted_files_of_ours_older_than_the_grace() -> None:
+    temp = layout.temp_name("001-b.0badf00d.pt", 42)
+    files = [
+        (layout.MANIFEST_NAME, 0.0),
+        ("000-w.a1b2c3d4.pt", 0.0),  # listed: the snapshot itself
+        ("000-w.0badf00d.pt", 0.0),  # a loser's data file, old
+        (temp, None),  # mtime unknown: cannot be young on purpose, sweep
+        ("001-b.0badf00d.pt", 95.0),  # young
+        ("NOTES.txt", 0.0),  # not ours
+    ]
+    listed = {"000-w.a1b2c3d4.pt"}
+    swept = strays_to_sweep(files, listed=listed, now=100.0, grace_s=10.0)
+    assert swept == sorted(["000-w.0badf00d.pt", temp])
+    assert strays_to_sweep(files, listed=listed, now=100.0, grace_s=0.0) == sorted(
+        ["000-w.0badf00d.pt", "001-b.0badf00d.pt", temp]
+    )

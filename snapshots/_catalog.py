@@ -1,0 +1,123 @@
+"""The read side of a store: which snapshots exist, verifying them, loading them.
+
+Nothing here writes. A step counts only once its manifest exists; ``latest`` and ``load``
+without a step walk committed steps newest first and fall back past damaged ones, reporting
+each as ``snapshot.corrupt``.
+"""
+
+from __future__ import annotations
+
+from snapshots import _reader, layout
+from snapshots.errors import NoValidSnapshotError, SnapshotCorruptError, SnapshotNotFoundError
+from snapshots.events import emit
+from snapshots.info import LoadedSnapshot, SnapshotInfo, VerifyResult
+from snapshots.serialization import deserialize
+from snapshots.storage import Storage
+
+
+class Catalog:
+    def __init__(self, storage: Storage, url: str) -> None:
+        self._storage = storage
+        self.url = url
+
+    def step_url(self, step: int) -> str:
+        return f"{self.url}/{layout.step_dir(step)}"
+
+    def committed(self) -> tuple[list[int], list[int]]:
+        """(committed steps, partial steps), newest first."""
+        committed, partial = [], []
+        for step in _reader.step_folders(self._storage):
+            (committed if _reader.has_manifest(self._storage, step) else partial).append(step)
+        return committed, partial
+
+    def list(self) -> list[SnapshotInfo]:
+        """Committed snapshots whose manifest parses, oldest first (files are not verified)."""
+        infos = []
+        for step in sorted(self.committed()[0]):
+            try:
+                manifest = _reader.read_manifest(self._storage, step)
+            except (FileNotFoundError, SnapshotCorruptError):
+                continue
+            infos.append(SnapshotInfo.from_manifest(manifest, self.step_url(step)))
+        return infos
+
+    def verify(self, step: int) -> VerifyResult:
+        """Check a snapshot's manifest, file sizes and checksums. Deserialises nothing."""
+        try:
+            manifest = _reader.read_manifest(self._storage, step)
+        except FileNotFoundError:
+            return VerifyResult(
+                step=step, ok=False, problems=[f"{layout.MANIFEST_NAME} is missing"]
+            )
+        except SnapshotCorruptError as exc:
+            return VerifyResult(step=step, ok=False, problems=[str(exc)])
+        problems, _ = _reader.check_files(self._storage, step, manifest, manifest.files)
+        info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
+        return VerifyResult(step=step, ok=not problems, problems=problems, info=info)
+
+    def latest(self) -> SnapshotInfo | None:
+        """The newest committed and verified snapshot; None only when nothing is committed."""
+        committed, _ = self.committed()
+        problems = []
+        for step in committed:
+            result = self.verify(step)
+            if result.ok:
+                return result.info
+            problems.append(self._report_corrupt(step, "; ".join(result.problems)))
+        if problems:
+            raise self._none_valid(problems)
+        return None
+
+    def load_newest(self, rank: int | None) -> LoadedSnapshot:
+        committed, _ = self.committed()
+        if not committed:
+            raise SnapshotNotFoundError(f"no committed snapshot at {self.url}")
+        problems = []
+        for step in committed:
+            try:
+                return self.load_step(step, rank)
+            except SnapshotCorruptError as exc:
+                problems.append(self._report_corrupt(step, str(exc)))
+        raise self._none_valid(problems)
+
+    def load_step(self, step: int, rank: int | None) -> LoadedSnapshot:
+        try:
+            manifest = _reader.read_manifest(self._storage, step)
+        except FileNotFoundError as exc:
+            raise SnapshotNotFoundError(
+                f"no committed snapshot of step {step} at {self.url}"
+            ) from exc
+        entry_files = manifest.entry_files()
+        rank_files = manifest.rank_files()
+        wanted = list(entry_files.values())
+        if rank is not None:
+            wanted += [rank_files[rank]] if rank in rank_files else []
+        else:
+            wanted += list(rank_files.values())
+        data = _reader.verified_bytes(self._storage, step, manifest, wanted)  # before unpickling
+        state = {
+            k: deserialize(data[f.name], what=f"step {step} file {f.name}")
+            for k, f in entry_files.items()
+        }
+        per_rank = {
+            r: deserialize(data[f.name], what=f"step {step} file {f.name}")
+            for r, f in rank_files.items()
+            if f.name in data
+        }
+        info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
+        if rank is not None:
+            return LoadedSnapshot(info=info, state=state, rank_state=per_rank.get(rank))
+        return LoadedSnapshot(
+            info=info, state=state, per_rank=[per_rank[r] for r in sorted(per_rank)]
+        )
+
+    def _report_corrupt(self, step: int, problem: str) -> str:
+        emit("snapshot.corrupt", step=step, url=self.step_url(step), problem=problem)
+        return f"step {step}: {problem}"
+
+    def _none_valid(self, problems: list[str]) -> NoValidSnapshotError:
+        return NoValidSnapshotError(
+            f"{len(problems)} snapshot(s) at {self.url} but none passes verification "
+            f"({' | '.join(problems)[:1000]}); run 'elastic-train snapshots verify {self.url}', "
+            "then repair or remove them, or point to another snapshot URL"
+        )

@@ -1,0 +1,196 @@
+"""Writing one captured save to storage: data files, then the manifest (the commit point).
+
+Data files get names no other save uses (the job's random token), so two writers of one step
+never overwrite each other's data; only the exclusive create of the manifest decides which
+of them committed. Runs on the writer thread (or the caller's, for blocking saves).
+
+After the commit the save is *verified*, and only a verified save lets retention delete
+older snapshots. What "verified" means depends on the verification mode (``"auto"`` picks
+``"listing"`` for object stores, ``"full"`` for everything else):
+
+- ``"full"`` (local disk, ``memory://``, any non-object-store backend, and any storage that
+  does not declare ``object_store``): the manifest is read back and parses; every file it
+  lists appears in the step folder's listing at the manifest's size; every file is read back
+  and its sha256 equals the manifest's. On local disk the reads hit the page cache (the data
+  was fsynced before the manifest was written), so this costs little.
+- ``"listing"`` (object stores: s3, gs, az...; reading back would double the traffic): the
+  manifest is read back and is byte for byte the one this save wrote; one listing of the
+  step folder shows every file at the manifest's size; on S3 each file's listed ETag must
+  equal the ETag computed locally from the uploaded bytes (a hash the server computed over
+  what it stored). A file whose ETag differs (SSE-KMS/SSE-C encryption, another multipart
+  layout, damage) is downloaded and its sha256 checked. On object stores whose listing has
+  no comparable hash (gs, az through fsspec today) a file passes on its size: an object PUT
+  is all-or-nothing.
+
+``latest()``, ``load()`` and ``verify()`` always check every checksum, whatever the mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from snapshots import _catalog, _faults, _reader, layout
+from snapshots.errors import SnapshotCorruptError, SnapshotError, SnapshotExistsError
+from snapshots.info import SnapshotInfo
+from snapshots.manifest import FileEntry, Manifest, checksum, now_iso, to_json
+from snapshots.serialization import serialize
+from snapshots.storage import RetryingStorage
+
+VerifyMode = Literal["auto", "full", "listing"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveJob:
+    step: int
+    epoch: int
+    world_size: int
+    metadata: dict[str, Any]
+    entries: dict[str, Any]  # captured (staged) values, ready to serialise
+    per_rank: list[Any] | None
+    stall_ms: float
+    token: str
+    overlapped: bool = False
+
+
+class Committer:
+    def __init__(
+        self, storage: RetryingStorage, catalog: _catalog.Catalog, verify: VerifyMode = "auto"
+    ) -> None:
+        if verify not in ("auto", "full", "listing"):
+            raise ValueError(
+                f"verify_after_write must be 'auto', 'full' or 'listing', got {verify!r}"
+            )
+        self._storage = storage
+        self._catalog = catalog
+        self._verify = verify
+
+    def mode(self) -> Literal["full", "listing"]:
+        """Resolved per save: the storage behind the store may be wrapped after start-up."""
+        if self._verify == "auto":
+            return "listing" if self._storage.object_store else "full"
+        return self._verify
+
+    def commit(self, job: SaveJob) -> SnapshotInfo:
+        """Write the job's files and manifest, then verify the commit before anyone prunes."""
+        if _reader.has_manifest(self._storage, job.step):
+            raise SnapshotExistsError(
+                f"step {job.step} is already committed at {self._catalog.step_url(job.step)}; "
+                "committed snapshots are never overwritten (save a later step, or delete it "
+                "first)",
+                step=job.step,
+            )
+        _faults.hit("before_data")
+        listing = self.mode() == "listing"
+        written = self._write_files(job, etags=listing)
+        manifest = _manifest_for(job, [entry for entry, _ in written])
+        _faults.hit("before_manifest")
+        body = self._put_manifest(job, manifest)
+        _faults.hit("after_manifest")
+        if not listing:
+            return self._verify_fully(job.step)
+        etags = {entry.name: etag for entry, etag in written if etag is not None}
+        return self._verify_listed(manifest, body, etags)
+
+    def _write_files(self, job: SaveJob, *, etags: bool) -> list[tuple[FileEntry, str | None]]:
+        folder = layout.step_dir(job.step)
+        files = [
+            self._put(folder, layout.entry_file_name(i, key, job.token), value, etags, key=key)
+            for i, (key, value) in enumerate(job.entries.items())
+        ]
+        for rank, value in enumerate(job.per_rank or []):
+            name = layout.rank_file_name(rank, job.token)
+            files.append(self._put(folder, name, value, etags, rank=rank))
+        return files
+
+    def _put(
+        self,
+        folder: str,
+        name: str,
+        value: Any,
+        etags: bool,
+        *,
+        key: str | None = None,
+        rank: int | None = None,
+    ) -> tuple[FileEntry, str | None]:
+        data = serialize(value)
+        entry = FileEntry(name=name, size=len(data), checksum=checksum(data), key=key, rank=rank)
+        # An MD5 pass only where a listing can be checked against it (object stores).
+        etag = self._storage.etag_of(data) if etags else None
+        self._storage.write(f"{folder}/{name}", data)
+        return entry, etag
+
+    def _put_manifest(self, job: SaveJob, manifest: Manifest) -> bytes:
+        body = to_json(manifest)
+        try:
+            self._storage.write(layout.manifest_path(job.step), body, exclusive=True)
+        except FileExistsError as exc:
+            # A retried PUT whose first attempt landed reads as "exists": is it ours?
+            if self.manifest_is_ours(job):
+                return body
+            raise SnapshotExistsError(
+                f"step {job.step} was committed by another writer while this save ran "
+                f"({self._catalog.step_url(job.step)}); this save was discarded",
+                step=job.step,
+            ) from exc
+        return body
+
+    def manifest_is_ours(self, job: SaveJob) -> bool:
+        try:
+            manifest = _reader.read_manifest(self._storage, job.step)
+        except (FileNotFoundError, SnapshotError):
+            return False
+        return all(job.token in f.name for f in manifest.files) and bool(manifest.files)
+
+    def _verify_fully(self, step: int) -> SnapshotInfo:
+        result = self._catalog.verify(step)
+        if not result.ok or result.info is None:
+            raise _unverified(step, result.problems)
+        return result.info
+
+    def _verify_listed(
+        self, manifest: Manifest, body: bytes, etags: dict[str, str]
+    ) -> SnapshotInfo:
+        step = manifest.step
+        try:
+            stored = self._storage.read(layout.manifest_path(step))
+        except FileNotFoundError:
+            stored = None
+        if stored != body:
+            raise _unverified(step, [f"{layout.MANIFEST_NAME} is not the one this save wrote"])
+        problems = _reader.check_written(self._storage, step, manifest, etags)
+        if problems:
+            raise _unverified(step, problems)
+        return SnapshotInfo.from_manifest(manifest, self._catalog.step_url(step))
+
+    def abandon(self, job: SaveJob) -> None:
+        """Best effort: remove this save's data files unless its manifest committed them."""
+        if self.manifest_is_ours(job):
+            return
+        folder = layout.step_dir(job.step)
+        try:
+            for entry in self._storage.list(folder):
+                if job.token in entry.name:
+                    self._storage.delete(f"{folder}/{entry.name}")
+        except SnapshotError:
+            pass  # storage is failing; retention cleans the orphan later
+
+
+def _manifest_for(job: SaveJob, files: list[FileEntry]) -> Manifest:
+    return Manifest(
+        step=job.step,
+        epoch=job.epoch,
+        world_size=job.world_size,
+        torch_version=torch.__version__,
+        created_at=now_iso(),
+        files=tuple(files),
+        metadata=job.metadata,
+    )
+
+
+def _unverified(step: int, problems: list[str]) -> SnapshotCorruptError:
+    return SnapshotCorruptError(
+        f"step {step} failed verification right after writing: {'; '.join(problems)}"
+    )
