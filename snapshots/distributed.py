@@ -49,9 +49,11 @@ class DistributedSnapshotter:
         epoch: int = 0,
         metadata: Mapping[str, Any] | None = None,
         blocking: bool | None = None,
+        overlap_with: Any = None,
     ) -> SaveHandle | None:
         """Collective. ``state`` is replicated (only rank 0's is written); ``per_rank`` is this
-        rank's own state. Returns rank 0's SaveHandle, None on other ranks."""
+        rank's own state. ``overlap_with``: see ``SnapshotStore.save`` (used on rank 0).
+        Returns rank 0's SaveHandle, None on other ranks."""
         if self.rank == 0 and self.store.when_busy == "wait":
             # rank 0 would wait inside store.save anyway; waiting first lets the broadcast
             # below carry the previous save's outcome (its error still surfaces once, later).
@@ -73,6 +75,7 @@ class DistributedSnapshotter:
             metadata=metadata,
             blocking=blocking,
             per_rank=gathered,
+            overlap_with=overlap_with,
         )
 
     def wait(self) -> int | None:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from snapshots import RNGState, SnapshotError, SnapshotInfo, SnapshotSaveError, SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
 
@@ -43,7 +45,12 @@ class SessionSnapshots:
         committed, so no rank exits (or is stopped) before the final snapshot exists."""
         try:
             self._snapshotter.save(
-                step, state, per_rank={"rng": RNGState()}, epoch=epoch, blocking=blocking
+                step,
+                state,
+                per_rank={"rng": RNGState()},
+                epoch=epoch,
+                blocking=blocking,
+                overlap_with=None if blocking else sole_optimizer(state),
             )
         except SnapshotSaveError as exc:
             if exc.handle is None:
@@ -61,3 +68,14 @@ class SessionSnapshots:
         """No collective: only this process's writer (rank 0's) is flushed and stopped."""
         with contextlib.suppress(SnapshotError):
             self.store.close()  # a failure was already logged as snapshot.failed
+
+
+def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
+    """The optimizer whose step() an asynchronous snapshot may overlap (CheckFreq).
+
+    With exactly one optimizer, its parameters and state change only in ``step()``: their copy
+    runs in the background during the next forward/backward, and ``step()`` waits for it.
+    With none or several, everything is copied at the call (still asynchronous to persist).
+    """
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    return optimizers[0] if len(optimizers) == 1 else None

@@ -1,0 +1,47 @@
+"""The session's periodic snapshots overlap their copy with the next forward/backward."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_trainer.runtime.snapshotting import SessionSnapshots, sole_optimizer
+from snapshots import SnapshotStore
+
+
+def _model_and_optimizer():
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_sole_optimizer_only_when_unambiguous() -> None:
+    model, opt = _model_and_optimizer()
+    _, other = _model_and_optimizer()
+    assert sole_optimizer({"model": model, "optimizer": opt}) is opt
+    assert sole_optimizer({"model": model}) is None
+    assert sole_optimizer({"a": opt, "b": other}) is None
+
+
+def test_periodic_saves_overlap_and_final_saves_do_not(tmp_path, monkeypatch) -> None:
+    seen: list[object] = []
+    original = SnapshotStore.save
+
+    def spy(self, step, state, **kwargs):
+        seen.append(kwargs.get("overlap_with"))
+        return original(self, step, state, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "save", spy)
+    model, opt = _model_and_optimizer()
+    snaps = SessionSnapshots(str(tmp_path), keep=3)
+    state = {"model": model, "optimizer": opt}
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    snaps.save(1, state, epoch=0, blocking=False)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()  # waits in the pre-hook until the overlapped copy is done
+    snaps.save(2, state, epoch=0, blocking=True)
+    snaps.close()
+    assert seen == [opt, None]
+    restored = {"model": torch.nn.Linear(4, 2)}
+    SnapshotStore(str(tmp_path)).load(step=1, into=restored)
+    saved = restored["model"].state_dict()
+    assert all(torch.equal(saved[k], at_save[k]) for k in at_save)  # before the step
+    assert not torch.equal(saved["weight"], model.weight.detach())  # the step did change them
