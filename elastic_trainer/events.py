@@ -64,7 +64,12 @@ RESTART_REASONS = ("failure", "hang", "membership")  # group.restarting.reason
 MEMBERSHIP_REASONS = ("node_lost", "node_joined", "peer_preempted")  # membership.changed.reason
 RECOVERY_CAUSES = (*FAILURE_CAUSES, "node_lost")  # recovery.completed.cause
 JOB_STATUSES = (  # job.finished.status
-    "succeeded", "failed", "preempted", "closed", "store_lost", "rendezvous_timeout",
+    "succeeded",
+    "failed",
+    "preempted",
+    "closed",
+    "store_lost",
+    "rendezvous_timeout",
 )
 
 

@@ -15,10 +15,19 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_emit_logs_a_catalogued_event_with_its_fields() -> None:
     with capture_logs() as logs:
-        events.emit("group.restarting", reason="error", restart_count=1, restarts_left=2,
-                    backoff_s=0.0)
-    assert logs == [{"event": "group.restarting", "log_level": "info", "reason": "error",
-                     "restart_count": 1, "restarts_left": 2, "backoff_s": 0.0}]
+        events.emit(
+            "group.restarting", reason="error", restart_count=1, restarts_left=2, backoff_s=0.0
+        )
+    assert logs == [
+        {
+            "event": "group.restarting",
+            "log_level": "info",
+            "reason": "error",
+            "restart_count": 1,
+            "restarts_left": 2,
+            "backoff_s": 0.0,
+        }
+    ]
 
 
 def test_emit_refuses_names_outside_the_catalogue() -> None:
