@@ -1,0 +1,70 @@
+"""``elastic-train report RUN``: one PNG and a short summary of what happened in a run.
+
+RUN is the run's JSON event log (the supervisor's ``--log-file``, which the workers append
+to as well) or a folder holding it as ``events.jsonl``. The PNG goes to ``-o/--output``
+(default: ``<log name>.png`` next to the log); ``--json`` prints the summary as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.reporting.events import load_event_log
+from elastic_trainer.reporting.summary import format_summary, summarize
+
+PROG = "elastic-train report"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{PROG}: {message} (see {PROG} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("run", metavar="RUN", help="event log file, or a folder with events.jsonl")
+    p.add_argument("-o", "--output", help="PNG path (default: next to the log)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-plot", action="store_true", help="summary only, no PNG")
+    return p
+
+
+def default_output(log_path: str) -> str:
+    return os.path.splitext(log_path)[0] + ".png"
+
+
+def run(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    log = load_event_log(args.run)
+    summary = summarize(log.events)
+    output = None
+    if not args.no_plot:
+        from elastic_trainer.reporting.plot import draw_report
+
+        output = args.output or default_output(log.path)
+        draw_report(log.events, output, title=f"elastic-train run: {log.path}")
+    if args.json:
+        print(json.dumps({**summary.to_dict(), "log": log.path, "png": output}, indent=2))
+    else:
+        print(format_summary(summary, source=log.path))
+        if output:
+            print(f"plot:        {output}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

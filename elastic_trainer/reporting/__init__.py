@@ -1,0 +1,4 @@
+"""``elastic-train report``: read a run's JSON event log, summarise it, draw it.
+
+``events`` reads (I/O), ``summary`` is pure, ``plot`` draws with matplotlib's Agg backend.
+"""

@@ -1,0 +1,100 @@
+"""Read a run's event log: JSON lines, one event each; anything else is skipped.
+
+A run is named by its event log (the supervisor's ``--log-file``) or by a folder that holds
+one as ``events.jsonl`` (e.g. the snapshot folder, when the log is written there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from elastic_trainer.errors import ConfigError
+
+LOG_NAME = "events.jsonl"
+
+
+@dataclass(frozen=True)
+class EventLog:
+    path: str
+    events: list[dict[str, Any]]  # each has "event" and "t" (seconds since the first event)
+    skipped_lines: int
+
+
+def resolve_log(run: str) -> str:
+    """The event log file for RUN (a file, or a folder holding ``events.jsonl``)."""
+    if os.path.isdir(run):
+        candidate = os.path.join(run, LOG_NAME)
+        if os.path.isfile(candidate):
+            return candidate
+        raise ConfigError(
+            f"{run!r} is a folder without {LOG_NAME}: pass the supervisor's --log-file instead"
+        )
+    if not os.path.isfile(run):
+        raise ConfigError(f"no such event log {run!r}: pass the supervisor's --log-file path")
+    return run
+
+
+def parse_time(value: Any) -> float | None:
+    """Unix seconds from an ISO-8601 timestamp (what structlog writes) or a number."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def parse_lines(lines: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """Events (with a parsed ``time``) in file order, and how many lines were not events."""
+    events, skipped = [], 0
+    for line in lines:
+        record = _event_or_none(line)
+        if record is None:
+            skipped += bool(line.strip())
+            continue
+        events.append(record)
+    return events, skipped
+
+
+def _event_or_none(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        return None
+    when = parse_time(record.get("timestamp"))
+    if when is None:
+        return None
+    record["time"] = when
+    return record
+
+
+def with_relative_time(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sort by time (stable) and add ``time`` (unix s) and ``t`` (s since the first event)."""
+    timed = [{**e, "time": e.get("time", parse_time(e.get("timestamp")))} for e in events]
+    ordered = sorted((e for e in timed if e["time"] is not None), key=lambda e: e["time"])
+    start = ordered[0]["time"] if ordered else 0.0
+    return [{**e, "t": e["time"] - start} for e in ordered]
+
+
+def load_event_log(run: str) -> EventLog:
+    path = resolve_log(run)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.readlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read event log {path!r} ({exc.strerror})") from exc
+    events, skipped = parse_lines(lines)
+    if not events:
+        raise ConfigError(
+            f"{path!r} holds no elastic-train events (JSON lines with 'event' and "
+            f"'timestamp'): pass the supervisor's --log-file"
+        )
+    return EventLog(path=path, events=with_relative_time(events), skipped_lines=skipped)

@@ -1,0 +1,215 @@
+"""What happened in a run, computed from its events alone. Pure: events in, numbers out.
+
+Several supervisors may append to one log (two "nodes" on one machine sharing a file). Each
+of them sees every group restart and recovery, so those incident figures are taken from one
+node's view: the node that saw the most restarts (the longest-lived). Worker failures and
+preemptions belong to one node each and are summed over all nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    events: int
+    nodes: list[str]
+    status: str | None
+    wall_s: float | None
+    final_step: int | None
+    world_sizes: list[int]  # the world size of each successive rendezvous, repeats collapsed
+    restarts: int
+    restarts_by_cause: dict[str, int]
+    failures_by_cause: dict[str, int]
+    preemptions: int
+    membership_changes: int
+    time_lost_s: float
+    steps_redone: int
+    goodput: float | None
+    goodput_source: str | None  # "job.finished" | "estimated" | None
+    snapshots: int
+    mean_snapshot_stall_ms: float | None
+    final_val_accuracy: float | None
+    final_val_loss: float | None
+    best_val_accuracy: float | None
+    best_step: int | None
+    exported_models: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def named(events: list[Event], *names: str) -> list[Event]:
+    return [e for e in events if e.get("event") in names]
+
+
+def node_of(event: Event) -> str:
+    return str(event.get("node") or "")
+
+
+def incident_node(events: list[Event]) -> str | None:
+    """The node whose view counts for group-wide incidents (see module docstring)."""
+    per_node = Counter(node_of(e) for e in named(events, "group.restarting", "recovery.completed"))
+    if not per_node:
+        supervisors = named(events, "supervisor.started", "job.finished")
+        return node_of(supervisors[0]) if supervisors else None
+    best = max(per_node.values())
+    return next(n for n in (node_of(e) for e in events) if per_node.get(n) == best)
+
+
+def restart_causes(events: list[Event], node: str | None = None) -> list[str]:
+    """One cause per ``group.restarting`` of ``node``: the worker failure (on any node) that
+    triggered it, else the membership change it led to (node_joined, node_lost...)."""
+    causes: list[str] = []
+    last_failure: str | None = None
+    pending_membership: int | None = None
+    for event in events:
+        name = event.get("event")
+        if name != "worker.failed" and node is not None and node_of(event) != node:
+            continue
+        if name == "worker.failed":
+            last_failure = str(event.get("cause") or "error")
+        elif name == "group.restarting":
+            reason = str(event.get("reason") or "failure")
+            causes.append(last_failure if last_failure and reason != "membership" else reason)
+            pending_membership = len(causes) - 1 if reason == "membership" else None
+            last_failure = None
+        elif name == "membership.changed" and pending_membership is not None:
+            causes[pending_membership] = str(event.get("reason") or "membership")
+            pending_membership = None
+    return causes
+
+
+def world_sizes(node_events: list[Event]) -> list[int]:
+    sizes: list[int] = []
+    for event in named(node_events, "rendezvous.completed", "membership.changed"):
+        size = event.get("world_size", event.get("new_world_size"))
+        if isinstance(size, int) and (not sizes or sizes[-1] != size):
+            sizes.append(size)
+    return sizes
+
+
+def _sum(events: list[Event], key: str) -> float:
+    return sum(float(e.get(key) or 0) for e in events)
+
+
+def _goodput(finished: Event | None, wall_s: float | None, lost_s: float):
+    if finished is not None and finished.get("goodput") is not None:
+        return float(finished["goodput"]), "job.finished"
+    if wall_s and wall_s > 0:
+        return max(0.0, 1.0 - lost_s / wall_s), "estimated"
+    return None, None
+
+
+def _evaluations(events: list[Event]) -> dict[str, Any]:
+    evaluated = named(events, "train.evaluated")
+    if not evaluated:
+        return {
+            "final_val_accuracy": None,
+            "final_val_loss": None,
+            "best_val_accuracy": None,
+            "best_step": None,
+        }
+    best = max(evaluated, key=lambda e: (float(e["val_accuracy"]), -int(e["step"])))
+    return {
+        "final_val_accuracy": float(evaluated[-1]["val_accuracy"]),
+        "final_val_loss": float(evaluated[-1]["val_loss"]),
+        "best_val_accuracy": float(best["val_accuracy"]),
+        "best_step": int(best["step"]),
+    }
+
+
+def _final_step(events: list[Event]) -> int | None:
+    steps = [
+        int(e["step"])
+        for e in named(events, "train.progress", "train.evaluated", "snapshot.saved")
+        if e.get("step") is not None
+    ]
+    return max(steps) if steps else None
+
+
+def summarize(events: list[Event]) -> RunSummary:
+    """Summarise events (in time order, each with ``t`` seconds since the run began)."""
+    node = incident_node(events)
+    mine = [e for e in events if node is None or node_of(e) == node]
+    recoveries = named(mine, "recovery.completed")
+    finished = (named(mine, "job.finished") or [None])[-1]
+    wall = (
+        float(finished["wall_s"])
+        if finished and finished.get("wall_s") is not None
+        else (events[-1]["t"] if events else None)
+    )
+    lost = round(_sum(recoveries, "downtime_s"), 3)
+    goodput, source = _goodput(finished, wall, lost)
+    stalls = [
+        float(e["stall_ms"])
+        for e in named(events, "snapshot.saved")
+        if e.get("stall_ms") is not None
+    ]
+    causes = restart_causes(events, node)
+    return RunSummary(
+        events=len(events),
+        nodes=sorted({node_of(e) for e in events if node_of(e)}),
+        status=finished.get("status") if finished else None,
+        wall_s=wall,
+        final_step=_final_step(events),
+        world_sizes=world_sizes(mine),
+        restarts=len(causes),
+        restarts_by_cause=dict(sorted(Counter(causes).items())),
+        failures_by_cause=dict(
+            sorted(Counter(str(e.get("cause")) for e in named(events, "worker.failed")).items())
+        ),
+        preemptions=len(named(events, "preemption.received")),
+        membership_changes=len(named(mine, "membership.changed")),
+        time_lost_s=lost,
+        steps_redone=int(_sum(recoveries, "steps_lost")),
+        goodput=goodput,
+        goodput_source=source,
+        snapshots=len(named(events, "snapshot.saved")),
+        mean_snapshot_stall_ms=round(sum(stalls) / len(stalls), 2) if stalls else None,
+        exported_models=[str(e["path"]) for e in named(events, "train.model_exported")],
+        **_evaluations(events),
+    )
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def format_summary(summary: RunSummary, *, source: str) -> str:
+    """The short text summary printed by ``elastic-train report``."""
+    s = summary
+    wall = "n/a" if s.wall_s is None else f"{s.wall_s:.1f} s"
+    sizes = " -> ".join(map(str, s.world_sizes)) or "n/a"
+    lines = [
+        f"run:         {source} ({s.events} events, {len(s.nodes) or 1} node(s))",
+        f"status:      {s.status or 'unfinished'} after {wall}, final step {s.final_step}",
+        f"world size:  {sizes}",
+        f"restarts:    {s.restarts}" + (f" ({_counts(s.restarts_by_cause)})" if s.restarts else ""),
+        f"failures:    {sum(s.failures_by_cause.values())}"
+        + (f" ({_counts(s.failures_by_cause)})" if s.failures_by_cause else "")
+        + f"; preemptions {s.preemptions}; membership changes {s.membership_changes}",
+        f"time lost:   {s.time_lost_s:.1f} s; steps redone {s.steps_redone}",
+        f"goodput:     {_pct(s.goodput)}" + (f" ({s.goodput_source})" if s.goodput_source else ""),
+        f"snapshots:   {s.snapshots} saved"
+        + (
+            f", mean stall {s.mean_snapshot_stall_ms:.1f} ms"
+            if s.snapshots and s.mean_snapshot_stall_ms is not None
+            else ""
+        ),
+    ]
+    if s.final_val_accuracy is not None:
+        lines.append(
+            f"validation:  accuracy {_pct(s.final_val_accuracy)}, loss {s.final_val_loss:.4f}"
+            f" (best {_pct(s.best_val_accuracy)} at step {s.best_step})"
+        )
+    return "\n".join(lines)
