@@ -41,6 +41,11 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "snapshot_step",
     ),
     "store.unreachable": ("endpoint", "error"),
+    # the standalone rendezvous store (elastic-train store)
+    "store.started": ("host", "port", "endpoint"),
+    "store.stopped": ("signal",),
+    "store.lingering": ("linger_s",),
+    "store.exposed": ("host", "port", "hint"),
     "job.finished": ("status", "exit_code", "restarts", "wall_s", "goodput"),
     # snapshots (emitted by the snapshots package, usable on its own)
     "snapshot.saved": ("step", "epoch", "url", "bytes", "stall_ms", "write_ms"),

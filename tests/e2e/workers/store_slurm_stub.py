@@ -44,7 +44,10 @@ def supervise(argv: list[str]) -> int:
     os.makedirs(ns.snapshot_dir, exist_ok=True)
     state_path = os.path.join(ns.snapshot_dir, "state.json")
     attempts = os.path.join(ns.snapshot_dir, "attempts.jsonl")
-    step = json.load(open(state_path))["step"] if os.path.exists(state_path) else 0
+    step = 0
+    if os.path.exists(state_path):
+        with open(state_path, encoding="utf-8") as f:
+            step = json.load(f)["step"]
     append(attempts, {
         "event": "start", "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
         "resumed_from": step, "job_id": ns.job_id, "store": store_reachable(ns.rdzv_endpoint),
