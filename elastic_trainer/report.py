@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_output(log_path: str) -> str:
+    if os.path.isdir(log_path):  # a run folder: the picture lands beside its logs
+        return os.path.join(log_path, "events.png")
     return os.path.splitext(log_path)[0] + ".png"
 
 

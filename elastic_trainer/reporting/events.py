@@ -1,11 +1,14 @@
 """Read a run's event log: JSON lines, one event each; anything else is skipped.
 
 A run is named by its event log (the supervisor's ``--log-file``) or by a folder that holds
-one as ``events.jsonl`` (e.g. the snapshot folder, when the log is written there).
+its logs as ``events*.jsonl`` — the built-in job's run folder has one ``events-<node>.jsonl``
+per node, so nodes sharing a network file system never interleave lines in one file. The
+events of all files are merged by timestamp.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass
@@ -14,28 +17,29 @@ from typing import Any
 
 from elastic_trainer.errors import ConfigError
 
-LOG_NAME = "events.jsonl"
+LOG_PATTERN = "events*.jsonl"
 
 
 @dataclass(frozen=True)
 class EventLog:
-    path: str
+    path: str  # what the user named: one log file, or the run folder
     events: list[dict[str, Any]]  # each has "event" and "t" (seconds since the first event)
     skipped_lines: int
+    files: tuple[str, ...] = ()  # the log files read
 
 
-def resolve_log(run: str) -> str:
-    """The event log file for RUN (a file, or a folder holding ``events.jsonl``)."""
+def resolve_logs(run: str) -> list[str]:
+    """The event log files for RUN (a file, or a folder holding ``events*.jsonl``)."""
     if os.path.isdir(run):
-        candidate = os.path.join(run, LOG_NAME)
-        if os.path.isfile(candidate):
-            return candidate
+        files = sorted(glob.glob(os.path.join(glob.escape(run), LOG_PATTERN)))
+        if files:
+            return files
         raise ConfigError(
-            f"{run!r} is a folder without {LOG_NAME}: pass the supervisor's --log-file instead"
+            f"{run!r} is a folder without {LOG_PATTERN}: pass the supervisor's --log-file instead"
         )
     if not os.path.isfile(run):
         raise ConfigError(f"no such event log {run!r}: pass the supervisor's --log-file path")
-    return run
+    return [run]
 
 
 def parse_time(value: Any) -> float | None:
@@ -85,16 +89,20 @@ def with_relative_time(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def load_event_log(run: str) -> EventLog:
-    path = resolve_log(run)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            lines = handle.readlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read event log {path!r} ({exc.strerror})") from exc
+    files = resolve_logs(run)
+    lines: list[str] = []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                lines.extend(handle.readlines())
+        except OSError as exc:
+            raise ConfigError(f"cannot read event log {path!r} ({exc.strerror})") from exc
     events, skipped = parse_lines(lines)
     if not events:
         raise ConfigError(
-            f"{path!r} holds no elastic-train events (JSON lines with 'event' and "
+            f"{run!r} holds no elastic-train events (JSON lines with 'event' and "
             f"'timestamp'): pass the supervisor's --log-file"
         )
-    return EventLog(path=path, events=with_relative_time(events), skipped_lines=skipped)
+    return EventLog(
+        path=run, events=with_relative_time(events), skipped_lines=skipped, files=tuple(files)
+    )

@@ -37,6 +37,20 @@ def test_a_folder_maps_to_its_events_jsonl_and_json_output(tmp_path, capsys) -> 
     assert (tmp_path / "events.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_a_folder_merges_the_logs_of_every_node_by_time(tmp_path, capsys) -> None:
+    events = a_run()
+    write_log(tmp_path / "events-n0.jsonl", events[0::2])
+    write_log(tmp_path / "events-n1.jsonl", events[1::2])
+    assert main([str(tmp_path), "--json", "--no-plot"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    (tmp_path / "single").mkdir()
+    write_log(tmp_path / "single" / "events.jsonl", events)
+    assert main([str(tmp_path / "single"), "--json", "--no-plot"]) == 0
+    single = json.loads(capsys.readouterr().out)
+    for key in ("restarts", "steps_redone", "time_lost_s", "final_step", "goodput"):
+        assert merged[key] == single[key], key
+
+
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "no_events"])
 def test_bad_runs_are_one_line_and_exit_2(tmp_path, capsys, make) -> None:
     run = tmp_path / "run.jsonl"
