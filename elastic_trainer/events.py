@@ -57,7 +57,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "snapshot.storage_retry": ("op", "url", "attempt", "error"),
     # training (worker side)
     "session.started": ("world_size", "backend", "snapshot_dir"),
-    "session.stopping": ("step", "reason"),
+    "session.stopping": ("step", "reason", "signal"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
+from typing import Any
 
 from elastic_trainer import protocol
 
@@ -46,3 +49,46 @@ def stop_exit_code(reason: str | None) -> int | None:
     if reason == STOP_PEER_PREEMPTED:
         return protocol.EXIT_PEER_PREEMPTED
     return None
+
+
+# Slurm signals every process of a step (and `--signal` sends SIGUSR1 ahead of the end);
+# Kubernetes init processes may forward SIGTERM to the whole process group. Either way the
+# worker itself may get the signal before (or instead of) the supervisor's stop file.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Turns SIGTERM/SIGUSR1 to this worker into an own-node stop request.
+
+    Installed only for signals still at their default action and only from the main thread:
+    a script that handles the signal itself keeps full control. The handler only records the
+    signal; the session reads it at the next step boundary, exactly like the stop file.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        # async-signal context: record only; no logging, no collective
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            return
+        # asked twice (an impatient platform, or the supervisor killing a stuck worker): the
+        # default action, now
+        self.uninstall()
+        os.kill(os.getpid(), signum)
+
+    def uninstall(self) -> None:
+        """Give the signals back (only those still ours)."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous)
+        self._previous.clear()

@@ -27,6 +27,7 @@ from elastic_trainer.runtime.progress import (
     STOP_PEER_PREEMPTED,
     STOP_PREEMPTED,
     ProgressFile,
+    StopSignals,
     stop_exit_code,
 )
 from elastic_trainer.runtime.sampler import ElasticSampler
@@ -74,6 +75,8 @@ class TrainingSession:
         keep = keep or self.context.snapshot_keep or 3
         self._snapshots = SessionSnapshots(url, keep=keep) if url else None
         self._progress = ProgressFile(self.context.progress_path)
+        self._signals = StopSignals()  # SIGTERM/SIGUSR1 to the worker = this node stops
+        self._signals.install()
         self._audit = self._open_audit(audit_dir)
         self._restore()
         self._started(url)
@@ -216,6 +219,8 @@ class TrainingSession:
             )
 
     def _own_stop_requested(self) -> bool:
+        if self._signals.received is not None:
+            return True
         stop_file = self.context.stop_file
         return stop_file is not None and os.path.exists(stop_file)
 
@@ -244,8 +249,9 @@ class TrainingSession:
 
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
-        if D.rank() == 0:
-            emit("session.stopping", step=self.step, reason=reason)
+        received = self._signals.received
+        if D.rank() == 0 or received is not None:
+            emit("session.stopping", step=self.step, reason=reason, signal=received)
         self._save(blocking=True)
 
     # --- snapshots ------------------------------------------------------------------------
@@ -275,6 +281,7 @@ class TrainingSession:
 
     def close(self) -> None:
         """Collective: flush the in-flight snapshot and close files, without a final one."""
+        self._signals.uninstall()
         if self._snapshots is not None:
             self._snapshots.close()
         if self._audit is not None:
@@ -283,6 +290,7 @@ class TrainingSession:
     def abort(self) -> None:
         """After an error: local clean-up only. No collective (a peer may be stuck in another
         one); rank 0 still lets its in-flight snapshot commit, it was taken at a good step."""
+        self._signals.uninstall()
         if self._snapshots is not None:
             self._snapshots.close_local()
         if self._audit is not None:

@@ -3,15 +3,15 @@
 torch's agent owns rendezvous, rank assignment, the worker environment and process start;
 we keep all of that and replace ``_invoke_run`` (its template loop) so that each outcome
 goes through ``policy.py`` and shows up as an event. Worker trees are killed through
-``procs.py`` (torch only signals each worker's own process group, then waits 30 s).
+``procs.py`` (torch only signals each worker's own process group, then waits 30 s); progress,
+hangs and resources are read by ``observer.py``; what workers get besides torchrun's
+environment (ours, the control directory, the bootstrap they run under) is ``workerenv.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 from elastic_trainer import protocol
 from elastic_trainer.config import RunConfig
 from elastic_trainer.events import emit
-from elastic_trainer.supervisor.ledger import Ledger
+from elastic_trainer.supervisor.observer import GroupObserver
 from elastic_trainer.supervisor.policy import (
     Action,
     Decision,
@@ -35,7 +35,8 @@ from elastic_trainer.supervisor.policy import (
 )
 from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.signals import StopRequest, StopRequested
-from elastic_trainer.supervisor.watchdog import HangVerdict, HangWatchdog, read_progress
+from elastic_trainer.supervisor.watchdog import HangVerdict
+from elastic_trainer.supervisor.workerenv import new_control_dir, worker_env
 
 log = structlog.get_logger("elastic_trainer")
 
@@ -70,9 +71,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._control_root = control_root
         self._policy = RestartPolicy(max_restarts=cfg.max_restarts, tuning=cfg.restart)
         self._pstate = PolicyState()
-        self._watchdog = HangWatchdog(timeout_s=cfg.hang_timeout)
         self._procs = ProcessTracker()
-        self.ledger = Ledger()
+        self._observer = GroupObserver(
+            procs=self._procs,
+            hang_timeout=cfg.hang_timeout,
+            resources_interval=cfg.resources_interval,
+        )
+        self.ledger = self._observer.ledger
         self._attempt = 0
         self._started_at = time.monotonic()
         self._world_size: int | None = None
@@ -80,10 +85,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._refund_if_shrunk = False
         self._membership_reason: str | None = None
         self._peer_stop_seen: float | None = None
-        self._next_resources = 0.0
         self._store_lost_reported = False
         self._oom_kills_at_start: int | None = None
-        self._last_resources: dict[int, Any] = {}
 
     # ---- the loop ------------------------------------------------------------------------
     def supervise(self) -> AgentOutcome:
@@ -193,7 +196,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             error_summary=f"no progress for {verdict.stalled_s:.1f}s",
             local_rank=verdict.local_rank,
             restart_count=self._pstate.restarts,
-            **self._resources_fields(verdict.local_rank),
+            **self._observer.resources_fields(verdict.local_rank),
         )
         self.ledger.failed(cause="hang", now=time.time(), world_size=self._world_size or 0)
         return self._policy.on_failure(self._pstate, ran_for_s=self._ran_for(), hang=True)
@@ -217,7 +220,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             error_summary=summary,
             local_rank=failure.local_rank,
             restart_count=self._pstate.restarts,
-            **self._resources_fields(failure.local_rank),
+            **self._observer.resources_fields(failure.local_rank),
         )
 
     def _peer_lost(self) -> bool:
@@ -288,21 +291,18 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._attempt += 1
-        control_dir = self._new_control_dir()
+        control_dir = new_control_dir(self._control_root, self._attempt)
         self._stop.control_dir = control_dir
         self._remaining_restarts = self._cfg.max_restarts - self._pstate.restarts
-        os.environ.update(self._worker_env(control_dir))
+        os.environ.update(worker_env(self._cfg, control_dir))
         pids = super()._start_workers(worker_group)
         if self._stop.requested:  # a signal raced with the start: tell the new workers too
             self._stop.write_stop_file()
         handlers = self._pcontext.subprocess_handlers  # type: ignore[union-attr]
         self._procs.track({lr: h.proc for lr, h in handlers.items()})
-        self._procs.resources()  # primes psutil's CPU counters (its first reading is 0)
-        self._watchdog.reset()
-        self.ledger.start_attempt()
         self._attempt_started = time.monotonic()
+        self._observer.attempt_started(self._attempt_started)
         self._oom_kills_at_start = oom_kill_count()
-        self._next_resources = self._attempt_started + min(5.0, self._cfg.resources_interval)
         self._peer_stop_seen = None
         emit(
             "workers.started",
@@ -338,36 +338,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         control_dir = self._stop.control_dir
         if control_dir is None:
             return None
-        reports = read_progress(control_dir, range(self._worker_group.spec.local_world_size))
-        recovered = self.ledger.observe(reports, world_size=self._world_size or 0)
-        if recovered is not None:
-            emit("recovery.completed", **recovered)
-        now = time.monotonic()
-        if now >= self._next_resources:
-            self._next_resources = now + self._cfg.resources_interval
-            self._emit_resources()
-        else:
-            self._procs.refresh()
-        return self._watchdog.observe(reports, now)
-
-    def _emit_resources(self) -> None:
-        self._procs.refresh()
-        self._last_resources = self._procs.resources()
-        for local_rank, res in self._last_resources.items():
-            emit(
-                "worker.resources",
-                rank=self._global_rank(local_rank),
-                local_rank=local_rank,
-                rss_bytes=res.rss_bytes,
-                cpu_percent=round(res.cpu_percent, 1),
-                num_procs=res.num_procs,
-            )
-
-    def _resources_fields(self, local_rank: int) -> dict[str, Any]:
-        res = self._last_resources.get(local_rank)
-        if res is None:
-            return {}
-        return {"rss_bytes": res.rss_bytes, "cpu_percent": round(res.cpu_percent, 1)}
+        return self._observer.observe(
+            control_dir,
+            local_world_size=self._worker_group.spec.local_world_size,
+            world_size=self._world_size or 0,
+            global_rank=self._global_rank,
+        )
 
     # ---- preemption ----------------------------------------------------------------------
     def _preempt(self) -> tuple[str, int]:
@@ -391,28 +367,6 @@ class ElasticTrainAgent(LocalElasticAgent):
         workers = self._worker_group.workers
         return workers[local_rank].global_rank if local_rank < len(workers) else local_rank
 
-    def _new_control_dir(self) -> str:
-        path = os.path.join(self._control_root, f"attempt-{self._attempt}")
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-        previous = os.path.join(self._control_root, f"attempt-{self._attempt - 1}")
-        shutil.rmtree(previous, ignore_errors=True)
-        return path
-
-    def _worker_env(self, control_dir: str) -> dict[str, str]:
-        cfg = self._cfg
-        return {
-            protocol.ENV_JOB_ID: cfg.job_id,
-            protocol.ENV_NODE: cfg.node,
-            protocol.ENV_SNAPSHOT_DIR: cfg.snapshot_dir or "",
-            protocol.ENV_SNAPSHOT_EVERY: str(cfg.snapshot_every),
-            protocol.ENV_SNAPSHOT_KEEP: str(cfg.snapshot_keep),
-            protocol.ENV_CONTROL_DIR: control_dir,
-            protocol.ENV_LOG_FORMAT: "console" if cfg.log_format == "console" else "json",
-            protocol.ENV_LOG_FILE: cfg.log_file or "",
-            protocol.ENV_COLLECTIVE_TIMEOUT: str(cfg.collective_timeout),
-        }
-
 
 def _first_line(text: str | None) -> str | None:
     if not text:
@@ -421,9 +375,3 @@ def _first_line(text: str | None) -> str | None:
         if line.strip():
             return line.strip()[:500]
     return None
-
-
-def make_control_root(cfg: RunConfig) -> str:
-    base = cfg.control_root or tempfile.gettempdir()
-    os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"elastic-train-{os.getpid()}-", dir=base)

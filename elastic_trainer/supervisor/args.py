@@ -11,13 +11,16 @@ Without a SCRIPT, arguments after ``--`` go to the built-in job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
 from elastic_trainer.config import (
+    DEFAULT_MODULE,
     DEFAULT_RDZV_PORT,
     Entrypoint,
     RendezvousTuning,
@@ -283,21 +286,42 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
     if ns.standalone:
         lo, hi = 1, 1
     tuning, is_host = tuning_from_conf(parse_rdzv_conf(_pick(ns.rdzv_conf, env, "PET_RDZV_CONF")))
-    return RunConfig(
-        min_nodes=lo,
-        max_nodes=hi,
-        nproc_per_node=resolve_nproc(_pick(ns.nproc_per_node, env, "PET_NPROC_PER_NODE")),
-        rdzv_host=host,
-        rdzv_port=port,
-        is_host=is_host,
-        job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
-        rdzv=tuning,
-        **_optional_fields(ns, env),
-        node=ns.node or env.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
-        entrypoint=Entrypoint(
-            script=split.script, module=split.module or ns.module, args=tuple(split.rest)
-        ),
+    return with_run_folder(
+        RunConfig(
+            min_nodes=lo,
+            max_nodes=hi,
+            nproc_per_node=resolve_nproc(_pick(ns.nproc_per_node, env, "PET_NPROC_PER_NODE")),
+            rdzv_host=host,
+            rdzv_port=port,
+            is_host=is_host,
+            job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
+            rdzv=tuning,
+            **_optional_fields(ns, env),
+            node=ns.node or env.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
+            entrypoint=Entrypoint(
+                script=split.script, module=split.module or ns.module, args=tuple(split.rest)
+            ),
+        )
     )
+
+
+def runs_builtin_job(cfg: RunConfig) -> bool:
+    return cfg.entrypoint.script is None and cfg.entrypoint.effective_module == DEFAULT_MODULE
+
+
+def with_run_folder(cfg: RunConfig, cwd: str | None = None) -> RunConfig:
+    """The built-in job without --snapshot-dir keeps its run in ``runs/<job-id>/``: snapshots,
+    exported models, and (without --log-file) one event log per node, which is what
+    ``elastic-train report runs/<job-id>`` reads. User scripts get no such default."""
+    if not runs_builtin_job(cfg) or cfg.snapshot_dir:
+        return cfg
+    folder = os.path.join(cwd or os.getcwd(), "runs", _safe_name(cfg.job_id))
+    log_file = cfg.log_file or os.path.join(folder, f"events-{_safe_name(cfg.node)}.jsonl")
+    return dataclasses.replace(cfg, snapshot_dir=folder, log_file=log_file)
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text) or "_"
 
 
 def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:

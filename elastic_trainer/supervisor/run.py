@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 from elastic_trainer import protocol
 from elastic_trainer.config import RunConfig
-from elastic_trainer.errors import ConfigError
+from elastic_trainer.errors import ConfigError, ElasticTrainError
 from elastic_trainer.events import emit
-from elastic_trainer.logging import configure_logging, redact
+from elastic_trainer.logging import configure_logging, redact, route_torch_logs
+from elastic_trainer.supervisor.args import runs_builtin_job
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             static_fields={"job_id": cfg.job_id, "node": cfg.node, "pid": os.getpid()},
         )
         preflight(cfg)
-    except ConfigError as exc:
+    except ElasticTrainError as exc:  # config, dataset: found before any worker starts
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return protocol.SUPERVISOR_EXIT_CONFIG
     except SystemExit as exc:  # --help
@@ -48,6 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- checks before any worker starts ----------------------------------------------------
 def preflight(cfg: RunConfig) -> None:
     _check_entrypoint(cfg)
+    if runs_builtin_job(cfg):
+        # the job's own flags, model name and dataset: a typo is one line and exit 2 here,
+        # not a crash in every worker followed by a round of restarts
+        from elastic_trainer.jobs.default import preflight as job_preflight
+
+        job_preflight(cfg.entrypoint.args)
     if cfg.snapshot_dir:
         check_snapshot_dir(cfg.snapshot_dir)
     if not hosts_store(cfg):
@@ -58,6 +65,7 @@ def _check_log_file(path: str | None) -> None:
     if not path:
         return
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
@@ -133,15 +141,10 @@ def check_endpoint(host: str, port: int, *, timeout_s: float) -> None:
 
 
 def _route_torch_logs() -> None:
-    """torch gives its "torch" loggers their own stderr handlers; send them through ours."""
-    import logging
-
+    """torch gives its loggers their own stderr handlers; send them through ours."""
     import torch.distributed.elastic  # noqa: F401  # installs torch's handlers first
 
-    for name in ("torch", "torch.distributed"):
-        logger = logging.getLogger(name)
-        logger.handlers.clear()
-        logger.propagate = True
+    route_torch_logs()
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -189,6 +192,7 @@ class Supervisor:
         )
 
         from elastic_trainer.supervisor import agent as agent_mod
+        from elastic_trainer.supervisor import workerenv
         from elastic_trainer.supervisor.rendezvous import create_handler
         from elastic_trainer.supervisor.signals import StopRequested
 
@@ -200,12 +204,12 @@ class Supervisor:
         except Exception as exc:
             self._store_unreachable(exc)
             return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None
-        control_root = agent_mod.make_control_root(cfg)
+        control_root = workerenv.make_control_root(cfg)
         spec = WorkerSpec(
             role="trainer",
             local_world_size=cfg.nproc_per_node,
             entrypoint=sys.executable,
-            args=("-u", *cfg.entrypoint.argv()),
+            args=workerenv.worker_args(cfg),
             rdzv_handler=handler,
             max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval,

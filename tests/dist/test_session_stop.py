@@ -3,7 +3,6 @@ snapshot, and the exit codes the supervisor reads."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,40 +26,47 @@ def _launch(tmp_path, env, *extra):
         "--stop-at-step", "3",
         *extra,
     ]  # fmt: skip
-    control = tmp_path / "control"
-    control.mkdir()
-    return launch_workers(SCRIPT, 2, args, env={**env, protocol.ENV_CONTROL_DIR: str(control)})
+    return launch_workers(SCRIPT, 2, args, env=env)
 
 
-def _progress(path: Path) -> dict:
-    return json.loads(path.read_text())
+def _steps_by_attempt(tmp_path: Path) -> dict[int, set[tuple[int, int]]]:
+    """attempt number (0, 1, ... in order) -> {(step, rank)} from the sample audit log.
+
+    The audit's ``attempt`` id grows from attempt to attempt; ``restart_count`` would not: a
+    membership restart is not charged to the budget."""
+    by_id: dict[int, set[tuple[int, int]]] = {}
+    for record in read_audit_log(str(tmp_path / "audit")):
+        by_id.setdefault(record.attempt, set()).add((record.step, record.rank))
+    return {n: by_id[key] for n, key in enumerate(sorted(by_id))}
 
 
 def test_stop_file_stops_every_rank_at_the_same_step_with_a_final_snapshot(tmp_path, worker_env):
     result = _launch(tmp_path, worker_env)
-    # own node stopping: EXIT_PREEMPTED on both ranks, so the launcher succeeds
+    # own node stopping: EXIT_PREEMPTED on both ranks, which the supervisor reads as done
     assert protocol.EXIT_PREEMPTED == 0
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == protocol.SUPERVISOR_EXIT_OK, result.output[-3000:]
+    assert result.named("worker.failed") == []
+    assert result.named("job.finished")[-1]["status"] == "succeeded"
     # rank 0 created the stop file after step 3; the ranks agreed on it at step 4
     store = SnapshotStore(str(tmp_path / "snapshots"))
     assert [info.step for info in store.list()] == [4]
     store.close()
-    control = tmp_path / "control"
-    for local_rank in (0, 1):
-        progress = _progress(control / protocol.progress_file(local_rank))
-        assert (progress["step"], progress["restored_step"]) == (4, None)
-    assert sorted({r.step for r in read_audit_log(str(tmp_path / "audit"))}) == [1, 2, 3, 4]
+    assert _steps_by_attempt(tmp_path) == {0: {(s, r) for s in (1, 2, 3, 4) for r in (0, 1)}}
     assert not (tmp_path / "final.pt").exists()
 
 
 def test_a_peer_nodes_stop_exits_peer_preempted(tmp_path, worker_env):
     # each rank plays a node with its own control directory; only rank 0's node stops
     result = _launch(tmp_path, worker_env, "--control-dir-per-rank")
-    assert result.returncode != 0  # torchrun reports rank 1's 75 as a failure
-    assert f"exitcode  : {protocol.EXIT_PEER_PREEMPTED}" in result.output, result.output[-3000:]
-    for rank in (0, 1):
-        progress = _progress(tmp_path / "control" / f"rank{rank}" / protocol.progress_file(rank))
-        assert progress["step"] == 4
-    store = SnapshotStore(str(tmp_path / "snapshots"))
-    assert [info.step for info in store.list()] == [4]
-    store.close()
+    failed = result.named("worker.failed")
+    assert [(e["rank"], e["exit_code"], e["cause"]) for e in failed] == [
+        (1, protocol.EXIT_PEER_PREEMPTED, "preempted")
+    ], result.output[-3000:]
+    # a peer's stop is a membership change: not charged (--max-restarts 0), the group re-forms
+    assert [e["reason"] for e in result.named("group.restarting")] == ["membership"]
+    assert result.returncode == protocol.SUPERVISOR_EXIT_OK, result.output[-3000:]
+    steps = _steps_by_attempt(tmp_path)
+    # both ranks stopped at step 4 together; the next attempt resumed from the final snapshot
+    assert steps[0] == {(s, r) for s in (1, 2, 3, 4) for r in (0, 1)}
+    assert min(step for step, _ in steps[1]) == 5
+    assert (tmp_path / "final.pt").exists()

@@ -320,12 +320,6 @@ def test_real_supervisor_resumes_from_its_final_snapshot_after_requeue(
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(
-    strict=True,
-    reason="Slurm's SIGTERM reaches every process of the step, and the workers die of it "
-    "before the coordinated final snapshot: the worker runtime must treat SIGTERM as a stop "
-    "request (reported; remove this mark once fixed)",
-)
 def test_real_supervisor_resumes_from_its_final_snapshot_after_preemption(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -131,6 +133,40 @@ def test_stop_file_stops_with_a_final_snapshot_and_the_exit_code(tmp_path):
     assert exited.value.code == protocol.EXIT_PREEMPTED
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_the_worker_is_an_own_node_stop(tmp_path, sig):
+    signal.signal(sig, signal.SIG_DFL)  # as in a fresh worker (other tests may leave theirs)
+    job = Job(tmp_path, snapshot_every=100)
+    job.train(steps=2)
+    os.kill(os.getpid(), sig)  # Slurm / a forwarding init signals the worker itself
+    with capture_logs() as logs:
+        job.train(steps=5)
+    # the step in progress finishes, the ranks agree, one final snapshot, the stop exit code
+    assert (job.session.stop_reason, job.session.step) == ("preempted", 3)
+    stopping = [e for e in logs if e["event"] == "session.stopping"]
+    assert [(e["step"], e["signal"]) for e in stopping] == [(3, sig.name)]
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-000000000003"]
+    with pytest.raises(SystemExit) as exited:
+        job.session.finish()
+    assert exited.value.code == protocol.EXIT_PREEMPTED
+    assert signal.getsignal(sig) is signal.SIG_DFL  # handed back once the session is done
+
+
+def test_a_scripts_own_signal_handler_is_left_alone(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        job = Job(tmp_path, snapshot_every=100)
+        job.train(steps=1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        job.train(steps=2)
+        assert seen == [signal.SIGTERM]
+        assert job.session.stop_reason is None and job.session.step == 3
+        assert job.session.finish() == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_max_steps_is_a_normal_finish(tmp_path):
     job = Job(tmp_path, max_steps=2, exit_on_stop=True)
     job.train()
@@ -237,3 +273,23 @@ def test_a_snapshot_without_sampler_state_is_refused_with_a_sampler(tmp_path):
     plain.finish()
     with pytest.raises(SamplerStateError, match="has no sampler state"):
         Job(tmp_path)
+
+
+def test_a_second_signal_takes_the_default_action(monkeypatch):
+    from elastic_trainer.runtime import progress
+
+    killed = []
+    monkeypatch.setattr(progress.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # other tests may leave theirs
+    signals = progress.StopSignals()
+    signals.install()
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        assert (signals.received, killed) == ("SIGTERM", [])
+        handler(signal.SIGTERM, None)  # asked again: hand the signal back and re-raise it
+        assert killed == [(os.getpid(), signal.SIGTERM)]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signals.uninstall()
+        signal.signal(signal.SIGTERM, previous)

@@ -171,5 +171,42 @@ def test_unreachable_endpoint_when_not_hosting_exits_2(tmp_path, capsys) -> None
 
 
 def test_unwritable_log_file_exits_2(tmp_path, capsys) -> None:
-    assert main(["--log-file", str(tmp_path / "no" / "such" / "dir.log"), "x.py"]) == 2
+    (tmp_path / "a-file").write_text("")  # a log path below a regular file cannot be created
+    assert main(["--log-file", str(tmp_path / "a-file" / "x.log"), "x.py"]) == 2
     assert "--log-file" in capsys.readouterr().err
+
+
+# --- the built-in job's run folder and preflight -------------------------------------------
+def test_builtin_job_without_snapshot_dir_gets_a_run_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = args.parse(["--job-id", "demo", "--node", "n/1"])
+    assert cfg.snapshot_dir == str(tmp_path / "runs" / "demo")
+    assert cfg.log_file == str(tmp_path / "runs" / "demo" / "events-n_1.jsonl")
+
+
+def test_run_folder_never_overrides_what_the_user_chose(tmp_path) -> None:
+    from elastic_trainer.supervisor.args import with_run_folder
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    user_script = args.parse([str(script)])
+    assert with_run_folder(user_script, cwd=str(tmp_path)).snapshot_dir is None
+    chosen = args.parse(["--snapshot-dir", "s3://b/x", "--log-file", "/tmp/l.jsonl"])
+    assert (chosen.snapshot_dir, chosen.log_file) == ("s3://b/x", "/tmp/l.jsonl")
+
+
+@pytest.mark.parametrize(
+    "job_flags",
+    [["--model", "resnet9000"], ["--lr", "-1"], ["--dataset", "cifar10", "--data-dir", "/nope"]],
+)
+def test_bad_builtin_job_flags_are_one_line_and_exit_2_before_workers(
+    tmp_path, monkeypatch, capsys, job_flags
+) -> None:
+    from elastic_trainer.supervisor.run import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--standalone", "--", *job_flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elastic-train: error: ") and "\n" not in err
+    log = next((tmp_path / "runs").rglob("events-*.jsonl"))
+    assert "workers.started" not in log.read_text()

@@ -20,6 +20,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 PROTO = str(HERE / "proto_worker.py")
 PLAIN_DDP = str(HERE / "plain_ddp.py")
+EXIT_RACE = str(HERE / "sup_exit_race.py")
 REQUIRED = ("timestamp", "level", "event", "job_id", "node", "pid")
 # Short timeouts keep the e2e set fast; the patient first round still covers agents that
 # start a second or two apart on this loaded machine.

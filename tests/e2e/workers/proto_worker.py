@@ -6,7 +6,8 @@ rewrites progress-<local_rank>.json, snapshots (rank 0, JSON + atomic rename) ev
 
 Fault injection (arguments): --steps N, --step-time S, --die-at STEP (SIGKILL itself once,
 on global rank --die-rank, remembered through --marker), --exit-code C with --fail-always,
---spawn-child FILE (leave a detached grandchild behind, to test process hygiene).
+--spawn-child FILE (leave a detached grandchild behind, to test process hygiene; FILE gets
+"pid restart_count" per grandchild).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def main() -> int:
         import subprocess
 
         child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
         with open(args.spawn_child, "a") as f:
-            f.write(f"{child.pid}\n")
+            f.write(f"{child.pid} {attempt}\n")  # one line per grandchild: pid, attempt
     if args.fail_always:
         print("failing on purpose", file=sys.stderr)
         return args.exit_code

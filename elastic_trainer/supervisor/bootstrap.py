@@ -1,0 +1,104 @@
+"""``python -m elastic_trainer.supervisor.bootstrap (SCRIPT | -m MODULE) [args...]``.
+
+Every worker runs its script through this module. It behaves like ``python SCRIPT`` (same
+``sys.argv``, ``sys.path[0]``, ``__main__``, exit status), except at the very end.
+
+Why (measured here, shared/BASELINES.md "Restart reliability"): gloo's worker threads drop
+their last reference to a finished collective (``AsyncWork``, whose saved thread-local state
+holds Python objects) *after* marking it complete, and that drop takes the GIL. If the main
+thread has meanwhile finished the script and the interpreter is finalizing, CPython (<= 3.13)
+ends a foreign thread that asks for the GIL with ``pthread_exit``; the forced unwind crosses
+``noexcept`` C++ frames of ``ProcessGroupGloo::runLoop`` and libstdc++ aborts the process:
+"terminate called without an active exception", SIGABRT, exit -6 -- after the training had
+succeeded (pytorch #190489). The script's own ``destroy_process_group()`` does not help: a
+group lives on while anything references it (DDP's reducer), and any collective's clean-up
+can race the exit.
+
+So once the script is done, this module does what the interpreter does up to the point where
+the race starts -- wait for non-daemon threads, run the ``atexit`` handlers, collect garbage
+(closing files the script left open), flush stdio -- and then ends the process with
+``os._exit``: there is no finalization, so no thread can be caught asking for the GIL in it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import os
+import runpy
+import sys
+import threading
+import traceback
+
+
+def run_script(argv: list[str]) -> int:
+    """Run ``SCRIPT args`` or ``-m MODULE args`` as ``__main__``; return its exit status."""
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            # like `python -m MODULE`: sys.path[0] is already the working directory
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            # like `python SCRIPT`: the script's directory comes first on the path, not ours
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        return exit_status(exc.code)
+    except KeyboardInterrupt:
+        raise  # the interpreter's own handling: it dies by SIGINT
+    except BaseException:  # like the interpreter: print it, status 1
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+def exit_status(code: object) -> int:
+    """``sys.exit(code)`` semantics: None is 0, an int is itself, anything else is printed."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def exit_without_finalizing(status: int) -> None:
+    """The interpreter's exit up to, not including, finalization; then ``os._exit``."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if callable(shutdown):
+        shutdown()  # non-daemon threads are waited for, as on a normal exit
+    atexit._run_exitfuncs()  # the script's handlers (logging, multiprocessing, ...)
+    flush_open_files()
+    gc.collect()  # finalizers of unreachable objects still run
+    os._exit(status & 0xFF)
+
+
+# Buffered writers: what finalization would flush. Exact types, not isinstance: an ABC check
+# over every live object is slow and trips deprecated attributes of some modules.
+_WRITERS = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def flush_open_files() -> None:
+    """Flush every open buffered file, as finalization does for files the script left open
+    (a cyclic collection alone may close the raw file before its buffer is written)."""
+    for obj in gc.get_objects():
+        if type(obj) in _WRITERS:
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):  # a broken pipe or a detached wrapper
+                traceback.print_exc()
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv == ["-m"]:
+        raise SystemExit(
+            "usage: python -m elastic_trainer.supervisor.bootstrap (SCRIPT | -m MODULE) [args...]"
+        )
+    exit_without_finalizing(run_script(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,100 @@
+"""The worker bootstrap behaves like ``python SCRIPT`` and skips only the finalization."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer.supervisor.bootstrap import exit_status
+
+BOOTSTRAP = [sys.executable, "-m", "elastic_trainer.supervisor.bootstrap"]
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [*BOOTSTRAP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def _script(tmp_path: Path, body: str, name: str = "job.py") -> Path:
+    path = tmp_path / "scripts" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_the_script_sees_what_python_script_would_show_it(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import json, sys
+        out = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__}
+        print(json.dumps(out))
+        """,
+    )
+    done = _run([str(script), "--flag", "x"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["argv"] == [str(script), "--flag", "x"]
+    assert seen["path0"] == str(script.parent)
+    assert (seen["name"], seen["file"]) == ("__main__", str(script))
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "stderr"),
+    [
+        ("import sys; sys.exit(3)", 3, ""),
+        ("import sys; sys.exit(None)", 0, ""),
+        ("import sys; sys.exit('bad input')", 1, "bad input"),
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+        ("pass", 0, ""),
+    ],
+)
+def test_exit_status_and_errors_are_those_of_python(tmp_path, body, status, stderr):
+    done = _run([str(_script(tmp_path, body))], tmp_path)
+    assert done.returncode == status
+    assert stderr in done.stderr
+
+
+def test_atexit_handlers_threads_and_open_files_are_finished_before_the_exit(tmp_path):
+    out = tmp_path / "out.txt"
+    script = _script(
+        tmp_path,
+        f"""
+        import atexit, threading, time
+        log = open({str(out)!r}, "w")  # never closed: the exit must flush it
+        log.write("written;")
+        def late():
+            time.sleep(0.2)
+            with open({str(out)!r} + ".thread", "w") as f:
+                f.write("thread done")
+        threading.Thread(target=late).start()  # non-daemon: waited for
+        atexit.register(lambda: print("atexit ran", flush=True))
+        """,
+    )
+    done = _run([str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "atexit ran" in done.stdout
+    assert out.read_text() == "written;"
+    assert Path(f"{out}.thread").read_text() == "thread done"
+
+
+def test_a_module_runs_as_with_python_dash_m(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("import sys\nprint(__name__, sys.argv[1:])\nsys.exit(4)\n")
+    done = _run(["-m", "mypkg.train", "a", "b"], tmp_path)
+    assert done.returncode == 4, done.stderr
+    assert done.stdout.strip() == "__main__ ['a', 'b']"
+
+
+def test_exit_status_helper():
+    assert [exit_status(c) for c in (None, 0, 7)] == [0, 0, 7]
