@@ -92,8 +92,28 @@ def configure_logging(
     for handler in handlers:
         root.addHandler(handler)
     root.setLevel(level)
+    route_torch_logs()
     structlog.contextvars.clear_contextvars()
     bind_static_fields(static_fields or {})
+
+
+def route_torch_logs() -> None:
+    """Send torch's stdlib log records through our pipeline.
+
+    ``import torch`` detaches its registered loggers ("torch", "torch.distributed", ...):
+    ``propagate = False`` plus a plain-text stderr handler of its own. Without this, a worker's
+    torch warnings would bypass the JSON lines ops teams parse. Levels are kept (torch's
+    default WARNING stays). A no-op until torch is imported.
+    """
+    if "torch" not in sys.modules:
+        return
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if not (name == "torch" or name.startswith("torch.")):
+            continue
+        if isinstance(logger, logging.Logger) and not logger.propagate:
+            for handler in list(logger.handlers):
+                logger.removeHandler(handler)
+            logger.propagate = True
 
 
 def _make_handler(handler: logging.Handler, shared: list[Any], renderer: Any) -> logging.Handler:

@@ -15,6 +15,8 @@ REQUIRED = {"timestamp", "level", "event", "job_id", "node", "pid"}
 
 @pytest.fixture
 def json_log(tmp_path):
+    import torch  # noqa: F401  # what every worker has: torch detaches its loggers on import
+
     path = tmp_path / "events.jsonl"
     configure_logging(fmt="json", log_file=str(path), static_fields={"job_id": "job-7"})
     yield path
