@@ -1,0 +1,196 @@
+"""Real agents running a real TrainingSession worker (DDP + ElasticSampler + audit log).
+
+Node loss then regrowth, and a graceful SIGTERM of one node of two: the job finishes and the
+sample audit log proves every epoch trained each sample exactly once.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer.runtime.audit import check_exactly_once, effective_records, read_audit_log
+from tests.e2e.workers.harness import (
+    HERE,
+    Agent,
+    cleanup,
+    env_with,
+    free_port,
+    listening,
+    start_agent,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+WORKER = str(HERE / "sup_session_worker.py")
+SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 8, 10
+STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH  # 120: every world size (1, 2) divides the batch
+
+
+@pytest.fixture
+def agents():
+    started: list = []
+    yield started
+    cleanup(started)
+
+
+def _argv(snap: Path, audit: Path, snapshot_every: int, *extra: str) -> list[str]:
+    return [
+        "--min-nodes",
+        "1",
+        "--max-nodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        *extra,
+        "--snapshot-dir",
+        str(snap),
+        "--snapshot-every",
+        str(snapshot_every),
+        WORKER,
+        "--audit-dir",
+        str(audit),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--step-time",
+        "0.1",
+    ]
+
+
+def _records(audit: Path):
+    return read_audit_log(str(audit)) if audit.exists() else []
+
+
+def _steps_at(audit: Path, world_size: int) -> set[int]:
+    return {r.step for r in _records(audit) if r.world_size == world_size}
+
+
+def _events(agents: list[Agent], name: str) -> list[dict]:
+    return [e for agent in agents for e in agent.events(name)]
+
+
+def _wait_new(agent: Agent, name: str, since: int, timeout: float, where=lambda e: True):
+    """The first ``name`` event after the first ``since`` ones that matches ``where``.
+
+    If the first round formed at world size 1 (the second agent slow to start), earlier
+    membership events exist that must not satisfy a later wait.
+    """
+    return wait_for(
+        lambda: next((e for e in agent.events(name)[since:] if where(e)), None),
+        timeout,
+        f"{agent.name}: a new {name}",
+    )
+
+
+def _assert_exactly_once(audit: Path) -> list:
+    records = read_audit_log(str(audit))
+    assert check_exactly_once(records, SAMPLES, complete_epochs=range(EPOCHS)) == []
+    kept = effective_records(records)
+    assert max(r.step for r in kept) == STEPS
+    return kept
+
+
+def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, worker_env, agents):
+    snap, audit = tmp_path / "snap", tmp_path / "audit"
+    port, env = free_port(), env_with(worker_env)
+    argv = _argv(snap, audit, 4)
+    a = start_agent(tmp_path, "a", argv, env, port=port)
+    agents.append(a)
+    wait_for(lambda: listening(port), 60, "a to host the store")  # b joins as a client
+    b = start_agent(tmp_path, "b", argv, env, port=port)
+    agents.append(b)
+    a.wait_event("rendezvous.completed", 90, lambda e: e["world_size"] == 2)
+    # a committed snapshot of the 2-node group, and training past it, before the node dies
+    first = min(wait_for(lambda: _steps_at(audit, 2), 90, "steps at world size 2"))
+    wait_for(
+        lambda: [e for e in _events([a, b], "snapshot.saved") if e["step"] >= first],
+        90,
+        "a snapshot at world size 2",
+    )
+    saved = max(e["step"] for e in _events([a, b], "snapshot.saved"))
+    wait_for(lambda: max(_steps_at(audit, 2), default=0) > saved, 60, "steps past the snapshot")
+    assert max(_steps_at(audit, 2)) < STEPS  # acted mid-run, not after the end
+
+    before = {name: len(a.events(name)) for name in ("rendezvous.completed", "membership.changed")}
+    b.kill_tree()
+    assert b.proc.returncode == -signal.SIGKILL
+    shrink = _wait_new(a, "membership.changed", before["membership.changed"], 60)
+    assert (shrink["old_world_size"], shrink["new_world_size"]) == (2, 1)
+    assert shrink["reason"] == "node_lost"
+    assert (
+        _wait_new(a, "rendezvous.completed", before["rendezvous.completed"], 10)["world_size"] == 1
+    )
+    restored = a.wait_event("snapshot.restored", 60, lambda e: e["world_size"] == 1)
+    assert restored["saved_world_size"] == 2 and restored["step"] >= saved
+    wait_for(
+        lambda: max(_steps_at(audit, 1), default=0) > restored["step"], 60, "steps at world size 1"
+    )
+    recovered = a.wait_event("recovery.completed", 10, lambda e: e["world_size_after"] == 1)
+    assert recovered["world_size_before"] == 2 and recovered["snapshot_step"] == restored["step"]
+
+    changes = len(a.events("membership.changed"))
+    c = start_agent(tmp_path, "c", argv, env, port=port)
+    agents.append(c)
+    grow = _wait_new(a, "membership.changed", changes, 90)
+    assert (grow["old_world_size"], grow["reason"]) == (1, "node_joined")
+    assert a.wait(180) == 0 and c.wait(60) == 0
+    finished = a.events("job.finished")[-1]
+    assert finished["status"] == "succeeded" and finished["restarts"] == 0  # membership is free
+
+    kept = _assert_exactly_once(audit)
+    sizes = [r.world_size for r in kept]
+    assert 1 in sizes and sizes[-1] == 2  # shrank to 1, then finished at 2 again
+    first_at_one = sizes.index(1)
+    assert 2 in sizes[:first_at_one] and 2 in sizes[first_at_one:]
+
+
+def test_sigterm_to_one_of_two_commits_a_final_snapshot_and_loses_no_step(
+    tmp_path, worker_env, agents
+):
+    snap, audit = tmp_path / "snap", tmp_path / "audit"
+    port, env = free_port(), env_with(worker_env)
+    # No periodic snapshot in this run: zero steps lost can only come from the final one.
+    argv = _argv(snap, audit, 10_000, "--grace-period", "20")
+    a = start_agent(tmp_path, "a", argv, env, port=port)
+    agents.append(a)
+    wait_for(lambda: listening(port), 60, "a to host the store")
+    b = start_agent(tmp_path, "b", argv, env, port=port)
+    agents.append(b)
+    wait_for(lambda: len(_steps_at(audit, 2)) >= 5, 120, "steps at world size 2")
+
+    earlier = len(_events([a, b], "session.stopping"))  # a scale-up also stops the workers
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait(30) == 143
+    assert b.events("job.finished")[-1]["status"] == "preempted"
+    stopping = sorted(_events([a, b], "session.stopping"), key=lambda e: e["timestamp"])[earlier:]
+    assert stopping, "no worker reported the coordinated stop"
+    stop_step = stopping[0]["step"]
+    assert {e["step"] for e in stopping} == {stop_step}  # every rank stopped at one step
+    assert stop_step < STEPS
+    final = wait_for(
+        lambda: [e for e in _events([a, b], "snapshot.saved") if e["step"] == stop_step],
+        30,
+        "the final snapshot at the stop step",
+    )
+    assert len(final) == 1  # committed once, by rank 0
+
+    recovered = a.wait_event("recovery.completed", 60, lambda e: e["world_size_after"] == 1)
+    assert recovered["steps_lost"] == 0 and recovered["snapshot_step"] == stop_step
+    assert recovered["world_size_before"] == 2
+    restored = a.wait_event("snapshot.restored", 10, lambda e: e["world_size"] == 1)
+    assert (restored["step"], restored["saved_world_size"]) == (stop_step, 2)
+    shrink = a.wait_event("membership.changed", 10, lambda e: e["new_world_size"] == 1)
+    assert shrink["reason"] == "peer_preempted"
+    assert a.wait(180) == 0
+    finished = a.events("job.finished")[-1]
+    assert finished["status"] == "succeeded" and finished["restarts"] == 0
+
+    kept = _assert_exactly_once(audit)
+    assert [r.world_size for r in kept if r.step > stop_step] == [1] * (STEPS - stop_step)

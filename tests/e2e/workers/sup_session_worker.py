@@ -1,0 +1,61 @@
+"""examples/fault_tolerant_ddp.py with knobs for the supervisor session e2e tests.
+
+The loop is the example's, unchanged; the test adds an audit directory, the run length and a
+per-step sleep (so the test can act mid-epoch on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import elastic_trainer as et
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--audit-dir", required=True)
+    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--step-time", type=float, default=0.1, help="seconds slept per step")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    ctx = et.init_worker()
+    torch.manual_seed(0)
+    dataset = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))
+    model = DDP(torch.nn.Linear(16, 4).to(ctx.device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = et.ElasticSampler(dataset, seed=0, global_batch_size=args.global_batch)
+    loader = DataLoader(dataset, batch_size=sampler.micro_batch_size, sampler=sampler)
+    session = et.TrainingSession(
+        {"model": model, "optimizer": optimizer}, sampler, audit_dir=args.audit_dir
+    )
+    for _epoch in session.epochs(args.epochs):
+        for x, y in loader:
+            x, y = x.to(ctx.device), y.to(ctx.device)
+            with session.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                session.scale_loss(loss, len(x)).backward()
+            if session.step_ready:
+                time.sleep(args.step_time)  # a slow step: the test acts mid-epoch
+                optimizer.step()
+                optimizer.zero_grad()
+                session.step_done()
+                if session.should_stop:
+                    break
+    session.finish()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
