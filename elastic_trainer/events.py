@@ -40,7 +40,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "world_size_after",
         "snapshot_step",
     ),
-    "store.unreachable": ("endpoint", "error"),
+    "store.unreachable": ("endpoint", "error", "consequence"),
     # the standalone rendezvous store (elastic-train store)
     "store.started": ("host", "port", "endpoint"),
     "store.stopped": ("signal",),
