@@ -76,10 +76,14 @@ def _new_attempt(before: Event, after: Event) -> bool:
 
 
 def _draw_training(ax: Any, events: list[Event]) -> None:
-    ax.plot(*_series(events, "train.progress", "loss"), color="tab:blue", label="train loss")
-    ax.plot(
-        *_series(events, "train.evaluated", "val_loss"), "o-", color="tab:cyan", label="val loss"
-    )
+    train = _series(events, "train.progress", "loss")
+    val = _series(events, "train.evaluated", "val_loss")
+    ax.plot(*train, color="tab:blue", label="train loss")
+    ax.plot(*val, "o-", color="tab:cyan", label="val loss")
+    losses = [v for v in train[1] + val[1] if not math.isnan(v)]
+    if losses and min(losses) > 0:
+        # one early spike (a warm-up blow-up) would flatten everything else on a linear axis
+        ax.set_yscale("log")
     ax.set_ylabel("loss")
     acc_ax = ax.twinx()
     times, acc = _series(events, "train.evaluated", "val_accuracy")

@@ -36,3 +36,32 @@ def test_world_size_line_is_held_until_the_last_event() -> None:
         {"event": "job.finished", "t": 9.0},
     ]
     assert world_size_steps(events) == ([1.0, 5.0, 9.0], [2, 1, 1])
+
+
+def test_loss_axis_is_logarithmic_only_when_every_loss_is_positive() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from elastic_trainer.reporting.plot import _draw_training
+
+    def run(val_loss: float) -> str:
+        events = [
+            {"event": "train.progress", "t": 1.0, "step": 1, "loss": 2.0},
+            {
+                "event": "train.evaluated",
+                "t": 2.0,
+                "step": 2,
+                "val_loss": val_loss,
+                "val_accuracy": 0.1,
+            },
+        ]
+        fig, ax = plt.subplots()
+        _draw_training(ax, events)
+        scale = ax.get_yscale()
+        plt.close(fig)
+        return scale
+
+    assert run(345.0) == "log"  # a warm-up spike must not flatten the training curve
+    assert run(0.0) == "linear"  # log of zero is undefined: keep the plain axis
