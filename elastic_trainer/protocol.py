@@ -23,6 +23,10 @@ ENV_COLLECTIVE_TIMEOUT = "ELASTIC_TRAIN_COLLECTIVE_TIMEOUT"  # seconds, process-
 # Created by the supervisor when the node must stop (SIGTERM / SIGUSR1 = preemption).
 # Workers check for it after every completed step and agree on it with an all-reduce.
 STOP_FILE = "stop"
+# Created by the supervisor just before it stops the workers itself (a restart or re-formed
+# group, not a preemption). A worker that then gets SIGTERM still stops at the step boundary
+# with a snapshot, but labels the stop "restarting" rather than "preempted".
+RESTART_FILE = "restarting"
 
 
 def progress_file(local_rank: int) -> str:

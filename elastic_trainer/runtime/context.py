@@ -88,6 +88,10 @@ class WorkerContext:
         return os.path.join(self.control_dir, protocol.STOP_FILE) if self.control_dir else None
 
     @property
+    def restart_file(self) -> str | None:
+        return os.path.join(self.control_dir, protocol.RESTART_FILE) if self.control_dir else None
+
+    @property
     def progress_path(self) -> str | None:
         if not self.control_dir:
             return None

@@ -14,6 +14,7 @@ from elastic_trainer import protocol
 STOP_PREEMPTED = "preempted"
 STOP_PEER_PREEMPTED = "peer_preempted"
 STOP_MAX_STEPS = "max_steps"
+STOP_RESTARTING = "restarting"  # the supervisor itself is stopping the workers to restart
 
 
 class ProgressFile:
@@ -44,7 +45,7 @@ def read_progress(path: str) -> dict[str, object] | None:
 
 def stop_exit_code(reason: str | None) -> int | None:
     """The worker's exit code after a coordinated stop (None: not a preemption stop)."""
-    if reason == STOP_PREEMPTED:
+    if reason in (STOP_PREEMPTED, STOP_RESTARTING):
         return protocol.EXIT_PREEMPTED
     if reason == STOP_PEER_PREEMPTED:
         return protocol.EXIT_PEER_PREEMPTED

@@ -26,6 +26,7 @@ from elastic_trainer.runtime.progress import (
     STOP_MAX_STEPS,
     STOP_PEER_PREEMPTED,
     STOP_PREEMPTED,
+    STOP_RESTARTING,
     ProgressFile,
     StopSignals,
     stop_exit_code,
@@ -203,7 +204,7 @@ class TrainingSession:
         self._record(indices)
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
         if any_stop:
-            self._stop(STOP_PREEMPTED if own_stop else STOP_PEER_PREEMPTED)
+            self._stop(self._own_stop_reason() if own_stop else STOP_PEER_PREEMPTED)
         elif self.max_steps is not None and self.step >= self.max_steps:
             self.stop_reason = STOP_MAX_STEPS
         elif self.step % self.snapshot_every == 0:
@@ -223,6 +224,14 @@ class TrainingSession:
             return True
         stop_file = self.context.stop_file
         return stop_file is not None and os.path.exists(stop_file)
+
+    def _own_stop_reason(self) -> str:
+        """A signal that came with the supervisor's restart marker (and no stop file) is the
+        supervisor restarting the group, not this node being preempted."""
+        stop_file, restart_file = self.context.stop_file, self.context.restart_file
+        restarting = restart_file is not None and os.path.exists(restart_file)
+        preempting = stop_file is not None and os.path.exists(stop_file)
+        return STOP_RESTARTING if restarting and not preempting else STOP_PREEMPTED
 
     def _advance_sampler(self, local: int | None, total: int) -> list[int]:
         if self.sampler is None:

@@ -10,6 +10,7 @@ environment (ours, the control directory, the bootstrap they run under) is ``wor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -315,8 +316,18 @@ class ElasticTrainAgent(LocalElasticAgent):
         return pids
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._mark_restarting()
         self._procs.kill(grace_s=2.0)
         super()._stop_workers(worker_group)
+
+    def _mark_restarting(self) -> None:
+        """Tell workers the SIGTERM they are about to get is ours (see protocol.RESTART_FILE);
+        during a preemption the stop file already says what is happening."""
+        control_dir = self._stop.control_dir
+        if control_dir is None or os.path.exists(os.path.join(control_dir, protocol.STOP_FILE)):
+            return
+        with contextlib.suppress(OSError):
+            open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         codes = {lr: h.proc.poll() for lr, h in self._pcontext.subprocess_handlers.items()}  # type: ignore[union-attr]

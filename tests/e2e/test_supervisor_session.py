@@ -143,6 +143,9 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, work
     assert a.wait(180) == 0 and c.wait(60) == 0
     finished = a.events("job.finished")[-1]
     assert finished["status"] == "succeeded" and finished["restarts"] == 0  # membership is free
+    # node a was never preempted: its supervisor's own restarts must not read as preemptions
+    reasons = {e["reason"] for e in a.events("session.stopping")}
+    assert "preempted" not in reasons, reasons
 
     kept = _assert_exactly_once(audit)
     sizes = [r.world_size for r in kept]

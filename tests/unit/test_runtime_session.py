@@ -152,6 +152,25 @@ def test_a_signal_to_the_worker_is_an_own_node_stop(tmp_path, sig):
     assert signal.getsignal(sig) is signal.SIG_DFL  # handed back once the session is done
 
 
+def test_a_sigterm_from_the_supervisor_restarting_is_labelled_restarting(tmp_path):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    control = tmp_path / "control"
+    control.mkdir()
+    job = Job(tmp_path, control_dir=str(control), snapshot_every=100)
+    job.train(steps=2)
+    (control / protocol.RESTART_FILE).touch()  # what the agent writes before stopping workers
+    os.kill(os.getpid(), signal.SIGTERM)
+    with capture_logs() as logs:
+        job.train(steps=5)
+    # same stop as a preemption (step boundary, final snapshot), but not called one
+    assert (job.session.stop_reason, job.session.step) == ("restarting", 3)
+    stopping = [e for e in logs if e["event"] == "session.stopping"]
+    assert [(e["reason"], e["signal"]) for e in stopping] == [("restarting", "SIGTERM")]
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-000000000003"]
+    with pytest.raises(SystemExit):
+        job.session.finish()
+
+
 def test_a_scripts_own_signal_handler_is_left_alone(tmp_path):
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
