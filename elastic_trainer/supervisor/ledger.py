@@ -8,7 +8,7 @@ it into the fields of ``recovery.completed``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic_trainer.supervisor.policy import goodput
@@ -22,16 +22,6 @@ class Attempt:
     first_time: float | None = None
     last_step: int | None = None
     last_time: float | None = None
-
-    def relabel(self, cause: str) -> None:
-        """The pending recovery turned out to have another cause (e.g. a node was lost)."""
-        if self.pending is not None:
-            self.pending = PendingRecovery(
-                cause=cause,
-                failed_at=self.pending.failed_at,
-                last_step=self.pending.last_step,
-                world_size_before=self.pending.world_size_before,
-            )
 
     def observe(self, reports: Mapping[int, Progress]) -> None:
         for p in reports.values():
@@ -93,12 +83,7 @@ class Ledger:
     def relabel(self, cause: str) -> None:
         """The pending recovery turned out to have another cause (e.g. a node was lost)."""
         if self.pending is not None:
-            self.pending = PendingRecovery(
-                cause=cause,
-                failed_at=self.pending.failed_at,
-                last_step=self.pending.last_step,
-                world_size_before=self.pending.world_size_before,
-            )
+            self.pending = replace(self.pending, cause=cause)
 
     def observe(self, reports: Mapping[int, Progress], *, world_size: int) -> dict[str, Any] | None:
         """Record reports; return ``recovery.completed`` fields when a recovery just ended."""

@@ -9,7 +9,6 @@ import pytest
 from tests.e2e.workers.harness import (
     FAST_RDZV,
     PROTO,
-    cleanup,
     env_with,
     free_port,
     listening,
@@ -20,13 +19,6 @@ from tests.e2e.workers.harness import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-def agents():
-    started: list = []
-    yield started
-    cleanup(started)
 
 
 def _world_sizes(audit):

@@ -15,7 +15,6 @@ from elastic_trainer.runtime.audit import check_exactly_once, effective_records,
 from tests.e2e.workers.harness import (
     HERE,
     Agent,
-    cleanup,
     env_with,
     free_port,
     listening,
@@ -28,13 +27,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 WORKER = str(HERE / "sup_session_worker.py")
 SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 8, 10
 STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH  # 120: every world size (1, 2) divides the batch
-
-
-@pytest.fixture
-def agents():
-    started: list = []
-    yield started
-    cleanup(started)
 
 
 def _argv(snap: Path, audit: Path, snapshot_every: int, *extra: str) -> list[str]:

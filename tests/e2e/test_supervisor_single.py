@@ -14,7 +14,6 @@ from tests.e2e.workers.harness import (
     PLAIN_DDP,
     PROTO,
     REQUIRED,
-    cleanup,
     descendants_alive,
     env_with,
     free_port,
@@ -24,13 +23,6 @@ from tests.e2e.workers.harness import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-def agents():
-    started: list = []
-    yield started
-    cleanup(started)
 
 
 def test_worker_killed_once_restarts_from_snapshot_and_succeeds(tmp_path, worker_env, agents):

@@ -21,7 +21,6 @@ from tests.e2e.workers.harness import (
     FAST_RDZV,
     PROTO,
     Agent,
-    cleanup,
     descendants_alive,
     env_with,
     read_audit,
@@ -55,13 +54,6 @@ class Store:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
-
-
-@pytest.fixture
-def agents():
-    started: list[Agent] = []
-    yield started
-    cleanup(started)
 
 
 @pytest.fixture
