@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_trainer import protocol
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.protocol import LOG_FORMATS, WorkerSettings
 
 DEFAULT_MODULE = "elastic_trainer.jobs.default"
 DEFAULT_RDZV_PORT = 29400
-LOG_FORMATS = ("json", "console", "auto")
 
 
 def _check(ok: bool, name: str, value: Any, fix: str) -> None:
@@ -163,15 +164,17 @@ class RunConfig:
     max_restarts: int = 3
     monitor_interval: float = 0.2
     hang_timeout: float = 300.0  # 0 disables the watchdog
-    grace_period: float = 25.0
+    grace_period: float = protocol.DEFAULT_GRACE_PERIOD_S
     snapshot_dir: str | None = None
-    snapshot_every: int = 100
-    snapshot_keep: int = 3
+    # None: not set by the operator (WorkerSettings says who decides then)
+    snapshot_every: int | None = None
+    snapshot_keep: int | None = None
+    storage_timeout: float | None = None
     log_format: str = "auto"
     log_file: str | None = None
     node: str = "localhost"
     entrypoint: Entrypoint = field(default_factory=Entrypoint)
-    collective_timeout: float = 300.0
+    collective_timeout: float = protocol.DEFAULT_COLLECTIVE_TIMEOUT_S
     exit_barrier_timeout: float = 60.0
     resources_interval: float = 30.0
     control_root: str | None = None  # None: the system temp dir
@@ -234,22 +237,42 @@ class RunConfig:
 
     def _check_snapshots(self) -> None:
         _check(
-            isinstance(self.snapshot_every, int) and self.snapshot_every >= 1,
+            self.snapshot_every is None
+            or (isinstance(self.snapshot_every, int) and self.snapshot_every >= 1),
             "--snapshot-every",
             self.snapshot_every,
             "use an integer number of steps >= 1",
         )
         _check(
-            isinstance(self.snapshot_keep, int) and self.snapshot_keep >= 1,
+            self.snapshot_keep is None
+            or (isinstance(self.snapshot_keep, int) and self.snapshot_keep >= 1),
             "--snapshot-keep",
             self.snapshot_keep,
             "use an integer >= 1",
         )
+        if self.storage_timeout is not None:
+            _positive("--storage-timeout", self.storage_timeout)
         _check(
             self.snapshot_dir is None or bool(self.snapshot_dir.strip()),
             "--snapshot-dir",
             self.snapshot_dir,
             "use a local path or an fsspec URL such as s3://bucket/run",
+        )
+
+    def worker_settings(self, control_dir: str) -> WorkerSettings:
+        """What every worker of this node is told (through its environment)."""
+        return WorkerSettings(
+            job_id=self.job_id,
+            node=self.node,
+            control_dir=control_dir,
+            snapshot_dir=self.snapshot_dir,
+            snapshot_every=self.snapshot_every,
+            snapshot_keep=self.snapshot_keep,
+            storage_timeout_s=self.storage_timeout,
+            log_format="console" if self.log_format == "console" else "json",
+            log_file=self.log_file,
+            collective_timeout_s=self.collective_timeout,
+            grace_period_s=self.grace_period,
         )
 
     @property

@@ -9,10 +9,13 @@ and ``pid`` (added by ``elastic_trainer.logging``); worker events add ``rank``,
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any
 
 import structlog
+
+from snapshots.events import EVENTS as SNAPSHOT_EVENTS
 
 # name -> the fields that event always carries (beyond the common ones)
 CATALOGUE: Mapping[str, tuple[str, ...]] = {
@@ -47,40 +50,69 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "store.lingering": ("linger_s",),
     "store.exposed": ("host", "port", "hint"),
     "job.finished": ("status", "exit_code", "restarts", "wall_s", "goodput"),
-    # snapshots (emitted by the snapshots package, usable on its own)
-    "snapshot.saved": ("step", "epoch", "url", "bytes", "stall_ms", "write_ms"),
-    "snapshot.skipped": ("step", "reason"),
-    "snapshot.restored": ("step", "saved_world_size", "world_size"),
-    "snapshot.corrupt": ("step", "url", "problem"),
-    "snapshot.failed": ("step", "url", "error"),
-    "snapshot.pruned": ("steps", "url"),
-    "snapshot.storage_retry": ("op", "url", "attempt", "error"),
+    # snapshots: the snapshots package's own catalogue (it stands alone), merged here
+    **SNAPSHOT_EVENTS,
     # training (worker side)
     "session.started": ("world_size", "backend", "snapshot_dir"),
     "session.stopping": ("step", "reason", "signal"),
+    "session.setting_overridden": ("setting", "script_value", "operator_value"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),
 }
 
-# Closed vocabularies of some fields: dashboards may switch on these values.
-FAILURE_CAUSES = ("error", "signal", "oom", "hang", "preempted")  # worker.failed.cause
-RESTART_REASONS = ("failure", "hang", "membership")  # group.restarting.reason
-MEMBERSHIP_REASONS = ("node_lost", "node_joined", "peer_preempted")  # membership.changed.reason
-RECOVERY_CAUSES = (*FAILURE_CAUSES, "node_lost")  # recovery.completed.cause
-JOB_STATUSES = (  # job.finished.status
-    "succeeded",
-    "failed",
-    "preempted",
-    "closed",
-    "store_lost",
-    "rendezvous_timeout",
-)
+
+# Closed vocabularies of some fields: dashboards may switch on these values, and policy,
+# agent and reporting all use these enums (a str Enum compares equal to its value).
+class FailureCause(str, enum.Enum):  # worker.failed.cause
+    ERROR = "error"
+    SIGNAL = "signal"
+    OOM = "oom"
+    HANG = "hang"
+    PREEMPTED = "preempted"
+    CONFIG = "config"  # the worker exited 2: bad flags or settings, a restart cannot help
+
+
+class RestartReason(str, enum.Enum):  # group.restarting.reason
+    FAILURE = "failure"
+    HANG = "hang"
+    MEMBERSHIP = "membership"
+
+
+class MembershipReason(str, enum.Enum):  # membership.changed.reason
+    NODE_LOST = "node_lost"
+    NODE_JOINED = "node_joined"
+    PEER_PREEMPTED = "peer_preempted"
+
+
+class JobStatus(str, enum.Enum):  # job.finished.status
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    CLOSED = "closed"  # the job had already finished when this node arrived
+    STORE_LOST = "store_lost"
+    RENDEZVOUS_TIMEOUT = "rendezvous_timeout"
+    CONFIG_ERROR = "config_error"  # a worker refused its configuration (exit 2)
+
+
+FAILURE_CAUSES = tuple(c.value for c in FailureCause)
+RESTART_REASONS = tuple(r.value for r in RestartReason)
+MEMBERSHIP_REASONS = tuple(r.value for r in MembershipReason)
+RECOVERY_CAUSES = (*FAILURE_CAUSES, MembershipReason.NODE_LOST.value)  # recovery.completed.cause
+JOB_STATUSES = tuple(s.value for s in JobStatus)
 
 
 def emit(event: str, *, level: str = "info", logger: Any = None, **fields: Any) -> None:
-    """Log one catalogued event. Unknown names are a programming error, caught in tests."""
+    """Log one catalogued event with at least its catalogued fields.
+
+    An unknown name or a missing field is a programming error (KeyError), caught in tests;
+    enum values are logged as their plain strings.
+    """
     if event not in CATALOGUE:
         raise KeyError(f"event {event!r} is not in elastic_trainer.events.CATALOGUE")
+    missing = [name for name in CATALOGUE[event] if name not in fields]
+    if missing:
+        raise KeyError(f"event {event!r} is missing its fields {missing}")
+    fields = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in fields.items()}
     log = logger if logger is not None else structlog.get_logger("elastic_trainer")
     getattr(log, level)(event, **fields)

@@ -46,9 +46,22 @@ def _resolve_format(fmt: LogFormat, stream: Any) -> Literal["json", "console"]:
     return "console" if hasattr(stream, "isatty") and stream.isatty() else "json"
 
 
+# Fields every event of this process carries (job_id, node, pid; workers add rank...). Kept
+# process-wide rather than in contextvars: a context is per thread, and events logged from
+# background threads (the snapshot writer) must carry them too.
+_STATIC_FIELDS: dict[str, Any] = {}
+
+
+def _add_static_fields(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Any:
+    for key, value in _STATIC_FIELDS.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
 def _shared_processors() -> list[Any]:
     return [
         structlog.contextvars.merge_contextvars,
+        _add_static_fields,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -93,7 +106,7 @@ def configure_logging(
         root.addHandler(handler)
     root.setLevel(level)
     route_torch_logs()
-    structlog.contextvars.clear_contextvars()
+    _STATIC_FIELDS.clear()
     bind_static_fields(static_fields or {})
 
 
@@ -139,9 +152,10 @@ def _drop_logger_name(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> 
 
 
 def bind_static_fields(fields: Mapping[str, Any]) -> None:
-    """Bind fields every later event of this process carries (job_id, node, pid, rank...)."""
+    """Bind fields every later event of this process carries, from any thread (job_id, node,
+    pid, rank...)."""
     defaults = {
         "node": os.environ.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
         "pid": os.getpid(),
     }
-    structlog.contextvars.bind_contextvars(**{**defaults, **fields})
+    _STATIC_FIELDS.update({**defaults, **_STATIC_FIELDS, **fields})

@@ -8,16 +8,126 @@ and need no extra ports.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from elastic_trainer.errors import EnvironmentProblem
+
+# --- defaults: the one place each is written ----------------------------------------------
+DEFAULT_SNAPSHOT_EVERY = 100  # steps between periodic snapshots
+DEFAULT_SNAPSHOT_KEEP = 3  # newest committed snapshots kept
+# not torch's 30 min: a hung or cut-off peer must be noticed; the hang watchdog is faster
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+DEFAULT_GRACE_PERIOD_S = 25.0  # SIGTERM -> final snapshot -> exit, under common kill delays
+LOG_FORMATS = ("json", "console", "auto")
+
 # --- environment variables set by the supervisor for every worker -------------------------
 ENV_JOB_ID = "ELASTIC_TRAIN_JOB_ID"
 ENV_NODE = "ELASTIC_TRAIN_NODE"  # the node's name in events (hostname by default)
 ENV_SNAPSHOT_DIR = "ELASTIC_TRAIN_SNAPSHOT_DIR"  # fsspec URL; empty = no snapshots
 ENV_SNAPSHOT_EVERY = "ELASTIC_TRAIN_SNAPSHOT_EVERY"  # steps between periodic snapshots
 ENV_SNAPSHOT_KEEP = "ELASTIC_TRAIN_SNAPSHOT_KEEP"  # newest K committed snapshots kept
+ENV_STORAGE_TIMEOUT = "ELASTIC_TRAIN_STORAGE_TIMEOUT"  # seconds, one storage operation
 ENV_CONTROL_DIR = "ELASTIC_TRAIN_CONTROL_DIR"  # node-local dir, see the files below
 ENV_LOG_FORMAT = "ELASTIC_TRAIN_LOG_FORMAT"  # json | console
 ENV_LOG_FILE = "ELASTIC_TRAIN_LOG_FILE"  # optional path workers append JSON lines to
 ENV_COLLECTIVE_TIMEOUT = "ELASTIC_TRAIN_COLLECTIVE_TIMEOUT"  # seconds, process-group timeout
+ENV_GRACE_PERIOD = "ELASTIC_TRAIN_GRACE_PERIOD"  # seconds from a stop request to the kill
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("expected an integer >= 1")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("expected a number of seconds > 0")
+    return value
+
+
+def _log_format(raw: str) -> str:
+    if raw not in LOG_FORMATS:
+        raise ValueError(f"expected one of {LOG_FORMATS}")
+    return raw
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """What the supervisor tells each worker besides torchrun's variables: the one contract
+    across that process boundary, written with ``to_env`` and read back with ``from_env``.
+
+    ``None`` means the operator did not set it: the worker then takes the training script's
+    own keyword (``TrainingSession(snapshot_every=...)``), else the default above. When both
+    the operator and the script set a value, the operator's wins (it is the later, outer
+    decision: a deployment tunes cadence and retention without editing code) and the session
+    says so in a ``session.setting_overridden`` event.
+    """
+
+    job_id: str | None = None
+    node: str | None = None  # None: the hostname
+    control_dir: str | None = None
+    snapshot_dir: str | None = None  # fsspec URL; None = no snapshots
+    snapshot_every: int | None = None
+    snapshot_keep: int | None = None
+    storage_timeout_s: float | None = None  # None: the snapshot store's own default
+    log_format: str = "auto"
+    log_file: str | None = None
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+
+    def to_env(self) -> dict[str, str]:
+        """Every variable, ``""`` for None: a stale value inherited from the supervisor's own
+        environment must never reach the worker."""
+        return {
+            _ENV[f.name]: "" if getattr(self, f.name) is None else str(getattr(self, f.name))
+            for f in fields(self)
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        """Parse and validate; EnvironmentProblem names the variable and the value."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(_ENV[f.name], "")
+            if raw == "":
+                continue
+            try:
+                values[f.name] = _PARSE.get(f.name, str)(raw)
+            except ValueError as exc:
+                raise EnvironmentProblem(
+                    f"{_ENV[f.name]}={raw!r} is not valid ({exc}); it is set by elastic-train: "
+                    "launch the script with it, or unset the variable"
+                ) from None
+        return cls(**values)
+
+
+_ENV: dict[str, str] = {
+    "job_id": ENV_JOB_ID,
+    "node": ENV_NODE,
+    "control_dir": ENV_CONTROL_DIR,
+    "snapshot_dir": ENV_SNAPSHOT_DIR,
+    "snapshot_every": ENV_SNAPSHOT_EVERY,
+    "snapshot_keep": ENV_SNAPSHOT_KEEP,
+    "storage_timeout_s": ENV_STORAGE_TIMEOUT,
+    "log_format": ENV_LOG_FORMAT,
+    "log_file": ENV_LOG_FILE,
+    "collective_timeout_s": ENV_COLLECTIVE_TIMEOUT,
+    "grace_period_s": ENV_GRACE_PERIOD,
+}
+_PARSE: dict[str, Callable[[str], Any]] = {
+    "snapshot_every": _positive_int,
+    "snapshot_keep": _positive_int,
+    "storage_timeout_s": _positive_float,
+    "log_format": _log_format,
+    "collective_timeout_s": _positive_float,
+    "grace_period_s": _positive_float,
+}
 
 # --- files inside the control directory ---------------------------------------------------
 # Created by the supervisor when the node must stop (SIGTERM / SIGUSR1 = preemption).

@@ -28,16 +28,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import structlog
-
 from elastic_trainer.errors import ConfigError, ElasticTrainError
+from elastic_trainer.events import emit
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 _ALL_INTERFACES = frozenset({"0.0.0.0", "::", ""})
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-log = structlog.get_logger("elastic_trainer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,10 +193,11 @@ def serve(config: StoreConfig, stop: Stopper) -> int:
     listener.detach()  # the TCPStore owns the descriptor now and closes it when deleted
     if config.ready_file:
         write_ready_file(config.ready_file, host, port)
-    log.info("store.started", host=host, port=port, endpoint=format_endpoint(host, port))
+    emit("store.started", host=host, port=port, endpoint=format_endpoint(host, port))
     if config.host in _ALL_INTERFACES:
-        log.warning(
+        emit(
             "store.exposed",
+            level="warning",
             host=host,
             port=port,
             hint="c10d has no authentication: keep this port on a private network",
@@ -243,7 +241,7 @@ class Stopper:
             if self._deadline is None:
                 continue
             if not announced:  # log here, not in the signal handler
-                log.info("store.lingering", linger_s=self.linger_s)
+                emit("store.lingering", linger_s=self.linger_s)
                 announced = True
             if time.monotonic() >= self._deadline:
                 return
@@ -267,5 +265,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ElasticTrainError as exc:
         print(f"elastic-train store: {exc}", file=sys.stderr)
         return exc.exit_code
-    log.info("store.stopped", signal=", ".join(stop.signals) or None)
+    emit("store.stopped", signal=", ".join(stop.signals) or None)
     return code

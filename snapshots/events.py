@@ -1,4 +1,5 @@
-"""The events this package emits (names and fixed fields match elastic_trainer's catalogue).
+"""The events this package emits: the one catalogue of snapshot events (elastic_trainer's
+event catalogue includes it).
 
 Logged through ``structlog.get_logger("snapshots")``; the package never imports
 elastic_trainer, so it stays usable on its own.
@@ -17,6 +18,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.corrupt": ("step", "url", "problem"),
     "snapshot.failed": ("step", "url", "error"),
     "snapshot.pruned": ("steps", "url"),
+    "snapshot.storage_retry": ("op", "url", "attempt", "error"),
 }
 _LEVELS = {"snapshot.corrupt": "warning", "snapshot.failed": "error", "snapshot.skipped": "warning"}
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
 from elastic_trainer import protocol
 from elastic_trainer.errors import EnvironmentProblem
+from elastic_trainer.protocol import DEFAULT_COLLECTIVE_TIMEOUT_S, WorkerSettings
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # not torch's 30 min: a hung peer must be noticed
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "WorkerContext", "WorkerSettings"]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-_LOG_FORMATS = ("json", "console", "auto")
 
 T = TypeVar("T")
 
@@ -38,15 +38,8 @@ class WorkerContext:
     restart_count: int = 0
     max_restarts: int = 0
     run_id: str | None = None
-    job_id: str | None = None
-    node: str = ""
-    snapshot_dir: str | None = None  # fsspec URL; None = no snapshots
-    snapshot_every: int | None = None
-    snapshot_keep: int | None = None
-    control_dir: str | None = None
-    log_format: str = "auto"
-    log_file: str | None = None
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    # what elastic-train adds (protocol.WorkerSettings: the one contract with the supervisor)
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
 
     def __post_init__(self) -> None:
         _check(
@@ -62,10 +55,43 @@ class WorkerContext:
                 f"WORLD_SIZE={self.world_size} but MASTER_ADDR/MASTER_PORT are not set; launch "
                 "the script with elastic-train or torchrun"
             )
-        if self.log_format not in _LOG_FORMATS:
-            raise EnvironmentProblem(
-                f"{protocol.ENV_LOG_FORMAT}={self.log_format!r} is not one of {_LOG_FORMATS}"
-            )
+
+    # --- the supervisor's settings, as the worker uses them ------------------------------
+    @property
+    def job_id(self) -> str | None:
+        return self.settings.job_id or self.run_id
+
+    @property
+    def node(self) -> str:
+        return self.settings.node or socket.gethostname()
+
+    @property
+    def snapshot_dir(self) -> str | None:
+        return self.settings.snapshot_dir
+
+    @property
+    def snapshot_every(self) -> int | None:
+        return self.settings.snapshot_every
+
+    @property
+    def snapshot_keep(self) -> int | None:
+        return self.settings.snapshot_keep
+
+    @property
+    def control_dir(self) -> str | None:
+        return self.settings.control_dir
+
+    @property
+    def log_format(self) -> str:
+        return self.settings.log_format
+
+    @property
+    def log_file(self) -> str | None:
+        return self.settings.log_file
+
+    @property
+    def collective_timeout_s(self) -> float:
+        return self.settings.collective_timeout_s
 
     @property
     def is_distributed(self) -> bool:
@@ -101,7 +127,7 @@ class WorkerContext:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
         """Read and validate the environment; EnvironmentProblem names what is wrong."""
         env = os.environ if environ is None else environ
-        return cls(**_launcher_fields(env), **_elastic_train_fields(env))
+        return cls(**_launcher_fields(env), settings=WorkerSettings.from_env(env))
 
 
 def _check(ok: bool, what: str, against: str) -> None:
@@ -137,22 +163,6 @@ def _launcher_fields(env: Mapping[str, str]) -> dict[str, object]:
     }
 
 
-def _elastic_train_fields(env: Mapping[str, str]) -> dict[str, object]:
-    return {
-        "job_id": env.get(protocol.ENV_JOB_ID) or env.get("TORCHELASTIC_RUN_ID") or None,
-        "node": env.get(protocol.ENV_NODE) or socket.gethostname(),
-        "snapshot_dir": env.get(protocol.ENV_SNAPSHOT_DIR) or None,
-        "snapshot_every": _get(env, protocol.ENV_SNAPSHOT_EVERY, _positive_int, None),
-        "snapshot_keep": _get(env, protocol.ENV_SNAPSHOT_KEEP, _positive_int, None),
-        "control_dir": env.get(protocol.ENV_CONTROL_DIR) or None,
-        "log_format": env.get(protocol.ENV_LOG_FORMAT) or "auto",
-        "log_file": env.get(protocol.ENV_LOG_FILE) or None,
-        "collective_timeout_s": _get(
-            env, protocol.ENV_COLLECTIVE_TIMEOUT, _positive_float, DEFAULT_COLLECTIVE_TIMEOUT_S
-        ),
-    }
-
-
 _MISSING = object()
 
 
@@ -166,17 +176,3 @@ def _get(env: Mapping[str, str], name: str, parse: Callable[[str], T], default: 
         return parse(raw)
     except ValueError as exc:
         raise EnvironmentProblem(f"{name}={raw!r} is not valid: {exc}") from exc
-
-
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise ValueError("expected an integer >= 1")
-    return value
-
-
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if not value > 0:
-        raise ValueError("expected a number of seconds > 0")
-    return value

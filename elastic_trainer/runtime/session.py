@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_trainer import protocol
 from elastic_trainer.errors import ConfigError, SamplerStateError
 from elastic_trainer.events import emit
 from elastic_trainer.runtime import distributed as D
@@ -34,6 +35,10 @@ from elastic_trainer.runtime.progress import (
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.snapshotting import SessionSnapshots
 
+_DEFAULTS = {
+    "snapshot_every": protocol.DEFAULT_SNAPSHOT_EVERY,
+    "snapshot_keep": protocol.DEFAULT_SNAPSHOT_KEEP,
+}
 SAMPLER_KEY = "elastic_sampler"
 SESSION_KEY = "elastic_session"
 
@@ -43,7 +48,8 @@ class TrainingSession:
 
     ``state`` maps names to Statefuls (model, optimizer, scheduler, scaler...) saved by rank 0
     and restored on every rank. Arguments left as None come from the environment the
-    supervisor sets (``WorkerContext``); ``snapshot_every`` defaults to 100 steps.
+    supervisor sets (``WorkerContext``); the operator's flags win over ``snapshot_every`` and
+    ``keep`` given here (``protocol.WorkerSettings``).
     """
 
     def __init__(
@@ -66,14 +72,14 @@ class TrainingSession:
         self.sampler = sampler
         self.max_steps = max_steps
         self.exit_on_stop = exit_on_stop
-        self.snapshot_every = snapshot_every or self.context.snapshot_every or 100
+        self.snapshot_every = self._setting("snapshot_every", snapshot_every)
         self.step = 0  # completed optimizer steps of the whole run
         self.restored_step: int | None = None
         self.stop_reason: str | None = None
         self._micro = 0  # micro-batches of the step in progress seen by accumulate()
         self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
-        url = snapshot_dir or self.context.snapshot_dir
-        keep = keep or self.context.snapshot_keep or 3
+        url = self._setting("snapshot_dir", snapshot_dir)
+        keep = self._setting("snapshot_keep", keep)
         self._snapshots = SessionSnapshots(url, keep=keep) if url else None
         self._progress = ProgressFile(self.context.progress_path)
         self._signals = StopSignals()  # SIGTERM/SIGUSR1 to the worker = this node stops
@@ -83,6 +89,22 @@ class TrainingSession:
         self._started(url)
 
     # --- start ----------------------------------------------------------------------------
+    def _setting(self, name: str, script_value: Any) -> Any:
+        """The operator's flag, else the script's keyword, else the default (see
+        ``protocol.WorkerSettings`` for why the operator wins)."""
+        operator_value = getattr(self.context.settings, name)
+        if operator_value is None:
+            return script_value if script_value is not None else _DEFAULTS.get(name)
+        if script_value is not None and script_value != operator_value and D.rank() == 0:
+            emit(
+                "session.setting_overridden",
+                level="warning",
+                setting=name,
+                script_value=script_value,
+                operator_value=operator_value,
+            )
+        return operator_value
+
     def _open_audit(self, directory: str | None) -> AuditLog | None:
         if directory is None:
             return None

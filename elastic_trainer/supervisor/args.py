@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hang-timeout", type=float, help="seconds without progress = hang (0 = off)")
     a("--grace-period", type=float, help="seconds to stop after SIGTERM (default 25)")
     a("--snapshot-dir", help="local path or fsspec URL for snapshots")
-    a("--snapshot-every", type=int, help="steps between snapshots")
-    a("--snapshot-keep", type=int, help="newest snapshots kept")
+    a("--snapshot-every", type=int, help="steps between snapshots (default 100)")
+    a("--snapshot-keep", type=int, help="newest snapshots kept (default 3)")
+    a("--storage-timeout", type=float, help="seconds one snapshot storage operation may take")
     a("--log-format", choices=("json", "console", "auto"), help="default auto")
     a("--log-file", help="also append JSON lines to this file")
     a("--node", help="this node's name in events (default: hostname)")
@@ -338,6 +339,7 @@ def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "snapshot_dir",
         "snapshot_every",
         "snapshot_keep",
+        "storage_timeout",
         "log_format",
         "log_file",
         "collective_timeout",

@@ -19,16 +19,13 @@ from dataclasses import dataclass, field, replace
 
 from elastic_trainer import protocol
 from elastic_trainer.config import RestartTuning
+from elastic_trainer.events import FailureCause
 
 _SIGKILL = int(signal.SIGKILL)
 
 
-class Cause(str, enum.Enum):
-    ERROR = "error"
-    SIGNAL = "signal"
-    OOM = "oom"
-    HANG = "hang"
-    PREEMPTED = "preempted"
+# The failure vocabulary of worker.failed.cause: one enum for policy, agent and reporting.
+Cause = FailureCause
 
 
 class Action(str, enum.Enum):

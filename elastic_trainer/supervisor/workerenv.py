@@ -8,7 +8,6 @@ import os
 import shutil
 import tempfile
 
-from elastic_trainer import protocol
 from elastic_trainer.config import RunConfig
 
 # Workers run their script through this module (see its docstring: a clean interpreter exit)
@@ -16,17 +15,7 @@ BOOTSTRAP_MODULE = "elastic_trainer.supervisor.bootstrap"
 
 
 def worker_env(cfg: RunConfig, control_dir: str) -> dict[str, str]:
-    return {
-        protocol.ENV_JOB_ID: cfg.job_id,
-        protocol.ENV_NODE: cfg.node,
-        protocol.ENV_SNAPSHOT_DIR: cfg.snapshot_dir or "",
-        protocol.ENV_SNAPSHOT_EVERY: str(cfg.snapshot_every),
-        protocol.ENV_SNAPSHOT_KEEP: str(cfg.snapshot_keep),
-        protocol.ENV_CONTROL_DIR: control_dir,
-        protocol.ENV_LOG_FORMAT: "console" if cfg.log_format == "console" else "json",
-        protocol.ENV_LOG_FILE: cfg.log_file or "",
-        protocol.ENV_COLLECTIVE_TIMEOUT: str(cfg.collective_timeout),
-    }
+    return cfg.worker_settings(control_dir).to_env()
 
 
 def worker_args(cfg: RunConfig) -> tuple[str, ...]:

@@ -44,3 +44,31 @@ def test_readme_documents_every_event() -> None:
     text = README.read_text()
     missing = [name for name in events.CATALOGUE if f"`{name}`" not in text]
     assert not missing, f"README.md event table lacks: {missing}"
+
+
+def test_emit_refuses_an_event_without_its_fields() -> None:
+    with pytest.raises(KeyError, match=r"missing its fields \['restarts_left', 'backoff_s'\]"):
+        events.emit("group.restarting", reason="failure", restart_count=1)
+
+
+def test_emit_logs_enum_values_as_plain_strings() -> None:
+    with capture_logs() as logs:
+        events.emit(
+            "membership.changed",
+            old_world_size=2,
+            new_world_size=1,
+            reason=events.MembershipReason.NODE_LOST,
+        )
+    assert logs[0]["reason"] == "node_lost" and type(logs[0]["reason"]) is str
+
+
+def test_snapshot_events_have_one_catalogue() -> None:
+    from snapshots.events import EVENTS
+
+    assert {k: events.CATALOGUE[k] for k in EVENTS} == EVENTS
+
+
+def test_vocabularies_are_the_enums() -> None:
+    assert events.FAILURE_CAUSES == tuple(c.value for c in events.FailureCause)
+    assert "node_lost" in events.RECOVERY_CAUSES
+    assert "config_error" in events.JOB_STATUSES

@@ -68,3 +68,30 @@ def test_reconfiguring_does_not_duplicate_lines(tmp_path) -> None:
     structlog.get_logger("elastic_trainer").info("job.finished")
     assert len(path.read_text().splitlines()) == 1
     logging.getLogger().handlers.clear()
+
+
+def test_events_from_background_threads_carry_the_static_fields(json_log) -> None:
+    """The snapshot writer logs from its own thread: ops must still see which node saved."""
+    import threading
+
+    from elastic_trainer.events import emit
+
+    def write() -> None:
+        emit("snapshot.pruned", steps=[1], url="/x")
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join()
+    (line,) = _lines(json_log)
+    assert REQUIRED <= line.keys()
+    assert line["job_id"] == "job-7"
+
+
+def test_every_catalogued_event_gets_the_common_fields(json_log) -> None:
+    from elastic_trainer.events import CATALOGUE, emit
+
+    for name, fields in CATALOGUE.items():
+        emit(name, **dict.fromkeys(fields))
+    lines = _lines(json_log)
+    assert [line["event"] for line in lines] == list(CATALOGUE)
+    assert all(REQUIRED <= line.keys() for line in lines)

@@ -89,3 +89,48 @@ def test_cpu_context_uses_gloo(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     ctx = WorkerContext.from_env({})
     assert (ctx.device.type, ctx.backend) == ("cpu", "gloo")
+
+
+def test_worker_settings_round_trip_through_the_environment(tmp_path) -> None:
+    """The one contract between supervisor and workers: what one side writes, the other reads."""
+    from elastic_trainer.config import RunConfig
+    from elastic_trainer.protocol import WorkerSettings
+
+    cfg = RunConfig(
+        job_id="job-9",
+        node="n1",
+        snapshot_dir="memory://s",
+        snapshot_every=7,
+        snapshot_keep=2,
+        storage_timeout=12.5,
+        log_format="console",
+        log_file=str(tmp_path / "l.jsonl"),
+        collective_timeout=33.0,
+        grace_period=4.0,
+    )
+    sent = cfg.worker_settings(str(tmp_path))
+    assert WorkerSettings.from_env(sent.to_env()) == sent
+    ctx = WorkerContext.from_env(sent.to_env())
+    assert (ctx.job_id, ctx.node, ctx.snapshot_every, ctx.snapshot_keep) == ("job-9", "n1", 7, 2)
+    assert ctx.settings.storage_timeout_s == 12.5 and ctx.collective_timeout_s == 33.0
+
+
+def test_unset_settings_are_sent_empty_so_stale_values_never_leak() -> None:
+    """None travels as "" (not as a missing variable): a value left in the supervisor's own
+    environment must not reach the worker as if the operator had set it."""
+    from elastic_trainer.protocol import ENV_SNAPSHOT_EVERY, WorkerSettings
+
+    env = {ENV_SNAPSHOT_EVERY: "5", **WorkerSettings().to_env()}
+    assert WorkerSettings.from_env(env).snapshot_every is None
+
+
+def test_one_default_per_value() -> None:
+    """RunConfig, WorkerSettings and WorkerContext agree because they share the constants."""
+    from elastic_trainer.config import RunConfig
+
+    settings = RunConfig().worker_settings("/tmp/x")
+    ctx = WorkerContext.from_env(settings.to_env())
+    assert (
+        ctx.collective_timeout_s == DEFAULT_COLLECTIVE_TIMEOUT_S == RunConfig().collective_timeout
+    )
+    assert settings.snapshot_every is None and settings.snapshot_keep is None

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elastic_trainer import protocol
 from elastic_trainer.errors import ConfigError, SamplerStateError
-from elastic_trainer.runtime.context import WorkerContext
+from elastic_trainer.runtime.context import WorkerContext, WorkerSettings
 from elastic_trainer.runtime.progress import stop_exit_code
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.session import TrainingSession
@@ -47,7 +47,7 @@ class Job:
         self.session = TrainingSession(
             {"model": self.model, "optimizer": self.optimizer},
             self.sampler,
-            context=WorkerContext(control_dir=control_dir),
+            context=WorkerContext(settings=WorkerSettings(control_dir=control_dir)),
             snapshot_dir=str(tmp_path / "snapshots"),
             audit_dir=str(tmp_path / "audit"),
             configure_logs=False,
@@ -312,3 +312,38 @@ def test_a_second_signal_takes_the_default_action(monkeypatch):
     finally:
         signals.uninstall()
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_operators_flag_wins_over_the_scripts_keyword_and_says_so(tmp_path):
+    operator = WorkerSettings(snapshot_every=5, snapshot_dir=str(tmp_path / "ops"))
+    with capture_logs() as logs:
+        session = TrainingSession(
+            {"model": nn.Linear(1, 1)},
+            context=WorkerContext(settings=operator),
+            snapshot_dir=str(tmp_path / "script"),
+            snapshot_every=50,
+            keep=2,
+            configure_logs=False,
+        )
+    session.close()
+    assert session.snapshot_every == 5
+    assert session._snapshots.url.endswith("/ops")
+    overridden = {e["setting"]: e for e in logs if e["event"] == "session.setting_overridden"}
+    assert overridden.keys() == {"snapshot_every", "snapshot_dir"}  # keep: operator said nothing
+    assert (
+        overridden["snapshot_every"]["script_value"],
+        overridden["snapshot_every"]["operator_value"],
+    ) == (50, 5)
+
+
+def test_without_flags_the_script_keyword_then_the_default_applies(tmp_path):
+    session = TrainingSession(
+        {"model": nn.Linear(1, 1)}, context=WorkerContext(), snapshot_every=50, configure_logs=False
+    )
+    session.close()
+    assert session.snapshot_every == 50
+    default = TrainingSession(
+        {"model": nn.Linear(1, 1)}, context=WorkerContext(), configure_logs=False
+    )
+    default.close()
+    assert default.snapshot_every == protocol.DEFAULT_SNAPSHOT_EVERY
