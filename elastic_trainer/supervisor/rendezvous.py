@@ -25,10 +25,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
-    _PeriodicTimer,
-    _RendezvousExitOp,
 )
 
+from elastic_trainer import torch_compat
 from elastic_trainer.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -46,34 +45,26 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         self._later_last_call = timedelta(seconds=later_last_call_s)
 
     def next_rendezvous(self) -> Any:
-        # RendezvousTimeout has no setter; the handler reads this attribute when it opens the
-        # last call of a round it joins (torch 2.x: RendezvousTimeout._last_call).
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
-        self._settings.timeout._last_call = last_call
+        torch_compat.set_last_call_timeout(self, last_call)
         self._rounds_joined += 1
         return super().next_rendezvous()
 
     def _start_heartbeats(self) -> None:
-        self._keep_alive_timer = _PeriodicTimer(
-            self._settings.keep_alive_interval / 2, self._keep_alive_weak, _weak(self)
-        )
-        self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
-        self._keep_alive_timer.start()
+        torch_compat.start_fast_heartbeats(self)
 
     @property
     def round(self) -> int:
-        return int(self._state_holder.state.round)
+        return int(torch_compat.rendezvous_state(self).round)
 
     def participants(self) -> set[Any]:
-        return set(self._state_holder.state.participants)
+        return set(torch_compat.rendezvous_state(self).participants)
 
     def leave(self) -> bool:
         """Leave the current round without closing the rendezvous. Best effort."""
-        self._stop_heartbeats()
-        deadline = time.monotonic() + self._settings.timeout.close.total_seconds()
+        deadline = time.monotonic() + torch_compat.close_timeout_s(self)
         try:
-            with self._heartbeat_lock:
-                self._op_executor.run(_RendezvousExitOp(), deadline)
+            torch_compat.exit_round(self, deadline)
             return True
         except Exception as exc:  # the store may be gone: our heartbeat then simply expires
             log.warning("could not leave the rendezvous cleanly: %s", exc)
@@ -81,13 +72,11 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     def stale_peers(self, members: set[Any]) -> set[Any]:
         """Members of our last round that left it or stopped sending heartbeats."""
-        with self._heartbeat_lock:
-            self._state_holder.sync()
-        state = self._state_holder.state
-        limit = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
-        expired = datetime.now(timezone.utc) - limit
+        state = torch_compat.rendezvous_state(self, sync=True)
+        interval_s, attempts = torch_compat.keep_alive(self)
+        expired = datetime.now(timezone.utc) - timedelta(seconds=interval_s * attempts)
         gone = set()
-        for node in members - {self._this_node}:
+        for node in members - {self.this_node}:
             beat = state.last_heartbeats.get(node)
             if node not in state.participants or beat is None or beat < expired:
                 gone.add(node)
@@ -95,13 +84,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     @property
     def this_node(self) -> Any:
-        return self._this_node
-
-
-def _weak(obj: Any) -> Any:
-    import weakref
-
-    return weakref.ref(obj)
+        return torch_compat.this_node(self)
 
 
 def create_handler(cfg: RunConfig) -> FastRecoveryRendezvousHandler:
