@@ -27,6 +27,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "rdzv_endpoint",
         "entrypoint",
     ),
+    "preflight.warning": ("warning",),
     "rendezvous.completed": ("round", "world_size", "num_nodes", "duration_ms"),
     "workers.started": ("world_size", "local_world_size", "group_rank", "restart_count"),
     "worker.failed": ("rank", "exit_code", "signal", "cause", "error_summary"),

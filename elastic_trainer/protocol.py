@@ -9,7 +9,7 @@ and need no extra ports.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -82,12 +82,20 @@ class WorkerSettings:
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
 
     def to_env(self) -> dict[str, str]:
-        """Every variable, ``""`` for None: a stale value inherited from the supervisor's own
-        environment must never reach the worker."""
+        """The variables of the settings that are set (None: absent)."""
         return {
-            _ENV[f.name]: "" if getattr(self, f.name) is None else str(getattr(self, f.name))
+            _ENV[f.name]: str(getattr(self, f.name))
             for f in fields(self)
+            if getattr(self, f.name) is not None
         }
+
+    def apply_to(self, environ: MutableMapping[str, str]) -> None:
+        """Write these settings into ``environ`` (what the workers will inherit), removing
+        any variable of an unset one: a stale value must never reach a worker as if the
+        operator had set it."""
+        for name in _ENV.values():
+            environ.pop(name, None)
+        environ.update(self.to_env())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -154,6 +162,9 @@ EXIT_PREEMPTED = 0
 # The worker stopped because *another* node is being preempted; the final snapshot is
 # committed and the group must re-form without that node. Not counted as a failure.
 EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL
+# The worker refused its configuration (bad flags or settings; argparse's code too): a restart
+# would fail the same way, so the supervisor ends the job at once with this code.
+EXIT_CONFIG = 2
 
 # --- supervisor exit codes (documented in the README) -------------------------------------
 SUPERVISOR_EXIT_OK = 0

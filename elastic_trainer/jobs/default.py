@@ -30,9 +30,9 @@ from elastic_trainer.jobs.evaluation import default_export_dir, evaluate, export
 from elastic_trainer.jobs.models import (
     build_model,
     check_input_size,
-    classification_models,
     logits_of,
 )
+from elastic_trainer.runtime.plan import batch_plan
 from elastic_trainer.runtime.progress import STOP_MAX_STEPS
 
 
@@ -230,18 +230,28 @@ def _restored_before_evaluation(t: Trainer, session: Any, cfg: JobConfig) -> boo
     )
 
 
-def preflight(argv: Sequence[str]) -> JobConfig:
-    """Check flags, model name and dataset without training (no process group, no model).
-
-    A supervisor can call this before it starts workers, so a typo is one line and exit 2
-    instead of a crash in every worker and a round of restarts.
-    """
+def preflight(argv: Sequence[str], world_sizes: Sequence[int] = (1,)) -> list[str]:
+    """Check flags, model and dataset without training (no process group), for every world
+    size the job may run at. The supervisor calls it before any worker starts (see
+    ``elastic_trainer.supervisor.preflight``): a typo is one line and exit 2, not a crash in
+    every worker. Raises ConfigError for what cannot work; returns warnings for world sizes
+    the job may reach but cannot train at."""
     cfg = parse_args(argv)
-    if cfg.model not in classification_models():
-        build_model(cfg.model, num_classes=10)  # raises the one-line ConfigError
+    model = build_model(cfg.model, num_classes=10, cifar_stem=cfg.cifar_stem)
+    check_input_size(model, cfg.model, IMAGE_SIZE)  # ViTs, Inception: refused here
     data = build_datasets(cfg.data_spec())
     _check_batch_fits(cfg, len(data.train))
-    return cfg
+    first, *later = sorted(set(world_sizes))
+    batch_plan(cfg.global_batch_size, first, cfg.max_micro_batch_size)  # raises: cannot start
+    return [_world_size_warning(cfg, w) for w in later if cfg.global_batch_size % w]
+
+
+def _world_size_warning(cfg: JobConfig, world_size: int) -> str:
+    return (
+        f"--global-batch-size {cfg.global_batch_size} is not divisible by world size "
+        f"{world_size}, which the node range allows: the job will stop with exit 2 if it "
+        "re-forms at that size; use a batch every reachable world size divides"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """torch's ``LocalElasticAgent`` with our loop: restart policy, watchdog, preemption, events.
 
 torch's agent owns rendezvous, rank assignment, the worker environment and process start;
-we keep all of that and replace ``_invoke_run`` (its template loop) so that each outcome
-goes through ``policy.py`` and shows up as an event. Worker trees are killed through
+we keep all of that and replace ``_invoke_run`` (its template loop). Every decision is a pure
+function in ``decisions.py`` (on ``policy.py``'s restart budget) fed with what this class
+observes; this class carries the answers out and emits the events. Worker trees are killed through
 ``procs.py`` (torch only signals each worker's own process group, then waits 30 s); progress,
 hangs and resources are read by ``observer.py``; what workers get besides torchrun's
 environment (ours, the control directory, the bootstrap they run under) is ``workerenv.py``.
@@ -11,41 +12,34 @@ environment (ours, the control directory, the bootstrap they run under) is ``wor
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 
-from elastic_trainer import protocol
+from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
-from elastic_trainer.events import emit
+from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
+from elastic_trainer.supervisor import decisions
+from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.observer import GroupObserver
-from elastic_trainer.supervisor.policy import (
-    Action,
-    Decision,
-    PolicyState,
-    RestartPolicy,
-    classify_exit,
-    signal_name,
-)
+from elastic_trainer.supervisor.policy import RestartPolicy, WorkerExit, signal_name
 from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.signals import StopRequest, StopRequested
 from elastic_trainer.supervisor.watchdog import HangVerdict
-from elastic_trainer.supervisor.workerenv import new_control_dir, worker_env
+from elastic_trainer.supervisor.workerenv import new_control_dir, set_worker_env
 
-log = structlog.get_logger("elastic_trainer")
-
-STATUS_SUCCEEDED = "succeeded"
-STATUS_FAILED = "failed"
-STATUS_PREEMPTED = "preempted"
-STATUS_CLOSED = "closed"  # the job had already finished when this node arrived
-STATUS_STORE_LOST = "store_lost"
+# kept for callers that compare statuses as strings (run.py, tests)
+STATUS_SUCCEEDED = JobStatus.SUCCEEDED.value
+STATUS_FAILED = JobStatus.FAILED.value
+STATUS_PREEMPTED = JobStatus.PREEMPTED.value
+STATUS_CLOSED = JobStatus.CLOSED.value
+STATUS_STORE_LOST = JobStatus.STORE_LOST.value
+STATUS_CONFIG_ERROR = JobStatus.CONFIG_ERROR.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,9 +48,12 @@ class AgentOutcome:
     exit_code: int
     restarts: int
     goodput: float | None
+    error: str | None = None  # one line for the operator (a worker's configuration error)
 
 
 class ElasticTrainAgent(LocalElasticAgent):
+    """Executes ``decisions``: observes, asks, acts, emits. Decides nothing itself."""
+
     def __init__(
         self, *, spec: Any, logs_specs: Any, cfg: RunConfig, stop: StopRequest, control_root: str
     ) -> None:
@@ -71,7 +68,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._stop = stop
         self._control_root = control_root
         self._policy = RestartPolicy(max_restarts=cfg.max_restarts, tuning=cfg.restart)
-        self._pstate = PolicyState()
+        self._state = SupervisorState()
         self._procs = ProcessTracker()
         self._observer = GroupObserver(
             procs=self._procs,
@@ -81,13 +78,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         self.ledger = self._observer.ledger
         self._attempt = 0
         self._started_at = time.monotonic()
-        self._world_size: int | None = None
+        self._attempt_started = self._started_at
         self._members: set[Any] = set()
-        self._refund_if_shrunk = False
-        self._membership_reason: str | None = None
         self._peer_stop_seen: float | None = None
         self._store_lost_reported = False
         self._oom_kills_at_start: int | None = None
+        self._error: str | None = None
 
     # ---- the loop ------------------------------------------------------------------------
     def supervise(self) -> AgentOutcome:
@@ -101,8 +97,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         return AgentOutcome(
             status=status,
             exit_code=code,
-            restarts=self._pstate.restarts,
+            restarts=self._state.restarts,
             goodput=self.ledger.goodput(time.monotonic() - self._started_at),
+            error=self._error,
         )
 
     def _loop(self) -> tuple[str, int]:
@@ -118,65 +115,80 @@ class ElasticTrainAgent(LocalElasticAgent):
                 self._exit_barrier()
                 return STATUS_SUCCEEDED, protocol.SUPERVISOR_EXIT_OK
             if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-                decision = self._on_failure(result)
+                outcome = self._on_failure(result)
             elif verdict is not None:
-                decision = self._on_hang(verdict)
+                outcome = self._on_hang(verdict)
             elif self._nodes_waiting() > 0:
-                self._membership_reason = "node_joined"
-                decision = self._policy.on_membership(self._pstate)
+                outcome = decisions.on_nodes_waiting(self._policy, self._state)
             else:
                 continue
-            if decision.action == Action.GIVE_UP:
+            if outcome.verdict == Verdict.CONFIG_ERROR:
+                self._stop_workers(wg)
+                wg.state = WorkerState.FAILED
+                return STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG
+            if outcome.verdict == Verdict.GIVE_UP:
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
                 return STATUS_FAILED, protocol.SUPERVISOR_EXIT_FAILED
-            if not self._restart(decision):
+            if not self._restart(outcome):
                 return self._preempt()
 
-    def _restart(self, decision: Decision) -> bool:
+    def _restart(self, outcome: decisions.Outcome) -> bool:
         """Stop, back off, re-rendezvous, start. False if a stop was requested meanwhile."""
-        self._pstate = decision.state
+        decision = outcome.decision
+        assert decision is not None  # RESTART verdicts always carry the policy's decision
+        self._state = outcome.state
         emit(
             "group.restarting",
             reason=decision.reason,
-            restart_count=self._pstate.restarts,
+            restart_count=self._state.restarts,
             restarts_left=decision.restarts_left,
             backoff_s=decision.backoff_s,
         )
         self._stop_workers(self._worker_group)
         if decision.backoff_s > 0 and self._stop.wait(decision.backoff_s):
             return False
-        self._remaining_restarts = self._cfg.max_restarts - self._pstate.restarts
         self._worker_group.state = WorkerState.STOPPED
         self._initialize_workers(self._worker_group)
         return True
 
     # ---- outcomes ------------------------------------------------------------------------
-    def _on_failure(self, result: RunResult) -> Decision:
-        failures = self._root_failures(result)
-        causes = set()
+    def _on_failure(self, result: RunResult) -> decisions.Outcome:
+        exits = {
+            rank: WorkerExit(local_rank=f.local_rank, rank=rank, exit_code=f.exitcode)
+            for rank, f in result.failures.items()
+        }
+        pids = {rank: f.pid for rank, f in result.failures.items()}
+        roots = decisions.root_failures(exits, self._procs.killed_pids, pids)
         now_ooms, then_ooms = oom_kill_count(), self._oom_kills_at_start
-        oom_kills = now_ooms - then_ooms if now_ooms is not None and then_ooms is not None else 0
-        for rank, failure in failures.items():
-            cause = classify_exit(failure.exitcode, oom_kills=oom_kills).value
-            causes.add(cause)
-            self._emit_failed(rank, failure, cause)
-        if causes == {"preempted"}:
-            self._membership_reason = "peer_preempted"
-            self.ledger.failed(cause="preempted", now=time.time(), world_size=self._world_size or 0)
-            return self._policy.on_membership(self._pstate)
-        self.ledger.failed(
-            cause=sorted(causes)[0], now=time.time(), world_size=self._world_size or 0
+        outcome = decisions.on_group_failure(
+            self._policy,
+            self._state,
+            roots,
+            oom_kills=now_ooms - then_ooms if now_ooms is not None and then_ooms is not None else 0,
+            ran_for_s=self._ran_for(),
+            multi_node=(self._worker_group.group_world_size or 1) > 1,
         )
-        decision = self._policy.on_failure(self._pstate, ran_for_s=self._ran_for())
-        multi_node = self._worker_group.group_world_size and self._worker_group.group_world_size > 1
-        if multi_node and decision.action == Action.GIVE_UP and self._peer_lost():
-            self._membership_reason = "node_lost"
-            return self._policy.on_membership(self._pstate)
-        self._refund_if_shrunk = bool(multi_node)
-        return decision
+        for rank, cause in outcome.causes.items():
+            self._emit_failed(rank, result.failures[rank], cause)
+        if outcome.verdict == Verdict.CHECK_PEERS:
+            outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=self._peer_lost())
+        if outcome.verdict == Verdict.CONFIG_ERROR:
+            self._error = self._config_error_line(outcome, result)
+        self.ledger.failed(
+            cause=outcome.recovery_cause or "error",
+            now=time.time(),
+            world_size=self._state.world_size or 0,
+        )
+        return outcome
 
-    def _on_hang(self, verdict: HangVerdict) -> Decision:
+    def _config_error_line(self, outcome: decisions.Outcome, result: RunResult) -> str:
+        rank = min(r for r, c in outcome.causes.items() if c == FailureCause.CONFIG)
+        summary = self._error_summary(result.failures[rank])
+        why = summary or "see its output above"
+        return f"worker rank {rank} refused its configuration (exit 2): {why}"
+
+    def _on_hang(self, verdict: HangVerdict) -> decisions.Outcome:
         rank = self._global_rank(verdict.local_rank)
         emit(
             "worker.hung",
@@ -193,36 +205,33 @@ class ElasticTrainAgent(LocalElasticAgent):
             rank=rank,
             exit_code=None,
             signal="SIGKILL",
-            cause="hang",
+            cause=FailureCause.HANG,
             error_summary=f"no progress for {verdict.stalled_s:.1f}s",
             local_rank=verdict.local_rank,
-            restart_count=self._pstate.restarts,
+            restart_count=self._state.restarts,
             **self._observer.resources_fields(verdict.local_rank),
         )
-        self.ledger.failed(cause="hang", now=time.time(), world_size=self._world_size or 0)
-        return self._policy.on_failure(self._pstate, ran_for_s=self._ran_for(), hang=True)
+        self.ledger.failed(cause="hang", now=time.time(), world_size=self._state.world_size or 0)
+        return decisions.on_hang(self._policy, self._state, ran_for_s=self._ran_for())
 
-    def _root_failures(self, result: RunResult) -> dict[int, ProcessFailure]:
-        """Failures not caused by our own kill of the rest of the group."""
-        killed = self._procs.killed_pids
-        own = {r: f for r, f in result.failures.items() if f.pid not in killed}
-        return own or dict(result.failures)
-
-    def _emit_failed(self, rank: int, failure: ProcessFailure, cause: str) -> None:
-        # torch's message without an error file is boilerplate; only @record/session write one
-        summary = _first_line(failure.message) if os.path.isfile(failure.error_file) else None
+    def _emit_failed(self, rank: int, failure: ProcessFailure, cause: FailureCause) -> None:
         emit(
             "worker.failed",
-            level="warning" if cause == "preempted" else "error",
+            level="warning" if cause == FailureCause.PREEMPTED else "error",
             rank=rank,
             exit_code=failure.exitcode,
             signal=signal_name(failure.exitcode),
             cause=cause,
-            error_summary=summary,
+            error_summary=self._error_summary(failure),
             local_rank=failure.local_rank,
-            restart_count=self._pstate.restarts,
+            restart_count=self._state.restarts,
             **self._observer.resources_fields(failure.local_rank),
         )
+
+    @staticmethod
+    def _error_summary(failure: ProcessFailure) -> str | None:
+        # torch's message without an error file is boilerplate; only @record/session write one
+        return _first_line(failure.message) if os.path.isfile(failure.error_file) else None
 
     def _peer_lost(self) -> bool:
         """Did a node of our round vanish? Waits until a dead node's heartbeat would expire."""
@@ -253,17 +262,11 @@ class ElasticTrainAgent(LocalElasticAgent):
                 )
             return 0
 
-    # ---- torch hooks ---------------------------------------------------------------------
+    # ---- torch hooks (the template methods of SimpleElasticAgent; see torch_compat) -------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
-        self._stop.interruptible = True
-        try:
-            if self._stop.requested:
-                raise StopRequested(self._stop.signal_name or "stop")
-            super()._rendezvous(worker_group)
-        finally:
-            self._stop.interruptible = False
+        self._join_round(worker_group)
         self._members = handler.participants()
         world_size = worker_group.workers[0].world_size
         emit(
@@ -274,33 +277,29 @@ class ElasticTrainAgent(LocalElasticAgent):
             duration_ms=round((time.monotonic() - began) * 1000),
             group_rank=worker_group.group_rank,
         )
-        self._on_new_world(world_size)
-
-    def _on_new_world(self, world_size: int) -> None:
-        old = self._world_size
-        self._world_size = world_size
-        if old is not None and old != world_size:
-            reason = self._membership_reason or ("node_lost" if world_size < old else "node_joined")
-            if world_size < old and self._refund_if_shrunk and self._pstate.restarts > 0:
-                # the failure was a node vanishing: a membership change, not charged
-                self._pstate = dataclasses.replace(self._pstate, restarts=self._pstate.restarts - 1)
-                reason = "node_lost"
-                self.ledger.relabel("node_lost")
-            emit("membership.changed", old_world_size=old, new_world_size=world_size, reason=reason)
-        self._membership_reason = None
-        self._refund_if_shrunk = False
+        new = decisions.on_new_world(self._state, world_size)
+        self._state = new.state
+        if new.relabel_node_lost:
+            self.ledger.relabel(MembershipReason.NODE_LOST.value)
+        if new.changed_reason is not None:
+            emit(
+                "membership.changed",
+                old_world_size=new.old_world_size,
+                new_world_size=world_size,
+                reason=new.changed_reason,
+            )
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._attempt += 1
         control_dir = new_control_dir(self._control_root, self._attempt)
         self._stop.control_dir = control_dir
-        self._remaining_restarts = self._cfg.max_restarts - self._pstate.restarts
-        os.environ.update(worker_env(self._cfg, control_dir))
-        pids = super()._start_workers(worker_group)
+        # torch derives TORCHELASTIC_RESTART_COUNT from its own counter: keep it equal to ours
+        torch_compat.set_remaining_restarts(self, self._cfg.max_restarts - self._state.restarts)
+        set_worker_env(self._cfg, control_dir)
+        pids, popens = self._spawn(worker_group)
         if self._stop.requested:  # a signal raced with the start: tell the new workers too
             self._stop.write_stop_file()
-        handlers = self._pcontext.subprocess_handlers  # type: ignore[union-attr]
-        self._procs.track({lr: h.proc for lr, h in handlers.items()})
+        self._procs.track(popens)
         self._attempt_started = time.monotonic()
         self._observer.attempt_started(self._attempt_started)
         self._oom_kills_at_start = oom_kill_count()
@@ -310,7 +309,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             world_size=worker_group.workers[0].world_size,
             local_world_size=worker_group.spec.local_world_size,
             group_rank=worker_group.group_rank,
-            restart_count=self._pstate.restarts,
+            restart_count=self._state.restarts,
             pids=sorted(pids.values()),
         )
         return pids
@@ -330,18 +329,38 @@ class ElasticTrainAgent(LocalElasticAgent):
             open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        codes = {lr: h.proc.poll() for lr, h in self._pcontext.subprocess_handlers.items()}  # type: ignore[union-attr]
-        failed = [c for c in codes.values() if c not in (None, 0)]
-        running = any(c is None for c in codes.values())
-        if failed and running:
-            if all(c == protocol.EXIT_PEER_PREEMPTED for c in failed):
-                # a peer node is stopping: the others finish their final step, then exit 75
-                now = time.monotonic()
-                self._peer_stop_seen = self._peer_stop_seen or now
-                if now - self._peer_stop_seen < self._cfg.grace_period:
-                    return RunResult(state=WorkerState.HEALTHY)
-            # kill the rest ourselves: torch would SIGTERM them and wait up to 30 s
-            self._procs.kill(grace_s=1.0)
+        action, self._peer_stop_seen = decisions.on_partial_exit(
+            self._poll_codes(),
+            peer_stop_seen=self._peer_stop_seen,
+            now=time.monotonic(),
+            grace_s=self._cfg.grace_period,
+        )
+        if action == PeerStop.WAIT:
+            return RunResult(state=WorkerState.HEALTHY)
+        if action == PeerStop.KILL_REST:
+            self._procs.kill(grace_s=1.0)  # torch would SIGTERM them and wait up to 30 s
+        return self._collect(worker_group)
+
+    # ---- I/O seams (scripted in tests/unit/test_supervisor_agent.py) ---------------------
+    def _join_round(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous (blocks until the round closes), interruptible by a stop."""
+        self._stop.interruptible = True
+        try:
+            if self._stop.requested:
+                raise StopRequested(self._stop.signal_name or "stop")
+            super()._rendezvous(worker_group)
+        finally:
+            self._stop.interruptible = False
+
+    def _spawn(self, worker_group: WorkerGroup) -> tuple[dict[int, Any], dict[int, Any]]:
+        """Start the worker processes: (local rank -> pid, local rank -> Popen)."""
+        pids = super()._start_workers(worker_group)
+        return pids, torch_compat.worker_popens(self)
+
+    def _poll_codes(self) -> dict[int, int | None]:
+        return {lr: p.poll() for lr, p in torch_compat.worker_popens(self).items()}
+
+    def _collect(self, worker_group: WorkerGroup) -> RunResult:
         return super()._monitor_workers(worker_group)
 
     # ---- observation ---------------------------------------------------------------------
@@ -352,7 +371,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         return self._observer.observe(
             control_dir,
             local_world_size=self._worker_group.spec.local_world_size,
-            world_size=self._world_size or 0,
+            world_size=self._state.world_size or 0,
             global_rank=self._global_rank,
         )
 
@@ -363,7 +382,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         emit("preemption.received", level="warning", signal=stop.signal_name, grace_s=grace)
         self._worker_group.spec.rdzv_handler.leave()
         received = stop.received_at or time.monotonic()
-        kill_at = received + max(0.0, grace - min(2.0, grace * 0.2))
+        kill_at = decisions.preemption_kill_at(received, grace)
         while self._procs.alive() and time.monotonic() < kill_at and stop.count < 2:
             time.sleep(0.05)
         remaining = max(0.0, received + grace - time.monotonic())
@@ -372,7 +391,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     # ---- helpers -------------------------------------------------------------------------
     def _ran_for(self) -> float:
-        return time.monotonic() - getattr(self, "_attempt_started", self._started_at)
+        return time.monotonic() - self._attempt_started
 
     def _global_rank(self, local_rank: int) -> int:
         workers = self._worker_group.workers

@@ -54,6 +54,8 @@ def classify_exit(exit_code: int, *, oom_kills: int = 0) -> Cause:
     """
     if exit_code == protocol.EXIT_PEER_PREEMPTED:
         return Cause.PREEMPTED
+    if exit_code == protocol.EXIT_CONFIG:
+        return Cause.CONFIG
     if exit_code < 0 or exit_code > 128:
         sig = -exit_code if exit_code < 0 else exit_code - 128
         return Cause.OOM if sig == _SIGKILL and oom_kills > 0 else Cause.SIGNAL

@@ -22,7 +22,7 @@ from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import ConfigError, ElasticTrainError
 from elastic_trainer.events import emit
 from elastic_trainer.logging import configure_logging, redact, route_torch_logs
-from elastic_trainer.supervisor.args import runs_builtin_job
+from elastic_trainer.supervisor import preflight as entrypoint_preflight
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,12 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- checks before any worker starts ----------------------------------------------------
 def preflight(cfg: RunConfig) -> None:
     _check_entrypoint(cfg)
-    if runs_builtin_job(cfg):
-        # the job's own flags, model name and dataset: a typo is one line and exit 2 here,
-        # not a crash in every worker followed by a round of restarts
-        from elastic_trainer.jobs.default import preflight as job_preflight
-
-        job_preflight(cfg.entrypoint.args)
+    # the script's own flags and data, at every world size it may run at: a typo is one line
+    # and exit 2 here, not a crash in every worker (supervisor/preflight.py)
+    world_sizes = [cfg.nproc_per_node * n for n in range(cfg.min_nodes, cfg.max_nodes + 1)]
+    for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
+        emit("preflight.warning", level="warning", warning=warning)
     if cfg.snapshot_dir:
         check_snapshot_dir(cfg.snapshot_dir)
     if not hosts_store(cfg):
@@ -169,8 +168,10 @@ class Supervisor:
         signals.install(stop)
         procs.become_subreaper()
         emit("supervisor.started", **cfg.summary())
-        status, code, restarts, goodput = self._run_agent(stop)
+        status, code, restarts, goodput, error = self._run_agent(stop)
         procs.reap_strays(keep=set())
+        if error:  # a worker refused its configuration: the operator gets its one line
+            print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         emit(
             "job.finished",
             level="info" if code in (0, protocol.SUPERVISOR_EXIT_PREEMPTED) else "error",
@@ -182,7 +183,7 @@ class Supervisor:
         )
         return code
 
-    def _run_agent(self, stop: object) -> tuple[str, int, int, float | None]:
+    def _run_agent(self, stop: object) -> tuple[str, int, int, float | None, str | None]:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.rendezvous.api import (
@@ -200,10 +201,10 @@ class Supervisor:
         try:
             handler = create_handler(cfg)
         except StopRequested:
-            return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None
+            return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None, None
         except Exception as exc:
             self._store_unreachable(exc)
-            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None
+            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         control_root = workerenv.make_control_root(cfg)
         spec = WorkerSpec(
             role="trainer",
@@ -224,20 +225,20 @@ class Supervisor:
         try:
             outcome = agent.supervise()
         except RendezvousClosedError:
-            return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None
+            return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None, None
         except RendezvousTimeoutError:
             # too few nodes within --rdzv-conf join_timeout
-            return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None
+            return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         except (RendezvousError, RuntimeError) as exc:  # connection/state errors: store lost
             self._store_unreachable(exc)
-            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None
+            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         finally:
             shutil.rmtree(control_root, ignore_errors=True)
         if outcome.status == agent_mod.STATUS_SUCCEEDED:
             # close the rendezvous so that a node arriving now exits instead of waiting
             with contextlib.suppress(Exception):
                 handler.shutdown()
-        return outcome.status, outcome.exit_code, outcome.restarts, outcome.goodput
+        return outcome.status, outcome.exit_code, outcome.restarts, outcome.goodput, outcome.error
 
     def _store_unreachable(self, exc: BaseException) -> None:
         cause = exc.__cause__ or exc

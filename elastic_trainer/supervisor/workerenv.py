@@ -14,8 +14,9 @@ from elastic_trainer.config import RunConfig
 BOOTSTRAP_MODULE = "elastic_trainer.supervisor.bootstrap"
 
 
-def worker_env(cfg: RunConfig, control_dir: str) -> dict[str, str]:
-    return cfg.worker_settings(control_dir).to_env()
+def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
+    """Put this attempt's settings into our environment, which torch hands to the workers."""
+    cfg.worker_settings(control_dir).apply_to(os.environ)
 
 
 def worker_args(cfg: RunConfig) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words) -> None
 
 
 def test_preflight_checks_without_training(tmp_path) -> None:
-    assert preflight(["--train-samples", "32", "--global-batch-size", "16"]).epochs == 4
+    assert preflight(["--train-samples", "32", "--global-batch-size", "16"], [1, 2]) == []
     with pytest.raises(ConfigError, match="resnet9000"):
         preflight(["--model", "resnet9000"])
     with pytest.raises(DatasetError):
@@ -59,3 +59,17 @@ def test_a_snapshot_from_an_epochs_end_is_evaluated_after_the_restore() -> None:
     assert not _restored(restored_step=12, epoch_done=True, epoch=1, last_evaluated=12)
     assert not _restored(restored_step=9, epoch_done=False, epoch=1, last_evaluated=6, step=9)
     assert not _restored(restored_step=None, epoch_done=False, epoch=0, last_evaluated=None)
+
+
+def test_preflight_refuses_models_that_cannot_take_the_images() -> None:
+    """vit_b_16 is a classification model: the name passes, the 32x32 input does not."""
+    with pytest.raises(ConfigError, match="vit_b_16"):
+        preflight(["--model", "vit_b_16"])
+
+
+def test_preflight_checks_the_world_sizes_the_job_may_run_at() -> None:
+    flags = ["--global-batch-size", "64"]
+    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+        preflight(flags, [3])  # --nproc-per-node 3: it cannot even start
+    (warning,) = preflight(flags, [1, 2, 3, 4])  # may reach 3 later: said up front
+    assert "world size 3" in warning

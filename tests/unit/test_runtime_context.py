@@ -115,13 +115,15 @@ def test_worker_settings_round_trip_through_the_environment(tmp_path) -> None:
     assert ctx.settings.storage_timeout_s == 12.5 and ctx.collective_timeout_s == 33.0
 
 
-def test_unset_settings_are_sent_empty_so_stale_values_never_leak() -> None:
-    """None travels as "" (not as a missing variable): a value left in the supervisor's own
-    environment must not reach the worker as if the operator had set it."""
+def test_unset_settings_never_leak_from_a_stale_environment() -> None:
+    """A value left in the supervisor's own environment must not reach the worker as if the
+    operator had set it; other variables are left alone."""
     from elastic_trainer.protocol import ENV_SNAPSHOT_EVERY, WorkerSettings
 
-    env = {ENV_SNAPSHOT_EVERY: "5", **WorkerSettings().to_env()}
-    assert WorkerSettings.from_env(env).snapshot_every is None
+    environ = {ENV_SNAPSHOT_EVERY: "5", "PATH": "/bin"}
+    WorkerSettings(job_id="j").apply_to(environ)
+    assert WorkerSettings.from_env(environ) == WorkerSettings(job_id="j")
+    assert ENV_SNAPSHOT_EVERY not in environ and environ["PATH"] == "/bin"
 
 
 def test_one_default_per_value() -> None:

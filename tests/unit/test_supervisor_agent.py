@@ -1,0 +1,344 @@
+"""The agent as a thin executor, driven by scripted observations (as torch's api_test.py does
+for SimpleElasticAgent): no processes, no store, no sleeping. Each scenario scripts the
+rendezvous rounds and what the workers do, then checks the events and the outcome."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerSpec, WorkerState
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessFailure
+
+from elastic_trainer import protocol
+from elastic_trainer.config import RestartTuning, RunConfig
+from elastic_trainer.supervisor.agent import ElasticTrainAgent
+from elastic_trainer.supervisor.watchdog import HangVerdict
+
+OK, RUNNING = 0, None
+
+
+@dataclass
+class Round:
+    """One rendezvous round: how many nodes, and what each monitor tick sees afterwards."""
+
+    nodes: int
+    ticks: list[dict[int, int | None]]  # per tick: local rank -> exit code (None = running)
+    waiting: list[int] = field(default_factory=list)  # nodes waiting, per tick
+    hang_at: int | None = None  # tick at which the watchdog reports a hang
+
+
+class FakeHandler:
+    def __init__(self, agent_script: Script) -> None:
+        self.script = agent_script
+        self.round = 0
+        self.left = False
+
+    def participants(self) -> set[str]:
+        return {f"node{i}" for i in range(self.script.current.nodes)}
+
+    def num_nodes_waiting(self) -> int:
+        waiting = self.script.current.waiting
+        tick = self.script.tick
+        if self.script.store_lost:
+            raise RuntimeError("Connection reset by peer")
+        return waiting[tick] if tick < len(waiting) else 0
+
+    def stale_peers(self, members: set[str]) -> set[str]:
+        return set(self.script.lost_peers)
+
+    def leave(self) -> bool:
+        self.left = True
+        return True
+
+    def get_run_id(self) -> str:
+        return "job"
+
+    def get_backend(self) -> str:
+        return "c10d"
+
+    def shutdown(self) -> bool:
+        return True
+
+
+class FakeStop:
+    """StopRequest without signals: ``wait`` never sleeps, it records and answers."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.interruptible = False
+        self.control_dir: str | None = None
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+        self.count = 0
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return self.requested
+
+    def write_stop_file(self) -> None:
+        pass
+
+
+class FakeProcs:
+    def __init__(self) -> None:
+        self.killed_pids: set[int] = set()
+
+    def track(self, popens: dict[int, Any]) -> None:
+        pass
+
+    def kill(self, *, grace_s: float) -> None:
+        pass
+
+    def alive(self) -> list[Any]:
+        return []
+
+    def refresh(self) -> None:
+        pass
+
+    def resources(self) -> dict[int, Any]:
+        return {}
+
+
+class Script:
+    def __init__(self, rounds: list[Round], *, lost_peers: tuple[str, ...] = ()) -> None:
+        self.rounds = rounds
+        self.index = -1
+        self.tick = 0
+        self.lost_peers = lost_peers
+        self.store_lost = False
+
+    @property
+    def current(self) -> Round:
+        return self.rounds[self.index]
+
+
+class ScriptedAgent(ElasticTrainAgent):
+    def __init__(self, script: Script, cfg: RunConfig, tmp_path: Any, nproc: int = 1) -> None:
+        self.script = script
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=nproc,
+            entrypoint=sys.executable,
+            args=(),
+            rdzv_handler=FakeHandler(script),  # type: ignore[arg-type]
+            max_restarts=cfg.max_restarts,
+            monitor_interval=cfg.monitor_interval,
+        )
+        self.stop = FakeStop()
+        super().__init__(
+            spec=spec,
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+            cfg=cfg,
+            stop=self.stop,  # type: ignore[arg-type]
+            control_root=str(tmp_path),
+        )
+        self._procs = FakeProcs()  # type: ignore[assignment]
+        self._observer._procs = self._procs  # type: ignore[assignment]
+
+    def _join_round(self, worker_group: Any) -> None:
+        self.script.index += 1
+        self.script.tick = 0
+        nodes, nproc = self.script.current.nodes, worker_group.spec.local_world_size
+        worker_group.group_rank, worker_group.group_world_size = 0, nodes
+        worker_group.workers = [
+            Worker(
+                local_rank=lr,
+                global_rank=lr,
+                role_rank=lr,
+                world_size=nodes * nproc,
+                role_world_size=nodes * nproc,
+            )
+            for lr in range(nproc)
+        ]
+
+    def _spawn(self, worker_group: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+        return {lr: 1000 + lr for lr in range(worker_group.spec.local_world_size)}, {}
+
+    def _codes(self) -> dict[int, int | None]:
+        ticks = self.script.current.ticks
+        return ticks[min(self.script.tick, len(ticks) - 1)]
+
+    def _poll_codes(self) -> dict[int, int | None]:
+        return self._codes()
+
+    def _collect(self, worker_group: Any) -> RunResult:
+        codes = self._codes()
+        self.script.tick += 1
+        failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        if failed:
+            return RunResult(
+                state=WorkerState.FAILED,
+                failures={
+                    lr: ProcessFailure(
+                        local_rank=lr, pid=1000 + lr, exitcode=c, error_file="/nonexistent"
+                    )
+                    for lr, c in failed.items()
+                },
+            )
+        if all(c == OK for c in codes.values()):
+            return RunResult(state=WorkerState.SUCCEEDED)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _observe(self) -> HangVerdict | None:
+        if self.script.current.hang_at == self.script.tick - 1:
+            return HangVerdict(local_rank=0, last_step=7, stalled_s=301.0)
+        return None
+
+    def _exit_barrier(self) -> None:
+        pass
+
+
+def run(
+    rounds: list[Round],
+    tmp_path: Any,
+    *,
+    max_restarts: int = 3,
+    prepare: Callable[[ScriptedAgent], None] | None = None,
+    **script_kwargs: Any,
+) -> tuple[Any, list[dict[str, Any]], ScriptedAgent]:
+    cfg = RunConfig(
+        max_restarts=max_restarts,
+        monitor_interval=0.01,
+        restart=RestartTuning(backoff_base_s=1.0, backoff_max_s=8.0),
+    )
+    agent = ScriptedAgent(Script(rounds, **script_kwargs), cfg, tmp_path)
+    if prepare is not None:
+        prepare(agent)
+    with capture_logs() as logs:
+        outcome = agent.supervise()
+    return outcome, logs, agent
+
+
+def named(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def test_a_failure_restarts_the_group_and_counts(tmp_path) -> None:
+    outcome, logs, _ = run(
+        [Round(nodes=1, ticks=[{0: RUNNING}, {0: 1}]), Round(nodes=1, ticks=[{0: OK}])], tmp_path
+    )
+    assert (outcome.status, outcome.exit_code, outcome.restarts) == ("succeeded", 0, 1)
+    (failed,) = named(logs, "worker.failed")
+    assert (failed["cause"], failed["exit_code"], failed["rank"]) == ("error", 1, 0)
+    (restarting,) = named(logs, "group.restarting")
+    assert (restarting["reason"], restarting["restart_count"], restarting["restarts_left"]) == (
+        "failure",
+        1,
+        2,
+    )
+    assert not named(logs, "membership.changed")
+
+
+def test_a_crash_loop_backs_off_exponentially(tmp_path) -> None:
+    crash = Round(nodes=1, ticks=[{0: -9}])
+    outcome, logs, agent = run([crash, crash, crash, Round(nodes=1, ticks=[{0: OK}])], tmp_path)
+    assert outcome.status == "succeeded" and outcome.restarts == 3
+    assert [e["backoff_s"] for e in named(logs, "group.restarting")] == [0.0, 1.0, 2.0]
+    assert [e["signal"] for e in named(logs, "worker.failed")] == ["SIGKILL"] * 3
+    assert {1.0, 2.0} <= set(agent.stop.waits)  # the back-off was waited, interruptibly
+
+
+def test_the_job_fails_once_the_budget_is_spent(tmp_path) -> None:
+    crash = Round(nodes=1, ticks=[{0: 1}])
+    outcome, logs, _ = run([crash, crash], tmp_path, max_restarts=1)
+    assert (outcome.status, outcome.exit_code, outcome.restarts) == ("failed", 1, 1)
+    assert len(named(logs, "worker.failed")) == 2 and len(named(logs, "group.restarting")) == 1
+
+
+def test_a_node_lost_with_the_budget_spent_is_a_free_membership_change(tmp_path) -> None:
+    rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0, lost_peers=("node1",))
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    (restarting,) = named(logs, "group.restarting")
+    assert restarting["reason"] == "membership"
+    (changed,) = named(logs, "membership.changed")
+    assert (changed["old_world_size"], changed["new_world_size"], changed["reason"]) == (
+        2,
+        1,
+        "node_lost",
+    )
+
+
+def test_a_counted_failure_explained_by_a_smaller_world_is_refunded(tmp_path) -> None:
+    rounds = [Round(nodes=2, ticks=[{0: -6}]), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert outcome.restarts == 0  # charged at the failure, refunded when the world shrank
+    assert named(logs, "group.restarting")[0]["restart_count"] == 1
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+
+
+def test_a_node_joining_re_forms_the_group_for_free(tmp_path) -> None:
+    rounds = [
+        Round(nodes=1, ticks=[{0: RUNNING}, {0: RUNNING}], waiting=[0, 1]),
+        Round(nodes=2, ticks=[{0: OK}]),
+    ]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert named(logs, "group.restarting")[0]["reason"] == "membership"
+    (changed,) = named(logs, "membership.changed")
+    assert (changed["new_world_size"], changed["reason"]) == (2, "node_joined")
+    assert not named(logs, "worker.failed")
+
+
+def test_a_peer_preemption_is_a_membership_change_not_a_failure(tmp_path) -> None:
+    exit_75 = protocol.EXIT_PEER_PREEMPTED
+    rounds = [Round(nodes=2, ticks=[{0: exit_75}]), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert named(logs, "worker.failed")[0]["cause"] == "preempted"
+    assert named(logs, "membership.changed")[0]["reason"] == "peer_preempted"
+
+
+def test_a_hang_kills_and_restarts_with_reason_hang(tmp_path) -> None:
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}], hang_at=0), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert outcome.restarts == 1
+    (hung,) = named(logs, "worker.hung")
+    assert (hung["last_step"], hung["stalled_s"]) == (7, 301.0)
+    assert named(logs, "worker.failed")[0]["cause"] == "hang"
+    assert named(logs, "group.restarting")[0]["reason"] == "hang"
+
+
+def test_a_lost_store_is_reported_once_and_the_workers_go_on(tmp_path) -> None:
+    def lose_store(agent: ScriptedAgent) -> None:
+        agent.script.store_lost = True
+
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}, {0: RUNNING}, {0: RUNNING}, {0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path, prepare=lose_store)
+    assert outcome.status == "succeeded"
+    (lost,) = named(logs, "store.unreachable")
+    assert "Connection reset" in lost["error"]
+
+
+def test_a_worker_refusing_its_configuration_ends_the_job_at_once(tmp_path) -> None:
+    rounds = [Round(nodes=1, ticks=[{0: protocol.EXIT_CONFIG}])]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert (outcome.status, outcome.exit_code, outcome.restarts) == ("config_error", 2, 0)
+    assert named(logs, "worker.failed")[0]["cause"] == "config"
+    assert not named(logs, "group.restarting")
+    assert outcome.error.startswith("worker rank 0 refused its configuration (exit 2)")
+
+
+@pytest.mark.parametrize("requested_at_tick", [0, 1])
+def test_a_stop_request_preempts_and_leaves_the_rendezvous(tmp_path, requested_at_tick) -> None:
+    def stop_soon(agent: ScriptedAgent) -> None:
+        original = agent.stop.wait
+
+        def wait(timeout: float) -> bool:
+            if agent.script.tick >= requested_at_tick:
+                agent.stop.requested, agent.stop.signal_name = True, "SIGTERM"
+            return original(timeout)
+
+        agent.stop.wait = wait  # type: ignore[method-assign]
+
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}] * 3)]
+    outcome, logs, agent = run(rounds, tmp_path, prepare=stop_soon)
+    assert (outcome.status, outcome.exit_code) == ("preempted", 143)
+    assert named(logs, "preemption.received")[0]["signal"] == "SIGTERM"
+    assert agent._worker_group.spec.rdzv_handler.left

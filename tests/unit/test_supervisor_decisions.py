@@ -1,0 +1,122 @@
+"""decisions.py: pure functions of (state, observation), tested in microseconds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from elastic_trainer import protocol
+from elastic_trainer.events import FailureCause, MembershipReason
+from elastic_trainer.supervisor import decisions
+from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
+from elastic_trainer.supervisor.policy import PolicyState, RestartPolicy, WorkerExit
+
+POLICY = RestartPolicy(max_restarts=2)
+
+
+def exits(**codes: int) -> dict[int, WorkerExit]:
+    return {
+        int(r[1:]): WorkerExit(local_rank=int(r[1:]), rank=int(r[1:]), exit_code=c)
+        for r, c in codes.items()
+    }
+
+
+def fail(state: SupervisorState, multi_node: bool = False, **codes: int) -> decisions.Outcome:
+    return decisions.on_group_failure(
+        POLICY, state, exits(**codes), oom_kills=0, ran_for_s=100.0, multi_node=multi_node
+    )
+
+
+def test_root_failures_leave_out_the_workers_we_killed() -> None:
+    both = exits(r0=1, r1=-15)
+    assert decisions.root_failures(both, killed_pids={11}, pids={0: 10, 1: 11}).keys() == {0}
+    # every failure was our own kill: we cannot tell, so all are reported
+    assert decisions.root_failures(both, killed_pids={10, 11}, pids={0: 10, 1: 11}) == both
+
+
+def test_a_counted_failure_restarts_and_charges_the_budget() -> None:
+    outcome = fail(SupervisorState(), r0=1)
+    assert outcome.verdict == Verdict.RESTART and outcome.state.restarts == 1
+    assert outcome.causes == {0: FailureCause.ERROR} and outcome.recovery_cause == "error"
+    assert not outcome.state.refund_if_shrunk
+
+
+def test_exit_2_is_a_configuration_error_whatever_the_budget() -> None:
+    outcome = fail(SupervisorState(), r0=protocol.EXIT_CONFIG, r1=-9)
+    assert outcome.verdict == Verdict.CONFIG_ERROR and outcome.state.restarts == 0
+    assert outcome.causes[0] == FailureCause.CONFIG
+
+
+def test_peer_preemption_is_free_and_labelled() -> None:
+    outcome = fail(SupervisorState(), multi_node=True, r0=protocol.EXIT_PEER_PREEMPTED)
+    assert outcome.verdict == Verdict.RESTART and outcome.state.restarts == 0
+    assert outcome.state.membership_reason == MembershipReason.PEER_PREEMPTED
+    assert outcome.recovery_cause == "preempted"
+
+
+@pytest.mark.parametrize(
+    ("multi_node", "verdict"), [(False, Verdict.GIVE_UP), (True, Verdict.CHECK_PEERS)]
+)
+def test_a_spent_budget_gives_up_unless_a_lost_node_may_explain_it(multi_node, verdict) -> None:
+    spent = SupervisorState(policy=PolicyState(restarts=2))
+    assert fail(spent, multi_node=multi_node, r0=1).verdict == verdict
+
+
+def test_after_the_peer_check() -> None:
+    spent = SupervisorState(policy=PolicyState(restarts=2))
+    checked = fail(spent, multi_node=True, r0=-9)
+    lost = decisions.after_peer_check(POLICY, checked, peer_lost=True)
+    assert lost.verdict == Verdict.RESTART and lost.state.restarts == 2
+    assert lost.recovery_cause == "node_lost"
+    assert decisions.after_peer_check(POLICY, checked, peer_lost=False).verdict == Verdict.GIVE_UP
+
+
+def test_a_smaller_world_after_a_multi_node_failure_refunds_it() -> None:
+    running = SupervisorState(world_size=4)
+    failed = fail(running, multi_node=True, r0=-9)
+    assert failed.state.restarts == 1 and failed.state.refund_if_shrunk
+    world = decisions.on_new_world(failed.state, 2)
+    assert world.state.restarts == 0 and world.relabel_node_lost
+    assert (world.old_world_size, world.changed_reason) == (4, MembershipReason.NODE_LOST)
+    assert world.state == SupervisorState(world_size=2)  # pending reason and refund cleared
+
+
+def test_the_same_world_keeps_the_charge_and_reports_no_change() -> None:
+    failed = fail(SupervisorState(world_size=4), multi_node=True, r0=-9)
+    world = decisions.on_new_world(failed.state, 4)
+    assert world.state.restarts == 1 and world.changed_reason is None
+
+
+def test_a_bigger_world_is_a_node_joining() -> None:
+    joining = decisions.on_nodes_waiting(POLICY, SupervisorState(world_size=1))
+    assert joining.verdict == Verdict.RESTART and joining.state.restarts == 0
+    world = decisions.on_new_world(joining.state, 2)
+    assert world.changed_reason == MembershipReason.NODE_JOINED
+
+
+def test_hangs_count_and_eventually_give_up() -> None:
+    outcome = decisions.on_hang(POLICY, SupervisorState(), ran_for_s=500.0)
+    assert outcome.verdict == Verdict.RESTART and outcome.decision.reason == "hang"
+    spent = replace(outcome.state, policy=PolicyState(restarts=2))
+    assert decisions.on_hang(POLICY, spent, ran_for_s=500.0).verdict == Verdict.GIVE_UP
+
+
+@pytest.mark.parametrize(
+    ("codes", "seen", "now", "expected"),
+    [
+        ({0: None, 1: None}, None, 5.0, (PeerStop.NONE, None)),
+        ({0: 0, 1: 1}, None, 5.0, (PeerStop.NONE, None)),  # nothing left running
+        ({0: 75, 1: None}, None, 5.0, (PeerStop.WAIT, 5.0)),  # peers finish the final step
+        ({0: 75, 1: None}, 1.0, 5.0, (PeerStop.WAIT, 1.0)),
+        ({0: 75, 1: None}, 1.0, 12.0, (PeerStop.KILL_REST, 1.0)),  # grace (10 s) is over
+        ({0: 1, 1: None}, None, 5.0, (PeerStop.KILL_REST, None)),  # a real failure
+    ],
+)
+def test_partial_exits(codes, seen, now, expected) -> None:
+    assert decisions.on_partial_exit(codes, peer_stop_seen=seen, now=now, grace_s=10.0) == expected
+
+
+@pytest.mark.parametrize(("grace", "kill_at"), [(25.0, 123.0), (5.0, 104.0), (0.0, 100.0)])
+def test_preemption_kill_leaves_a_margin_inside_the_grace_period(grace, kill_at) -> None:
+    assert decisions.preemption_kill_at(100.0, grace) == kill_at
