@@ -123,3 +123,55 @@ def test_hadolint_finds_nothing() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- torch pins ------------------------------------------------------------------------------
+
+
+def build_args() -> dict[str, str]:
+    """ARG NAME=DEFAULT of the Dockerfile."""
+    found = {}
+    for instruction in parse(DOCKERFILE.read_text()):
+        if instruction.keyword == "ARG" and "=" in instruction.args:
+            name, _, default = instruction.args.partition("=")
+            found[name] = default
+    return found
+
+
+def version_under_test(distribution: str) -> str:
+    """The version of the package this test suite runs against."""
+    from importlib.metadata import version
+
+    return version(distribution).partition("+")[0]
+
+
+@pytest.mark.parametrize(
+    ("arg", "distribution"), [("TORCH_VERSION", "torch"), ("TORCHVISION_VERSION", "torchvision")]
+)
+def test_torch_is_pinned_to_the_version_we_test(arg: str, distribution: str) -> None:
+    assert build_args()[arg] == version_under_test(distribution)
+    installs = " ".join(i.args for i in parse(DOCKERFILE.read_text()) if i.keyword == "RUN")
+    assert f'"{distribution}==${{{arg}}}"' in installs, f"install {distribution}==${{{arg}}}"
+
+
+def test_the_pins_satisfy_the_projects_bounds() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = {r.name: r.specifier for r in map(Requirement, deps)}
+    args = build_args()
+    assert args["TORCH_VERSION"] in bounds["torch"]
+    assert args["TORCHVISION_VERSION"] in bounds["torchvision"]
+
+
+def test_the_documented_cuda_index_is_the_one_of_the_tested_build() -> None:
+    """The GPU example names the CUDA wheel index our torch came from, not a retired one."""
+    text = DOCKERFILE.read_text()
+    indexes = set(re.findall(r"download\.pytorch\.org/whl/(\w+)", text))
+    assert build_args()["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    cuda = indexes - {"cpu"}
+    assert len(cuda) == 1, f"document one CUDA index, found {sorted(cuda)}"
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda:  # a CUDA build: its index is whl/cu<major><minor>
+        assert cuda == {"cu" + torch.version.cuda.replace(".", "")}

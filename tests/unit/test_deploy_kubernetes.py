@@ -223,3 +223,66 @@ def test_plain_workers_join_the_store_as_clients() -> None:
     actions = {r["action"]: r.get("onExitCodes", {}).get("values") for r in rules}
     assert actions["FailJob"] == [2]  # config errors: retrying cannot help
     assert [143] in [r["onExitCodes"]["values"] for r in rules if "onExitCodes" in r]
+
+
+# --- workers: allocation, addresses, exit codes ----------------------------------------------
+
+
+def _worker_containers() -> list[dict[str, Any]]:
+    return [t["spec"]["containers"][0] for t in worker_templates()]
+
+
+def _cpus(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("2", "1500m", 0.5) in CPUs."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")), None)
+
+
+@pytest.mark.parametrize("container", _worker_containers(), ids=lambda c: c["name"])
+def test_auto_workers_follow_the_pods_cpu_limit(container: dict[str, Any]) -> None:
+    """`auto` counts the cgroup quota, which only a CPU *limit* sets: without one it would
+    count every CPU of the node (one worker each, out of memory)."""
+    nproc = _flag(container["args"], "--nproc-per-node")
+    limits = container["resources"].get("limits", {})
+    if nproc == "auto" and "nvidia.com/gpu" not in limits:
+        assert "cpu" in limits, "set resources.limits.cpu: it is what --nproc-per-node=auto counts"
+        assert _cpus(limits["cpu"]) >= 1
+        assert container["resources"]["requests"]["cpu"] == limits["cpu"]
+    else:
+        assert nproc and nproc.isdigit(), "give --nproc-per-node a number or auto"
+
+
+@pytest.mark.parametrize("container", _worker_containers(), ids=lambda c: c["name"])
+def test_workers_advertise_their_pod_ip(container: dict[str, Any]) -> None:
+    """Peers connect to each other's address for the rendezvous and MASTER_ADDR: a pod IP
+    always routes, while a non-indexed pod's name has no DNS record."""
+    assert _flag(container["args"], "--local-addr") == "$(POD_IP)"
+    env = {v["name"]: v for v in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_plain_job_fails_only_on_configuration_errors() -> None:
+    (job,) = by_kind("Job")
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert [r["onExitCodes"] for r in fail] == [
+        {"containerName": "trainer", "operator": "In", "values": [2]}
+    ]
+
+
+def operator_restarts(exit_code: int) -> bool:
+    """The training operator's ExitCode policy (kubeflow.org/v1 RestartPolicyExitCode):
+    1-127 are permanent and fail the job, 128-255 recreate the pod."""
+    return exit_code >= 128
+
+
+def test_pytorchjob_restarts_by_our_exit_codes() -> None:
+    (job,) = by_kind("PyTorchJob")
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "ExitCode"  # OnFailure would retry configuration errors
+    assert operator_restarts(143)  # preempted after its final snapshot: resumable
+    assert not operator_restarts(2)  # configuration

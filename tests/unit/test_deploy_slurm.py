@@ -5,7 +5,9 @@ The script's behaviour is tested on a real local Slurm in tests/e2e/test_store_s
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +55,111 @@ def test_the_warning_signal_reaches_the_supervisors_alone() -> None:
 def test_the_store_outlives_slurms_sigterm_long_enough() -> None:
     match = re.search(r"--linger (\d+)", SCRIPT.read_text())
     assert match and int(match[1]) > SUPERVISOR_GRACE_S
+
+
+def test_allocation_knobs_are_offered_for_auto_to_see() -> None:
+    """`--nproc-per-node auto` counts what the job was given: the script shows how to ask."""
+    text = SCRIPT.read_text()
+    for knob in ("--gpus-per-node", "--cpus-per-task"):
+        assert re.search(rf"^##SBATCH {knob}=\d+$", text, re.M), f"offer {knob} (commented)"
+    assert "one per GPU, else 1" not in text  # the old comment contradicted the code
+
+
+# --- the script run for real, with stand-ins for Slurm's commands ----------------------------
+# No Slurm needed: hostname, getent and srun are fakes on PATH, elastic-train is a stub that
+# records its arguments. The stub "store" writes its ready file and exits; nothing listens.
+
+FAKE_ELASTIC_TRAIN = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >>"$FAKE_LOG/elastic-train.args"
+for ((i = 1; i <= $#; i++)); do
+    if [[ "${!i}" == --ready-file ]]; then j=$((i + 1)); echo "127.0.0.1:1" >"${!j}"; fi
+done
+"""
+
+
+def fake_bin(tmp_path: Path, addresses: str) -> Path:
+    """hostname/getent that resolve this host to ``addresses`` (space-separated), and srun."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    first = addresses.split()[0]
+    fakes = {
+        "hostname": f'[[ "${{1:-}}" == -I ]] && echo "{addresses}" || echo node1',
+        "getent": f'echo "{first}   STREAM node1"',
+        "srun": 'printf "%s\\n" "$*" >>"$FAKE_LOG/srun.args"',
+        "elastic-train": FAKE_ELASTIC_TRAIN.removeprefix("#!/usr/bin/env bash\n"),
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def run_script(tmp_path: Path, addresses: str, **env: str) -> subprocess.CompletedProcess[str]:
+    bin_dir = fake_bin(tmp_path, addresses)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STORE_"))}
+    base.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_LOG=str(tmp_path),
+        TMPDIR=str(tmp_path),
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_SUBMIT_DIR=str(tmp_path / "submit"),
+        ELASTIC_TRAIN=str(bin_dir / "elastic-train"),
+    )
+    base.update(env)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "train.py"], env=base, capture_output=True, text=True, timeout=60
+    )
+
+
+def recorded(tmp_path: Path, name: str) -> list[str]:
+    path = tmp_path / f"{name}.args"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_default_store_host_skips_the_debian_loopback_alias(tmp_path: Path) -> None:
+    # /etc/hosts on Debian maps the hostname to 127.0.1.1; the interface has the real address.
+    # (192.0.2.0/24 is the documentation range; nothing connects to it, the store is a stub.)
+    done = run_script(tmp_path, "127.0.1.1 192.0.2.10")
+    assert done.returncode == 0, done.stderr
+    (store,) = recorded(tmp_path, "elastic-train")
+    assert store.startswith("store --host 192.0.2.10 --port 0 ")
+
+
+def test_a_loopback_store_host_is_refused_on_several_nodes(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "127.0.1.1")
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert "STORE_HOST='' cannot be reached from the other nodes" in line
+    assert recorded(tmp_path, "elastic-train") == []  # nothing started
+
+    explicit = run_script(tmp_path / "x", "192.0.2.10", STORE_HOST="127.0.0.1")
+    assert explicit.returncode == 2 and "STORE_HOST='127.0.0.1'" in explicit.stderr
+
+
+def test_a_single_node_job_may_use_loopback(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "127.0.1.1", SLURM_JOB_NUM_NODES="1")
+    assert done.returncode == 0, done.stderr
+    assert recorded(tmp_path, "elastic-train")[0].startswith("store --host 127.0.0.1 ")
+
+
+def test_the_default_snapshot_folder_does_not_shadow_the_snapshots_package(
+    tmp_path: Path,
+) -> None:
+    done = run_script(tmp_path, "192.0.2.10")
+    assert done.returncode == 0, done.stderr
+    (srun,) = recorded(tmp_path, "srun")
+    folder = re.search(r"--snapshot-dir (\S+)", srun)[1]
+    assert folder == f"{tmp_path}/submit/elastic-train-runs/77"
+    assert "snapshots" not in Path(folder).parts
+
+
+def test_the_supervisors_step_gets_the_jobs_cpus_and_gpus(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "192.0.2.10", SLURM_CPUS_PER_TASK="8", SLURM_GPUS_PER_NODE="a100:4")
+    assert done.returncode == 0, done.stderr
+    (srun,) = recorded(tmp_path, "srun")
+    assert "--cpus-per-task=8 --gpus-per-node=a100:4 bash -c" in srun
+    assert "--nproc-per-node auto" in srun
+
+    plain = run_script(tmp_path / "x", "192.0.2.10")
+    assert "--cpus-per-task" not in recorded(tmp_path / "x", "srun")[0], plain.stderr
