@@ -158,6 +158,9 @@ class RunConfig:
     rdzv_host: str = "127.0.0.1"
     rdzv_port: int = DEFAULT_RDZV_PORT
     is_host: bool | None = None  # None: host the store when the endpoint is this machine
+    # the address this node advertises for the rendezvous and, as rank 0, for MASTER_ADDR
+    # (None: torch's default, the FQDN, which some pods cannot resolve)
+    local_addr: str | None = None
     job_id: str = "elastic-train"
     rdzv: RendezvousTuning = field(default_factory=RendezvousTuning)
     restart: RestartTuning = field(default_factory=RestartTuning)
@@ -188,6 +191,12 @@ class RunConfig:
         )
         _check(bool(self.job_id), "--job-id", self.job_id, "use a non-empty id shared by all nodes")
         _check(bool(self.rdzv_host), "--rdzv-endpoint", self.rdzv_host, "use HOST[:PORT]")
+        _check(
+            self.local_addr is None or bool(self.local_addr.strip()),
+            "--local-addr",
+            self.local_addr,
+            "use this node's IP address or a name its peers resolve",
+        )
         _check(
             isinstance(self.rdzv_port, int) and 0 < self.rdzv_port < 65536,
             "--rdzv-endpoint port",

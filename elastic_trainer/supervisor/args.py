@@ -27,6 +27,7 @@ from elastic_trainer.config import (
     RunConfig,
 )
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.supervisor.allocation import detect_local_workers
 
 PROG = "elastic-train"
 _TRUE = {"1", "true", "yes", "on"}
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nproc-per-node", "--nproc_per_node", help="workers per node: N or auto")
     a("--rdzv-endpoint", "--rdzv_endpoint", help="HOST[:PORT] of the c10d store")
     a("--rdzv-backend", "--rdzv_backend", help="only c10d is supported")
+    a("--local-addr", "--local_addr", help="address this node advertises (default: its FQDN)")
     a("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", help="id shared by all nodes")
     a("--rdzv-conf", "--rdzv_conf", help="k=v,... rendezvous settings (see README)")
     a("--standalone", action="store_true", help="single node, local store on a free port")
@@ -233,24 +235,14 @@ def resolve_nodes(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, 
     return low, high
 
 
-def resolve_nproc(value: Any) -> int:
+def resolve_nproc(value: Any, env: Mapping[str, str] | None = None) -> int:
+    """N, or auto|cpu|gpu counted from this node's allocation (supervisor/allocation.py)."""
     if value is None:
         return 1
     text = str(value).strip()
     if text in ("auto", "cpu", "gpu"):
-        return _count_devices(text)
+        return detect_local_workers(text, env)
     return _as_int("--nproc-per-node", text)
-
-
-def _count_devices(kind: str) -> int:
-    if kind != "cpu":
-        import torch  # slow import: only when asked for auto/gpu
-
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-        if kind == "gpu":
-            raise ConfigError("--nproc-per-node=gpu is invalid: no CUDA device; use N or auto")
-    return os.cpu_count() or 1
 
 
 def _free_port() -> int:
@@ -291,10 +283,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
         RunConfig(
             min_nodes=lo,
             max_nodes=hi,
-            nproc_per_node=resolve_nproc(_pick(ns.nproc_per_node, env, "PET_NPROC_PER_NODE")),
+            nproc_per_node=resolve_nproc(_pick(ns.nproc_per_node, env, "PET_NPROC_PER_NODE"), env),
             rdzv_host=host,
             rdzv_port=port,
             is_host=is_host,
+            local_addr=_pick(ns.local_addr, env, "PET_LOCAL_ADDR") or None,
             job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
             rdzv=tuning,
             **_optional_fields(ns, env),

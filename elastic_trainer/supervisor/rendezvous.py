@@ -108,7 +108,7 @@ def create_handler(cfg: RunConfig) -> FastRecoveryRendezvousHandler:
         backend,
         cfg.min_nodes,
         cfg.max_nodes,
-        None,
+        cfg.local_addr,
         RendezvousTimeout(
             join=timedelta(seconds=tuning.join_timeout),
             last_call=timedelta(seconds=tuning.first_last_call_timeout),

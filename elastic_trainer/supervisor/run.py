@@ -214,6 +214,7 @@ class Supervisor:
             rdzv_handler=handler,
             max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval,
+            local_addr=cfg.local_addr,
         )
         agent = agent_mod.ElasticTrainAgent(
             spec=spec,

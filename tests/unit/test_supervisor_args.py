@@ -210,3 +210,46 @@ def test_bad_builtin_job_flags_are_one_line_and_exit_2_before_workers(
     assert err.startswith("elastic-train: error: ") and "\n" not in err
     log = next((tmp_path / "runs").rglob("events-*.jsonl"))
     assert "workers.started" not in log.read_text()
+
+
+def test_local_addr_flag_and_pet_variable() -> None:
+    assert args.parse(["--local-addr", "10.0.0.5", "x.py"]).local_addr == "10.0.0.5"
+    assert args.parse(["--local_addr=10.0.0.6", "x.py"]).local_addr == "10.0.0.6"
+    assert args.parse(["x.py"], env={"PET_LOCAL_ADDR": "10.0.0.7"}).local_addr == "10.0.0.7"
+    assert args.parse(["x.py"], env={}).local_addr is None
+
+
+def test_the_rendezvous_node_is_advertised_at_local_addr() -> None:
+    """--local-addr reaches torch's node descriptor (what peers dial for MASTER_ADDR)."""
+    import socket
+
+    from elastic_trainer import torch_compat
+    from elastic_trainer.supervisor.rendezvous import create_handler
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = args.parse(
+        [
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-conf",
+            "is_host=true",
+            "--local-addr",
+            "127.0.0.9",
+            "x.py",
+        ],
+        env={},
+    )
+    handler = create_handler(cfg)
+    assert torch_compat.this_node(handler).addr == "127.0.0.9"
+
+
+def test_nproc_auto_counts_the_allocation_not_the_host(monkeypatch) -> None:
+    from elastic_trainer.supervisor import allocation
+
+    monkeypatch.setattr(allocation, "read_cuda_devices", lambda: 0)
+    monkeypatch.setattr(allocation, "read_cpu_quota", lambda: None)
+    monkeypatch.setattr(allocation, "read_affinity", lambda host: 64)
+    env = {"SLURM_CPUS_ON_NODE": "1"}  # this 2-CPU host, allocated one CPU
+    assert args.parse(["--nproc-per-node", "auto", "x.py"], env=env).nproc_per_node == 1
