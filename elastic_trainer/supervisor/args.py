@@ -129,17 +129,30 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST[:PORT]`` (``[v6]:PORT`` too) -> (host, port); the port defaults to 29400."""
+    """``HOST[:PORT]`` (``[v6]:PORT``, or a bare IPv6 literal) -> (host, port); the port
+    defaults to 29400. Each malformed form is named, never silently repaired."""
     text = text.strip()
-    host, port_text = text, ""
+    host, port_text, has_port = text, "", False
     if text.startswith("["):
+        if "]" not in text:
+            raise ConfigError(
+                f"--rdzv-endpoint={text!r} opens '[' without ']': use [IPV6]:PORT, e.g. [::1]:29400"
+            )
         host, _, tail = text[1:].partition("]")
-        port_text = tail.removeprefix(":")
+        if tail and not tail.startswith(":"):
+            raise ConfigError(f"--rdzv-endpoint={text!r} is invalid: use [IPV6]:PORT")
+        port_text, has_port = tail[1:], bool(tail)
     elif text.count(":") == 1:
         host, _, port_text = text.partition(":")
+        has_port = True
     if not host:
-        raise ConfigError(f"--rdzv-endpoint={text!r} is invalid: use HOST[:PORT]")
-    if not port_text:
+        raise ConfigError(f"--rdzv-endpoint={text!r} has no host: use HOST[:PORT]")
+    if has_port and not port_text:
+        raise ConfigError(
+            f"--rdzv-endpoint={text!r} ends in ':' without a port: use HOST:PORT, or HOST alone "
+            f"for port {DEFAULT_RDZV_PORT}"
+        )
+    if not has_port:
         return host, DEFAULT_RDZV_PORT
     try:
         port = int(port_text)
@@ -261,6 +274,21 @@ def resolve_endpoint(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[st
     return parse_endpoint(text) if text else ("127.0.0.1", DEFAULT_RDZV_PORT)
 
 
+def _check_standalone(ns: argparse.Namespace, lo: int, hi: int) -> None:
+    """--standalone is one node on a private store: node counts other than 1 contradict it."""
+    given = [f for f in ("min_nodes", "max_nodes", "nnodes") if getattr(ns, f) is not None]
+    if given and (lo, hi) != (1, 1):
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise ConfigError(
+            f"--standalone runs exactly one node but {flags} asks for {lo}..{hi}: drop "
+            "--standalone to run several nodes, or drop the node counts"
+        )
+    if ns.rdzv_endpoint is not None:
+        raise ConfigError(
+            "--standalone picks its own local store: drop --rdzv-endpoint, or drop --standalone"
+        )
+
+
 def _check_backend(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
     backend = _pick(ns.rdzv_backend, env, "PET_RDZV_BACKEND")
     if backend and backend.strip().lower() != "c10d":
@@ -277,6 +305,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
     lo, hi = resolve_nodes(ns, env)
     host, port = resolve_endpoint(ns, env)
     if ns.standalone:
+        _check_standalone(ns, lo, hi)
         lo, hi = 1, 1
     tuning, is_host = tuning_from_conf(parse_rdzv_conf(_pick(ns.rdzv_conf, env, "PET_RDZV_CONF")))
     return with_run_folder(

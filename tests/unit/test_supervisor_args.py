@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from elastic_trainer.errors import ConfigError
@@ -253,3 +255,32 @@ def test_nproc_auto_counts_the_allocation_not_the_host(monkeypatch) -> None:
     monkeypatch.setattr(allocation, "read_affinity", lambda host: 64)
     env = {"SLURM_CPUS_ON_NODE": "1"}  # this 2-CPU host, allocated one CPU
     assert args.parse(["--nproc-per-node", "auto", "x.py"], env=env).nproc_per_node == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--standalone", "--min-nodes", "3", "--max-nodes", "2"], "--standalone runs exactly one"),
+        (["--standalone", "--nnodes", "2"], "--standalone runs exactly one"),
+        (["--standalone", "--rdzv-endpoint", "127.0.0.1:29400"], "drop --rdzv-endpoint"),
+        (["--rdzv-endpoint", "127.0.0.1:"], "ends in ':' without a port"),
+        (["--rdzv-endpoint", "[::1:29400"], "opens '[' without ']'"),
+        (["--rdzv-endpoint", "[::1]29400"], "use [IPV6]:PORT"),
+        (["--rdzv-endpoint", ":29400"], "has no host"),
+    ],
+)
+def test_malformed_node_and_endpoint_flags_are_named(argv, words) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        args.parse([*argv, "x.py"], env={})
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [("[::1]:29500", ("::1", 29500)), ("::1", ("::1", 29400)), ("[::1]", ("::1", 29400))],
+)
+def test_ipv6_endpoints(endpoint, expected) -> None:
+    assert args.parse_endpoint(endpoint) == expected
+
+
+def test_standalone_with_one_node_spelled_out_is_fine() -> None:
+    assert args.parse(["--standalone", "--nnodes", "1", "x.py"], env={}).max_nodes == 1
