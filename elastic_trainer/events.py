@@ -50,6 +50,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "store.stopped": ("signal",),
     "store.lingering": ("linger_s",),
     "store.exposed": ("host", "port", "hint"),
+    "output.stderr": ("text",),
     "job.finished": ("status", "exit_code", "restarts", "wall_s", "goodput"),
     # snapshots: the snapshots package's own catalogue (it stands alone), merged here
     **SNAPSHOT_EVENTS,

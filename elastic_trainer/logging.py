@@ -40,6 +40,16 @@ def _redact_processor(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> 
     return event_dict
 
 
+def static_fields() -> dict[str, Any]:
+    """The fields every event of this process carries (for lines logged outside structlog)."""
+    return dict(_STATIC_FIELDS)
+
+
+def resolve_format(fmt: LogFormat, stream: Any = None) -> Literal["json", "console"]:
+    """``auto`` is console on a TTY, JSON otherwise (stderr by default)."""
+    return _resolve_format(fmt, sys.stderr if stream is None else stream)
+
+
 def _resolve_format(fmt: LogFormat, stream: Any) -> Literal["json", "console"]:
     if fmt != "auto":
         return fmt

@@ -17,15 +17,27 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from elastic_trainer import protocol
+from elastic_trainer import protocol, stderr_router
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import ConfigError, ElasticTrainError
 from elastic_trainer.events import emit
-from elastic_trainer.logging import configure_logging, redact, route_torch_logs
+from elastic_trainer.logging import (
+    configure_logging,
+    redact,
+    resolve_format,
+    route_torch_logs,
+    static_fields,
+)
 from elastic_trainer.supervisor import preflight as entrypoint_preflight
+
+# torch's C++ warnings (c10d's TCPStore retries, with stack traces) are noise in a job whose
+# failures we report as events; errors still show. Set before torch loads; workers inherit it.
+# TORCH_CPP_LOG_LEVEL=WARNING brings them back (as output.stderr events in JSON mode).
+_CPP_LOG_LEVEL = "ERROR"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL)
     from elastic_trainer.supervisor import args
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -43,7 +55,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return protocol.SUPERVISOR_EXIT_CONFIG
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    return Supervisor(cfg).run()
+    router = None
+    if resolve_format(cfg.log_format) == "json":  # type: ignore[arg-type]
+        router = stderr_router.install(static_fields)
+    try:
+        return Supervisor(cfg).run()
+    finally:
+        if router is not None:
+            router.close()
 
 
 # ---- checks before any worker starts ----------------------------------------------------
@@ -180,6 +199,7 @@ class Supervisor:
             restarts=restarts,
             wall_s=round(time.monotonic() - started, 3),
             goodput=None if goodput is None else round(goodput, 4),
+            error=error,
         )
         return code
 

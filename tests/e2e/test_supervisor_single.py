@@ -184,3 +184,27 @@ def test_every_attempt_of_a_plain_script_exits_cleanly(tmp_path, worker_env, age
     assert "terminate called" not in agent.stderr_file.read_text()
     finished = agent.events("job.finished")[-1]
     assert (finished["status"], finished["restarts"]) == ("succeeded", 2)
+
+
+def test_raw_stderr_of_a_failing_worker_arrives_as_json_events(tmp_path, worker_env, agents):
+    argv = ["--max-restarts", "0", PROTO, "--fail-always"]
+    agent = start_agent(tmp_path, "n0", argv, env_with(worker_env), port=free_port())
+    agents.append(agent)
+    assert agent.wait(120) == 1
+    events = [json.loads(line) for line in agent.stderr_file.read_text().splitlines()]
+    raw = [e for e in events if e["event"] == "output.stderr"]
+    assert "failing on purpose" in [e["text"] for e in raw]
+    assert all(set(REQUIRED) <= e.keys() for e in events)
+
+
+def test_a_worker_exiting_2_ends_the_job_at_once_with_exit_2(tmp_path, worker_env, agents):
+    argv = ["--max-restarts", "3", PROTO, "--fail-always", "--exit-code", "2"]
+    agent = start_agent(tmp_path, "n0", argv, env_with(worker_env), port=free_port())
+    agents.append(agent)
+    assert agent.wait(120) == 2
+    events = [json.loads(line) for line in agent.stderr_file.read_text().splitlines()]
+    names = [e["event"] for e in events]
+    assert "group.restarting" not in names and names.count("workers.started") == 1
+    (finished,) = [e for e in events if e["event"] == "job.finished"]
+    assert finished["status"] == "config_error" and finished["exit_code"] == 2
+    assert finished["error"].startswith("worker rank 0 refused its configuration (exit 2)")
