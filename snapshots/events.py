@@ -17,6 +17,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.corrupt": ("step", "url", "problem"),
     "snapshot.failed": ("step", "url", "error"),
     "snapshot.pruned": ("steps", "url"),
+    "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token"),
 }
 _LEVELS = {"snapshot.corrupt": "warning", "snapshot.failed": "error", "snapshot.skipped": "warning"}
 
