@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 DEFAULT_STORAGE_TIMEOUT_S = 30.0
@@ -112,6 +112,14 @@ class RetryPolicy:
                 f"RetryPolicy.deadline_s (storage_timeout) must be > 0 seconds, got "
                 f"{self.deadline_s!r}; pass e.g. 30"
             )
+
+    def with_timeout(self, storage_timeout: float | None) -> RetryPolicy:
+        """This policy with ``deadline_s = storage_timeout`` (unchanged when None)."""
+        if storage_timeout is None:
+            return self
+        if isinstance(storage_timeout, bool) or not isinstance(storage_timeout, (int, float)):
+            raise ValueError(f"storage_timeout must be seconds (> 0), got {storage_timeout!r}")
+        return replace(self, deadline_s=float(storage_timeout))
 
     @property
     def attempt_timeout_s(self) -> float:

@@ -34,17 +34,24 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import json
-import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
-from snapshots import _catalog, _commit, _housekeeping, _writer, layout, ownership
+from snapshots import (
+    _capture,
+    _catalog,
+    _commit,
+    _deadline,
+    _housekeeping,
+    _writer,
+    layout,
+    ownership,
+)
 from snapshots.errors import (
     SnapshotError,
     SnapshotSaveError,
@@ -56,7 +63,7 @@ from snapshots.info import LoadedSnapshot, SaveHandle, SnapshotInfo, VerifyResul
 from snapshots.ownership import Owner
 from snapshots.retry import RetryPolicy
 from snapshots.rng import RNGState
-from snapshots.serialization import Stager, is_stateful
+from snapshots.serialization import is_stateful
 from snapshots.storage import RetryingStorage, open_storage, redact_url
 
 WhenBusy = Literal["wait", "skip"]
@@ -105,7 +112,9 @@ class SnapshotStore:
         self.async_save, self.when_busy = async_save, when_busy
         self.owner = owner
         self._storage: RetryingStorage = open_storage(
-            url, storage_options=storage_options, retry=_policy(retry, storage_timeout)
+            url,
+            storage_options=storage_options,
+            retry=(retry or RetryPolicy()).with_timeout(storage_timeout),
         )
         self.url = self._storage.url
         self._check_reachable(url, create)
@@ -117,15 +126,20 @@ class SnapshotStore:
         )
         self._writer = _writer.BackgroundWriter(self._storage.health)
         self._job: _commit.SaveJob | None = None  # the save in flight, to cancel at a deadline
-        self._deadline: tuple[float, float] | None = None  # (seconds, monotonic end)
-        self._stager = Stager()
+        self._deadline = _deadline.Deadline()
+        self._capturer = _capture.Capturer()
         self._closed = False
         self.last_committed: SnapshotInfo | None = None  # newest save committed by this store
-        self._copy_done = threading.Event()  # overlapped capture: deferred copies finished
-        self._copy_done.set()
-        self._hooked: set[int] = set()
-        self.last_hook_wait_ms = 0.0
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    @property
+    def last_hook_wait_ms(self) -> float:
+        """How long the last ``optimizer.step()`` waited for an overlapped copy."""
+        return self._capturer.last_hook_wait_ms
+
+    @last_hook_wait_ms.setter
+    def last_hook_wait_ms(self, value: float) -> None:
+        self._capturer.last_hook_wait_ms = value
 
     def _ensure_owner(self) -> None:
         if self.owner is not None:
@@ -181,7 +195,16 @@ class SnapshotStore:
         if reason is not None:
             emit("snapshot.skipped", step=step, reason=reason)
             return SaveHandle(step, skipped_reason=reason)
-        job = self._capture(step, state, epoch, world_size, meta, per_rank, started, overlap_with)
+        job = self._capturer.capture(
+            step,
+            state,
+            epoch=epoch,
+            world_size=world_size,
+            meta=meta,
+            per_rank=per_rank,
+            started=started,
+            overlap=overlap_with,
+        )
         previous = self._writer.take_unreported()
         handle = self._submit(job)
         if previous is not None:
@@ -219,12 +242,20 @@ class SnapshotStore:
         started: float,
     ) -> SaveHandle:
         """Runs on the writer thread, so that the caller can stop waiting at its deadline."""
-        if not self._writer.settle(until=self._deadline_end()):
+        if not self._writer.settle(until=self._deadline.end()):
             raise self._past_deadline(step, f"the save of step {self._pending_step()} is still")
-        job = self._capture(step, state, epoch, world_size, meta, per_rank, started)
+        job = self._capturer.capture(
+            step,
+            state,
+            epoch=epoch,
+            world_size=world_size,
+            meta=meta,
+            per_rank=per_rank,
+            started=started,
+        )
         previous = self._writer.take_unreported()
         handle = self._submit(job, stall_started=started)
-        if not self._writer.settle(until=self._deadline_end()):
+        if not self._writer.settle(until=self._deadline.end()):
             raise self._past_deadline(step, "it was still")
         exc = self._writer.take_unreported()
         if exc is not None:
@@ -237,25 +268,11 @@ class SnapshotStore:
         self._job = job
         return self._writer.submit(job.step, lambda: self._write(job, stall_started=stall_started))
 
-    @contextlib.contextmanager
-    def deadline(self, seconds: float | None) -> Iterator[None]:
+    def deadline(self, seconds: float | None) -> contextlib.AbstractContextManager[None]:
         """Inside the block, ``save(blocking=True)`` and ``wait()`` give up after ``seconds``
         (SnapshotSaveError naming the deadline; the save in flight is cancelled). None: no
         deadline (an enclosing block's, if any, still holds)."""
-        if seconds is None:
-            yield
-            return
-        if seconds < 0:
-            raise ValueError(f"deadline_s must be >= 0 seconds or None, got {seconds!r}")
-        outer = self._deadline
-        self._deadline = (seconds, time.monotonic() + seconds)
-        try:
-            yield
-        finally:
-            self._deadline = outer
-
-    def _deadline_end(self) -> float | None:
-        return None if self._deadline is None else self._deadline[1]
+        return self._deadline.block(seconds)
 
     def _pending_step(self) -> int | None:
         return self._writer.pending.step if self._writer.pending is not None else None
@@ -266,71 +283,19 @@ class SnapshotStore:
             self._job.cancelled.set()
         if self._writer.pending is not None:
             self._writer.pending.error_reported = True  # this error is its report
-        seconds = self._deadline[0] if self._deadline is not None else 0.0
-        return SnapshotSaveError(
-            f"gave up on the snapshot of step {step} at {self.url} after its deadline of "
-            f"deadline_s={seconds:g} s: {what} writing (storage slow or down); the newest "
-            "committed snapshot stays the one to resume from",
-            step=step,
-        )
-
-    def _capture(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        epoch: int,
-        world_size: int,
-        meta: dict[str, Any],
-        per_rank: Sequence[Any] | None,
-        started: float,
-        overlap: torch.optim.Optimizer | None = None,
-    ) -> _commit.SaveJob:
-        if overlap is not None:
-            self._hook_optimizer(overlap)
-            self._copy_done.clear()
-            entries = self._stager.capture_overlapped(state, overlap)
-        else:
-            entries = self._stager.capture(state)
-        ranks = None
-        if per_rank is not None:
-            ranks = [self._stager.copy_tree(v, ("__rank__", r)) for r, v in enumerate(per_rank)]
-        return _commit.SaveJob(
-            step=step,
-            epoch=epoch,
-            world_size=world_size,
-            metadata=meta,
-            entries=entries,
-            per_rank=ranks,
-            stall_ms=(time.perf_counter() - started) * 1000,
-            token=layout.new_token(),
-            overlapped=overlap is not None,
-        )
-
-    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) in self._hooked:
-            return
-        self._hooked.add(id(optimizer))
-        optimizer.register_step_pre_hook(self._before_optimizer_step)
-
-    def _before_optimizer_step(self, *_: Any) -> None:
-        """The only place an overlapped save makes training wait: weights are about to change."""
-        if self._copy_done.is_set():
-            return
-        begun = time.perf_counter()
-        self._copy_done.wait()
-        self.last_hook_wait_ms = (time.perf_counter() - begun) * 1000
+        return self._deadline.error(self.url, step, what)
 
     def _settle_pending(self) -> bool:
         """Before a save: wait for the one in flight, unless storage is down (then return
         False at once, leaving it in flight). Keeps its error for the caller to see once.
         DistributedSnapshotter calls this on rank 0 before its collectives."""
-        return self._writer.settle(unless_down=True, until=self._deadline_end())
+        return self._writer.settle(unless_down=True, until=self._deadline.end())
 
     def wait(self) -> SnapshotInfo | None:
         """Flush the in-flight save; raise the newest unreported save failure, if any.
         Inside a ``deadline()`` block, gives up (and cancels the save) when it passes."""
         handle = self._writer.pending
-        if not self._writer.settle(until=self._deadline_end()):
+        if not self._writer.settle(until=self._deadline.end()):
             raise self._past_deadline(self._pending_step(), "it was still")
         previous = self._writer.take_unreported()
         if previous is not None:
@@ -381,11 +346,7 @@ class SnapshotStore:
 
     def _commit(self, job: _commit.SaveJob) -> SnapshotInfo:
         try:
-            if job.overlapped:
-                try:
-                    self._stager.copy_deferred()
-                finally:
-                    self._copy_done.set()  # never leave optimizer.step() waiting
+            self._capturer.finish_deferred(job)
             return self._committer.commit(job)
         except Exception as exc:
             self._writer.chore(lambda: self._committer.abandon(job))  # off the save's path
@@ -498,15 +459,6 @@ def _previous_failure(exc: SnapshotSaveError, handle: SaveHandle | None) -> Snap
     )
     error.__cause__ = exc
     return error
-
-
-def _policy(retry: RetryPolicy | None, storage_timeout: float | None) -> RetryPolicy:
-    policy = retry or RetryPolicy()
-    if storage_timeout is None:
-        return policy
-    if isinstance(storage_timeout, bool) or not isinstance(storage_timeout, (int, float)):
-        raise ValueError(f"storage_timeout must be seconds (> 0), got {storage_timeout!r}")
-    return dataclasses.replace(policy, deadline_s=float(storage_timeout))
 
 
 def _close_at_exit(ref: weakref.ReferenceType[SnapshotStore]) -> None:
