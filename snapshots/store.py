@@ -37,7 +37,7 @@ import contextlib
 import json
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -188,23 +188,21 @@ class SnapshotStore:
         meta = _json_metadata(metadata)
         blocking = (not self.async_save) if blocking is None else blocking
         started = time.perf_counter()
+
+        def capture(overlap: torch.optim.Optimizer | None = None) -> _commit.SaveJob:
+            return self._capturer.capture(
+                step, state, epoch=epoch, world_size=world_size, meta=meta,
+                per_rank=per_rank, started=started, overlap=overlap,
+            )  # fmt: skip
+
         if blocking:
             with self.deadline(deadline_s):
-                return self._save_blocking(step, state, epoch, world_size, meta, per_rank, started)
+                return self._save_blocking(step, capture, started)
         reason = self._why_skip()
         if reason is not None:
             emit("snapshot.skipped", step=step, reason=reason)
             return SaveHandle(step, skipped_reason=reason)
-        job = self._capturer.capture(
-            step,
-            state,
-            epoch=epoch,
-            world_size=world_size,
-            meta=meta,
-            per_rank=per_rank,
-            started=started,
-            overlap=overlap_with,
-        )
+        job = capture(overlap_with)
         previous = self._writer.take_unreported()
         handle = self._submit(job)
         if previous is not None:
@@ -232,27 +230,12 @@ class SnapshotStore:
         return None
 
     def _save_blocking(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        epoch: int,
-        world_size: int,
-        meta: dict[str, Any],
-        per_rank: Sequence[Any] | None,
-        started: float,
+        self, step: int, capture: Callable[[], _commit.SaveJob], started: float
     ) -> SaveHandle:
         """Runs on the writer thread, so that the caller can stop waiting at its deadline."""
         if not self._writer.settle(until=self._deadline.end()):
             raise self._past_deadline(step, f"the save of step {self._pending_step()} is still")
-        job = self._capturer.capture(
-            step,
-            state,
-            epoch=epoch,
-            world_size=world_size,
-            meta=meta,
-            per_rank=per_rank,
-            started=started,
-        )
+        job = capture()
         previous = self._writer.take_unreported()
         handle = self._submit(job, stall_started=started)
         if not self._writer.settle(until=self._deadline.end()):
