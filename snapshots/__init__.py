@@ -14,19 +14,23 @@ from snapshots.errors import (
     SnapshotError,
     SnapshotExistsError,
     SnapshotNotFoundError,
+    SnapshotOwnerError,
     SnapshotSaveError,
     StorageError,
     UnsafeStateError,
 )
 from snapshots.info import LoadedSnapshot, SaveHandle, SnapshotInfo, VerifyResult
-from snapshots.retry import RetryPolicy
+from snapshots.ownership import Owner
+from snapshots.retry import DEFAULT_STORAGE_TIMEOUT_S, RetryPolicy
 from snapshots.rng import RNGState, capture_rng_state, restore_rng_state
 from snapshots.serialization import Stateful
 from snapshots.store import SnapshotStore
 
 __all__ = [
+    "DEFAULT_STORAGE_TIMEOUT_S",
     "LoadedSnapshot",
     "NoValidSnapshotError",
+    "Owner",
     "RNGState",
     "RetryPolicy",
     "SaveHandle",
@@ -35,6 +39,7 @@ __all__ = [
     "SnapshotExistsError",
     "SnapshotInfo",
     "SnapshotNotFoundError",
+    "SnapshotOwnerError",
     "SnapshotSaveError",
     "SnapshotStore",
     "Stateful",

@@ -27,13 +27,20 @@ older snapshots. What "verified" means depends on the verification mode (``"auto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from snapshots import _catalog, _faults, _reader, layout
-from snapshots.errors import SnapshotCorruptError, SnapshotError, SnapshotExistsError
+from snapshots.errors import (
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotSaveError,
+)
 from snapshots.info import SnapshotInfo
 from snapshots.manifest import FileEntry, Manifest, checksum, now_iso, to_json
 from snapshots.serialization import serialize
@@ -53,12 +60,22 @@ class SaveJob:
     stall_ms: float
     token: str
     overlapped: bool = False
+    # Set when the caller stopped waiting (its deadline passed): the save stops before its
+    # next write and never commits, so an exiting process is not held by it.
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class Committer:
     def __init__(
-        self, storage: RetryingStorage, catalog: _catalog.Catalog, verify: VerifyMode = "auto"
+        self,
+        storage: RetryingStorage,
+        catalog: _catalog.Catalog,
+        verify: VerifyMode = "auto",
+        *,
+        guard: Callable[[], None] | None = None,
     ) -> None:
+        """``guard``: raises when this writer may no longer write (the folder's owner check);
+        called before the first write and again right before the commit."""
         if verify not in ("auto", "full", "listing"):
             raise ValueError(
                 f"verify_after_write must be 'auto', 'full' or 'listing', got {verify!r}"
@@ -66,6 +83,7 @@ class Committer:
         self._storage = storage
         self._catalog = catalog
         self._verify = verify
+        self._guard = guard or (lambda: None)
 
     def mode(self) -> Literal["full", "listing"]:
         """Resolved per save: the storage behind the store may be wrapped after start-up."""
@@ -75,6 +93,7 @@ class Committer:
 
     def commit(self, job: SaveJob) -> SnapshotInfo:
         """Write the job's files and manifest, then verify the commit before anyone prunes."""
+        self._guard()
         if _reader.has_manifest(self._storage, job.step):
             raise SnapshotExistsError(
                 f"step {job.step} is already committed at {self._catalog.step_url(job.step)}; "
@@ -87,6 +106,8 @@ class Committer:
         written = self._write_files(job, etags=listing)
         manifest = _manifest_for(job, [entry for entry, _ in written])
         _faults.hit("before_manifest")
+        _stop_if_cancelled(job)
+        self._guard()
         body = self._put_manifest(job, manifest)
         _faults.hit("after_manifest")
         if not listing:
@@ -95,19 +116,18 @@ class Committer:
         return self._verify_listed(manifest, body, etags)
 
     def _write_files(self, job: SaveJob, *, etags: bool) -> list[tuple[FileEntry, str | None]]:
-        folder = layout.step_dir(job.step)
         files = [
-            self._put(folder, layout.entry_file_name(i, key, job.token), value, etags, key=key)
+            self._put(job, layout.entry_file_name(i, key, job.token), value, etags, key=key)
             for i, (key, value) in enumerate(job.entries.items())
         ]
         for rank, value in enumerate(job.per_rank or []):
             name = layout.rank_file_name(rank, job.token)
-            files.append(self._put(folder, name, value, etags, rank=rank))
+            files.append(self._put(job, name, value, etags, rank=rank))
         return files
 
     def _put(
         self,
-        folder: str,
+        job: SaveJob,
         name: str,
         value: Any,
         etags: bool,
@@ -115,11 +135,12 @@ class Committer:
         key: str | None = None,
         rank: int | None = None,
     ) -> tuple[FileEntry, str | None]:
+        _stop_if_cancelled(job)
         data = serialize(value)
         entry = FileEntry(name=name, size=len(data), checksum=checksum(data), key=key, rank=rank)
         # An MD5 pass only where a listing can be checked against it (object stores).
         etag = self._storage.etag_of(data) if etags else None
-        self._storage.write(f"{folder}/{name}", data)
+        self._storage.write(f"{layout.step_dir(job.step)}/{name}", data)
         return entry, etag
 
     def _put_manifest(self, job: SaveJob, manifest: Manifest) -> bytes:
@@ -137,9 +158,9 @@ class Committer:
             ) from exc
         return body
 
-    def manifest_is_ours(self, job: SaveJob) -> bool:
+    def manifest_is_ours(self, job: SaveJob, storage: RetryingStorage | None = None) -> bool:
         try:
-            manifest = _reader.read_manifest(self._storage, job.step)
+            manifest = _reader.read_manifest(storage or self._storage, job.step)
         except (FileNotFoundError, SnapshotError):
             return False
         return all(job.token in f.name for f in manifest.files) and bool(manifest.files)
@@ -166,14 +187,17 @@ class Committer:
         return SnapshotInfo.from_manifest(manifest, self._catalog.step_url(step))
 
     def abandon(self, job: SaveJob) -> None:
-        """Best effort: remove this save's data files unless its manifest committed them."""
-        if self.manifest_is_ours(job):
+        """Best effort: remove this save's data files unless its manifest committed them.
+        One attempt per call, no retries: it runs off the training path after a failure,
+        often while storage is down; retention cleans what it leaves (orphans, strays)."""
+        storage = self._storage.single_attempt()
+        if self.manifest_is_ours(job, storage):
             return
         folder = layout.step_dir(job.step)
         try:
-            for entry in self._storage.list(folder):
+            for entry in storage.list(folder):
                 if job.token in entry.name:
-                    self._storage.delete(f"{folder}/{entry.name}")
+                    storage.delete(f"{folder}/{entry.name}")
         except SnapshotError:
             pass  # storage is failing; retention cleans the orphan later
 
@@ -188,6 +212,14 @@ def _manifest_for(job: SaveJob, files: list[FileEntry]) -> Manifest:
         files=tuple(files),
         metadata=job.metadata,
     )
+
+
+def _stop_if_cancelled(job: SaveJob) -> None:
+    if job.cancelled.is_set():
+        raise SnapshotSaveError(
+            f"the save of step {job.step} was cancelled: its caller's deadline passed",
+            step=job.step,
+        )
 
 
 def _unverified(step: int, problems: list[str]) -> SnapshotCorruptError:

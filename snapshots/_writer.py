@@ -2,6 +2,9 @@
 
 A failed save never raises into the training loop by itself; its error is kept here until
 it is reported once, through its own handle or through the next save()/wait()/close().
+
+A second thread runs *chores*: best-effort work that must never hold up a save or the
+training loop (the clean-up of a failed save, a probe of storage that is down).
 """
 
 from __future__ import annotations
@@ -9,15 +12,20 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from snapshots.errors import SnapshotSaveError
+from snapshots.health import StorageHealth
 from snapshots.info import SaveHandle, SnapshotInfo
 
 
 class BackgroundWriter:
-    def __init__(self) -> None:
+    def __init__(self, health: StorageHealth | None = None) -> None:
+        self.health = health or StorageHealth()
         self._executor: cf.ThreadPoolExecutor | None = None
+        self._chores: cf.ThreadPoolExecutor | None = None
+        self._probe: cf.Future[None] | None = None
         self.pending: SaveHandle | None = None
         self._unreported: SnapshotSaveError | None = None
         self._in_flight: set[int] = set()
@@ -27,27 +35,52 @@ class BackgroundWriter:
         if self._executor is None:
             # One thread: at most one save in flight, and staging buffers are reused per save.
             self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")
-        handle = SaveHandle(step, self._executor.submit(write))
+        future = self._executor.submit(write)
+        future.add_done_callback(lambda _: self.health.poke())
+        handle = SaveHandle(step, future)
         self.pending = handle
         return handle
 
     def busy(self) -> bool:
         return self.pending is not None and not self.pending.done()
 
-    def settle(self) -> None:
-        """Wait for the in-flight save; keep its error for the caller to see once."""
-        handle, self.pending = self.pending, None
+    def settle(self, *, until: float | None = None, unless_down: bool = False) -> bool:
+        """Wait for the in-flight save; keep its error for the caller to see once.
+
+        ``until`` (a ``time.monotonic()`` value): give up then. ``unless_down``: give up as
+        soon as storage is down (the save is failing or retrying). Returns True once nothing
+        is in flight, False when it gave up (the save stays pending)."""
+        handle = self.pending
         if handle is None:
-            return
-        if handle._future is not None:
-            cf.wait([handle._future])
+            return True
+        if not handle.done():
+            timeout = None if until is None else max(0.0, until - time.monotonic())
+            if unless_down:
+                self.health.wait_until(handle.done, timeout)
+            elif handle._future is not None:
+                cf.wait([handle._future], timeout)
+            if not handle.done():
+                return False
+        self.pending = None
         exc = handle.exception()
         if isinstance(exc, SnapshotSaveError) and not handle.error_reported:
             self._unreported = exc
+        return True
 
     def take_unreported(self) -> SnapshotSaveError | None:
         exc, self._unreported = self._unreported, None
         return exc
+
+    def chore(self, fn: Callable[[], None]) -> cf.Future[None]:
+        """Run ``fn`` off the training path, best effort: a failure is not raised."""
+        if self._chores is None:
+            self._chores = cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-chores")
+        return self._chores.submit(_quietly, fn)
+
+    def probe(self, fn: Callable[[], None]) -> None:
+        """One storage probe at a time: its success marks storage as answering again."""
+        if self._probe is None or self._probe.done():
+            self._probe = self.chore(fn)
 
     @contextlib.contextmanager
     def tracking(self, step: int) -> Iterator[None]:
@@ -64,6 +97,16 @@ class BackgroundWriter:
         with self._lock:
             return set(self._in_flight)
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Stop both threads; ``wait=False`` when a save ran past its deadline (it was
+        cancelled and ends after its current storage call, bounded by the storage deadline)."""
+        for executor in (self._executor, self._chores):
+            if executor is not None:
+                executor.shutdown(wait=wait)
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    # Best effort by design: what matters (a failed save, storage being down) was already
+    # reported; a storage failure here also marks storage as down (StorageHealth).
+    with contextlib.suppress(Exception):
+        fn()

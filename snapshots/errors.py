@@ -34,6 +34,10 @@ class SnapshotExistsError(SnapshotSaveError):
     """A committed snapshot already holds this step; committed snapshots are never overwritten."""
 
 
+class SnapshotOwnerError(SnapshotError):
+    """The snapshot folder belongs to another job, or another run of this job took it over."""
+
+
 class SnapshotNotFoundError(SnapshotError):
     """No committed snapshot (of the requested step) exists at the URL."""
 

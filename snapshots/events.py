@@ -19,6 +19,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.failed": ("step", "url", "error"),
     "snapshot.pruned": ("steps", "url"),
     "snapshot.storage_retry": ("op", "url", "attempt", "error"),
+    "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token"),
 }
 _LEVELS = {"snapshot.corrupt": "warning", "snapshot.failed": "error", "snapshot.skipped": "warning"}
 

@@ -6,8 +6,11 @@ Paths are ``str`` relative to the store's root, '/'-separated (pathlib mangles `
   in the system temp dir, so their final move is a copy, not an atomic rename.
 - ``FsspecStorage``: any other fsspec URL. One object per file, written in one call;
   never renamed. Exclusive create (S3 ``If-None-Match: *``) where the backend has it.
-- ``RetryingStorage``: retries transient errors with exponential backoff (tenacity) and
-  turns everything else except FileNotFoundError/FileExistsError into StorageError.
+- ``RetryingStorage``: retries transient errors with exponential backoff (tenacity) within
+  one deadline per operation (``storage_timeout``; ``snapshots.retry`` says how the layers
+  are bounded), records whether storage answers (``health``), and turns everything else
+  except FileNotFoundError/FileExistsError into StorageError. ``single_attempt()``: the
+  same without retries, for best-effort clean-up.
 
 Two optional extras beyond the five protocol methods, read with ``getattr`` so that any
 Storage (a test's wrapper included) works without them: ``object_store`` (True: reads cost
@@ -24,7 +27,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import structlog
@@ -32,7 +35,8 @@ import tenacity
 
 from snapshots import _faults, layout
 from snapshots.errors import StorageError
-from snapshots.retry import RetryPolicy, is_transient
+from snapshots.health import StorageHealth
+from snapshots.retry import RetryPolicy, is_transient, s3_options
 
 log = structlog.get_logger("snapshots")
 T = TypeVar("T")
@@ -312,10 +316,22 @@ def s3_etag(data: bytes | memoryview, part_size: int = S3FS_PART_SIZE) -> str:
 class RetryingStorage:
     """Adds retries (transient errors only) and one error type (StorageError) to a Storage."""
 
-    def __init__(self, inner: Storage, policy: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        inner: Storage,
+        policy: RetryPolicy | None = None,
+        *,
+        health: StorageHealth | None = None,
+    ) -> None:
         self.inner = inner
         self.url = inner.url
         self.policy = policy or RetryPolicy()
+        self.health = health or StorageHealth()
+
+    def single_attempt(self) -> RetryingStorage:
+        """The same storage and health, one attempt per call: for best-effort clean-up that
+        must not start a retry chain of its own while storage is failing."""
+        return RetryingStorage(self.inner, replace(self.policy, attempts=1), health=self.health)
 
     @property
     def object_store(self) -> bool:
@@ -343,8 +359,12 @@ class RetryingStorage:
     def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
         p = self.policy
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_transient),
-            stop=tenacity.stop_after_attempt(p.attempts) | tenacity.stop_after_delay(p.deadline_s),
+            retry=tenacity.retry_if_exception(self._transient),
+            stop=lambda rs: p.gives_up(
+                attempt=rs.attempt_number,
+                elapsed_s=rs.seconds_since_start or 0.0,
+                next_wait_s=rs.upcoming_sleep,
+            ),
             wait=tenacity.wait_exponential_jitter(
                 multiplier=p.initial_s, max=p.max_s, jitter=p.initial_s
             ),
@@ -358,11 +378,22 @@ class RetryingStorage:
             reraise=True,
         )
         try:
-            return retrying(fn)
+            result = retrying(fn)
         except (FileNotFoundError, FileExistsError):
+            self.health.answered()
             raise  # answers, not failures: the store decides what they mean
         except Exception as exc:
+            if is_transient(exc):
+                self.health.failed(redact_url(repr(exc)))
             raise StorageError(f"{op} {self._where(path)} failed: {redact_url(repr(exc))}") from exc
+        self.health.answered()
+        return result
+
+    def _transient(self, exc: BaseException) -> bool:
+        if is_transient(exc):
+            self.health.failed(redact_url(repr(exc)))  # down while the retries run
+            return True
+        return False
 
     def _where(self, path: str) -> str:
         return f"{self.url}/{path}" if path else self.url
@@ -374,17 +405,25 @@ def open_storage(
     storage_options: Mapping[str, Any] | None = None,
     retry: RetryPolicy | None = None,
 ) -> RetryingStorage:
-    """Storage for a URL: the local fast path for paths and file://, fsspec for the rest."""
+    """Storage for a URL: the local fast path for paths and file://, fsspec for the rest.
+    On S3, per-attempt timeouts from ``retry`` and no retries below ours (``s3_options``)."""
     if not isinstance(url, str) or not url:
         raise StorageError(f"snapshot URL must be a non-empty string, got {url!r}")
+    policy = retry or RetryPolicy()
     if "://" not in url or url.startswith("file://"):
         inner: Storage = LocalStorage(url.removeprefix("file://"))
     else:
+        scheme = url.split("://", 1)[0].lower()
+        options = dict(storage_options or {})
+        if scheme in S3_PROTOCOLS:
+            options = s3_options(options, policy)
         try:
-            inner = FsspecStorage(url, storage_options)
+            inner = FsspecStorage(url, options)
         except (ImportError, ValueError) as exc:
             raise StorageError(
                 f"cannot open snapshot URL {redact_url(url)}: {exc}; install the fsspec "
                 "backend for this scheme (e.g. pip install 'elastic-train[s3]')"
             ) from exc
-    return RetryingStorage(inner, retry)
+        if scheme in S3_PROTOCOLS:
+            inner.fs.retries = 1  # type: ignore[attr-defined]  # s3fs's own retry loop: off
+    return RetryingStorage(inner, policy)

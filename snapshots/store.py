@@ -16,30 +16,54 @@ one save is in flight; the next waits for it (``when_busy="wait"``) or is skippe
 (``"skip"``, event ``snapshot.skipped``). A failed save never raises into the training loop
 by itself: it emits ``snapshot.failed``, its handle's ``result()`` raises, and the next
 ``save()`` (after starting its own save), ``wait()`` or ``close()`` raises SnapshotSaveError
-once; catching and ignoring it is safe.
+once; catching and ignoring it is safe. Its clean-up runs on a second thread, best effort.
+
+Storage outages. While storage is down (the save in flight is failing or retrying, or the
+last one failed and storage has not answered since; ``snapshots.health``) an asynchronous
+save is skipped (``snapshot.skipped`` with the reason) whatever ``when_busy`` says, so the
+training loop never waits on a failing storage; a background probe notices when storage
+answers again. A blocking save (a preemption's final snapshot) takes ``deadline_s`` (or a
+``deadline()`` block) and raises SnapshotSaveError naming it once it passes; the save is
+then cancelled before its next write and never commits.
+
+Ownership: with ``owner=Owner(job_id=..., run_token=...)`` the folder belongs to one job
+(``snapshots.ownership``); without it the store neither checks nor records an owner.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import contextlib
 import json
-import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
-from snapshots import _catalog, _commit, _housekeeping, _writer, layout
-from snapshots.errors import SnapshotError, SnapshotSaveError, StorageError, UnsafeStateError
+from snapshots import (
+    _capture,
+    _catalog,
+    _commit,
+    _deadline,
+    _housekeeping,
+    _writer,
+    layout,
+    ownership,
+)
+from snapshots.errors import (
+    SnapshotError,
+    SnapshotSaveError,
+    StorageError,
+    UnsafeStateError,
+)
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SaveHandle, SnapshotInfo, VerifyResult
+from snapshots.ownership import Owner
 from snapshots.retry import RetryPolicy
 from snapshots.rng import RNGState
-from snapshots.serialization import Stager, is_stateful
+from snapshots.serialization import is_stateful
 from snapshots.storage import RetryingStorage, open_storage, redact_url
 
 WhenBusy = Literal["wait", "skip"]
@@ -62,8 +86,16 @@ class SnapshotStore:
         retry: RetryPolicy | None = None,
         create: bool = True,
         verify_after_write: _commit.VerifyMode = "auto",
+        storage_timeout: float | None = None,
+        owner: Owner | None = None,
     ) -> None:
         """``create=False``: a missing local folder is an error instead of being created.
+
+        ``storage_timeout``: seconds within which every storage operation succeeds or fails,
+        retries included (default 30; ``snapshots.retry``). It overrides ``retry.deadline_s``.
+
+        ``owner``: the job and run writing this folder; another job's folder is refused with
+        SnapshotOwnerError, an earlier run's is adopted (``snapshots.ownership``).
 
         ``verify_after_write``: how a save is verified before retention may delete anything
         older. ``"auto"``: ``"listing"`` (sizes and server-side ETags from one listing) on
@@ -78,22 +110,40 @@ class SnapshotStore:
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.keep, self.keep_every = keep, keep_every
         self.async_save, self.when_busy = async_save, when_busy
+        self.owner = owner
         self._storage: RetryingStorage = open_storage(
-            url, storage_options=storage_options, retry=retry
+            url,
+            storage_options=storage_options,
+            retry=(retry or RetryPolicy()).with_timeout(storage_timeout),
         )
         self.url = self._storage.url
         self._check_reachable(url, create)
+        if owner is not None:
+            ownership.claim(self._storage, self.url, owner)
         self._catalog = _catalog.Catalog(self._storage, self.url)
-        self._committer = _commit.Committer(self._storage, self._catalog, verify_after_write)
-        self._writer = _writer.BackgroundWriter()
-        self._stager = Stager()
+        self._committer = _commit.Committer(
+            self._storage, self._catalog, verify_after_write, guard=self._ensure_owner
+        )
+        self._writer = _writer.BackgroundWriter(self._storage.health)
+        self._job: _commit.SaveJob | None = None  # the save in flight, to cancel at a deadline
+        self._deadline = _deadline.Deadline()
+        self._capturer = _capture.Capturer()
         self._closed = False
         self.last_committed: SnapshotInfo | None = None  # newest save committed by this store
-        self._copy_done = threading.Event()  # overlapped capture: deferred copies finished
-        self._copy_done.set()
-        self._hooked: set[int] = set()
-        self.last_hook_wait_ms = 0.0
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    @property
+    def last_hook_wait_ms(self) -> float:
+        """How long the last ``optimizer.step()`` waited for an overlapped copy."""
+        return self._capturer.last_hook_wait_ms
+
+    @last_hook_wait_ms.setter
+    def last_hook_wait_ms(self, value: float) -> None:
+        self._capturer.last_hook_wait_ms = value
+
+    def _ensure_owner(self) -> None:
+        if self.owner is not None:
+            ownership.ensure_mine(self._storage, self.url, self.owner)
 
     def _check_reachable(self, url: str, create: bool) -> None:
         try:
@@ -118,8 +168,13 @@ class SnapshotStore:
         blocking: bool | None = None,
         per_rank: Sequence[Any] | None = None,
         overlap_with: torch.optim.Optimizer | None = None,
+        deadline_s: float | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` at ``step``. Blocks for the in-memory copy only, unless blocking.
+
+        Asynchronous saves are skipped (``snapshot.skipped``), never waited for, while
+        storage is down. ``deadline_s`` (blocking saves): raise SnapshotSaveError once it has
+        passed, the save cancelled (see ``deadline()``).
 
         ``overlap_with=optimizer`` (asynchronous saves only, opt-in; CheckFreq): the optimizer's
         parameters and state are copied in the background while the next forward/backward
@@ -133,94 +188,98 @@ class SnapshotStore:
         meta = _json_metadata(metadata)
         blocking = (not self.async_save) if blocking is None else blocking
         started = time.perf_counter()
-        if self._writer.busy():
-            if blocking or self.when_busy == "wait":
-                self._settle_pending()
-            else:
-                return self._skip(step)
-        self._settle_pending()
-        overlap = overlap_with if not blocking else None
-        job = self._capture(step, state, epoch, world_size, meta, per_rank, started, overlap)
-        previous = self._writer.take_unreported()
+
+        def capture(overlap: torch.optim.Optimizer | None = None) -> _commit.SaveJob:
+            return self._capturer.capture(
+                step, state, epoch=epoch, world_size=world_size, meta=meta,
+                per_rank=per_rank, started=started, overlap=overlap,
+            )  # fmt: skip
+
         if blocking:
-            return self._save_now(job, started, previous)
-        handle = self._writer.submit(step, lambda: self._write(job))
+            with self.deadline(deadline_s):
+                return self._save_blocking(step, capture, started)
+        reason = self._why_skip()
+        if reason is not None:
+            emit("snapshot.skipped", step=step, reason=reason)
+            return SaveHandle(step, skipped_reason=reason)
+        job = capture(overlap_with)
+        previous = self._writer.take_unreported()
+        handle = self._submit(job)
         if previous is not None:
             raise _previous_failure(previous, handle)
         return handle
 
-    def _skip(self, step: int) -> SaveHandle:
-        reason = f"the save of step {self._writer.pending.step} is still in flight"  # type: ignore[union-attr]
-        emit("snapshot.skipped", step=step, reason=reason)
-        return SaveHandle(step, skipped_reason=reason)
+    def _why_skip(self) -> str | None:
+        """Why an asynchronous save must not start now (None: start it). Never waits for a
+        storage that is down: the training loop goes on and a later save catches up."""
+        pending = self._writer.pending
+        if self._writer.busy() and pending is not None:
+            if self.when_busy == "skip":
+                return f"the save of step {pending.step} is still in flight"
+            if not self._settle_pending():
+                return (
+                    f"snapshot storage is down ({self._storage.health.error}); the save of "
+                    f"step {pending.step} is still retrying"
+                )
+        if self._storage.health.down:
+            self._writer.probe(lambda: self._storage.single_attempt().list(""))
+            return (
+                f"snapshot storage is down ({self._storage.health.error}); snapshots resume "
+                "once it answers again"
+            )
+        return None
 
-    def _capture(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        epoch: int,
-        world_size: int,
-        meta: dict[str, Any],
-        per_rank: Sequence[Any] | None,
-        started: float,
-        overlap: torch.optim.Optimizer | None = None,
-    ) -> _commit.SaveJob:
-        if overlap is not None:
-            self._hook_optimizer(overlap)
-            self._copy_done.clear()
-            entries = self._stager.capture_overlapped(state, overlap)
-        else:
-            entries = self._stager.capture(state)
-        ranks = None
-        if per_rank is not None:
-            ranks = [self._stager.copy_tree(v, ("__rank__", r)) for r, v in enumerate(per_rank)]
-        return _commit.SaveJob(
-            step=step,
-            epoch=epoch,
-            world_size=world_size,
-            metadata=meta,
-            entries=entries,
-            per_rank=ranks,
-            stall_ms=(time.perf_counter() - started) * 1000,
-            token=layout.new_token(),
-            overlapped=overlap is not None,
-        )
-
-    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) in self._hooked:
-            return
-        self._hooked.add(id(optimizer))
-        optimizer.register_step_pre_hook(self._before_optimizer_step)
-
-    def _before_optimizer_step(self, *_: Any) -> None:
-        """The only place an overlapped save makes training wait: weights are about to change."""
-        if self._copy_done.is_set():
-            return
-        begun = time.perf_counter()
-        self._copy_done.wait()
-        self.last_hook_wait_ms = (time.perf_counter() - begun) * 1000
-
-    def _save_now(
-        self, job: _commit.SaveJob, started: float, previous: SnapshotSaveError | None
+    def _save_blocking(
+        self, step: int, capture: Callable[[], _commit.SaveJob], started: float
     ) -> SaveHandle:
-        future: cf.Future[SnapshotInfo] = cf.Future()
-        try:
-            future.set_result(self._write(job, stall_started=started))
-        except SnapshotSaveError as exc:
-            raise exc from exc.__cause__
-        handle = SaveHandle(job.step, future)
+        """Runs on the writer thread, so that the caller can stop waiting at its deadline."""
+        if not self._writer.settle(until=self._deadline.end()):
+            raise self._past_deadline(step, f"the save of step {self._pending_step()} is still")
+        job = capture()
+        previous = self._writer.take_unreported()
+        handle = self._submit(job, stall_started=started)
+        if not self._writer.settle(until=self._deadline.end()):
+            raise self._past_deadline(step, "it was still")
+        exc = self._writer.take_unreported()
+        if exc is not None:
+            raise exc from exc.__cause__  # this save's own failure, raised here, once
         if previous is not None:
             raise _previous_failure(previous, handle)
         return handle
 
-    def _settle_pending(self) -> None:
-        """Wait for the in-flight save; keep its error for the caller to see once."""
-        self._writer.settle()
+    def _submit(self, job: _commit.SaveJob, *, stall_started: float | None = None) -> SaveHandle:
+        self._job = job
+        return self._writer.submit(job.step, lambda: self._write(job, stall_started=stall_started))
+
+    def deadline(self, seconds: float | None) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, ``save(blocking=True)`` and ``wait()`` give up after ``seconds``
+        (SnapshotSaveError naming the deadline; the save in flight is cancelled). None: no
+        deadline (an enclosing block's, if any, still holds)."""
+        return self._deadline.block(seconds)
+
+    def _pending_step(self) -> int | None:
+        return self._writer.pending.step if self._writer.pending is not None else None
+
+    def _past_deadline(self, step: int | None, what: str) -> SnapshotSaveError:
+        """Cancel the save in flight (it stops before its next write, never commits)."""
+        if self._job is not None:
+            self._job.cancelled.set()
+        if self._writer.pending is not None:
+            self._writer.pending.error_reported = True  # this error is its report
+        return self._deadline.error(self.url, step, what)
+
+    def _settle_pending(self) -> bool:
+        """Before a save: wait for the one in flight, unless storage is down (then return
+        False at once, leaving it in flight). Keeps its error for the caller to see once.
+        DistributedSnapshotter calls this on rank 0 before its collectives."""
+        return self._writer.settle(unless_down=True, until=self._deadline.end())
 
     def wait(self) -> SnapshotInfo | None:
-        """Flush the in-flight save; raise the newest unreported save failure, if any."""
+        """Flush the in-flight save; raise the newest unreported save failure, if any.
+        Inside a ``deadline()`` block, gives up (and cancels the save) when it passes."""
         handle = self._writer.pending
-        self._settle_pending()
+        if not self._writer.settle(until=self._deadline.end()):
+            raise self._past_deadline(self._pending_step(), "it was still")
         previous = self._writer.take_unreported()
         if previous is not None:
             raise _previous_failure(previous, None)
@@ -236,7 +295,7 @@ class SnapshotStore:
             self.wait()
         finally:
             self._closed = True
-            self._writer.shutdown()
+            self._writer.shutdown(wait=self._writer.pending is None)
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -270,14 +329,10 @@ class SnapshotStore:
 
     def _commit(self, job: _commit.SaveJob) -> SnapshotInfo:
         try:
-            if job.overlapped:
-                try:
-                    self._stager.copy_deferred()
-                finally:
-                    self._copy_done.set()  # never leave optimizer.step() waiting
+            self._capturer.finish_deferred(job)
             return self._committer.commit(job)
         except Exception as exc:
-            self._committer.abandon(job)
+            self._writer.chore(lambda: self._committer.abandon(job))  # off the save's path
             error = redact_url(f"{type(exc).__name__}: {exc}")
             emit("snapshot.failed", step=job.step, url=self._step_url(job.step), error=error)
             if isinstance(exc, SnapshotSaveError):
@@ -347,6 +402,7 @@ class SnapshotStore:
         return self._prune(keep, latest.step if latest is not None else None)
 
     def _prune(self, keep: int, newest_verified: int | None) -> list[int]:
+        self._ensure_owner()  # never delete in a folder another run took over
         return _housekeeping.prune(
             self._storage,
             self._catalog,

@@ -4,6 +4,10 @@ Shared state (model, optimizer, sampler, session counters: identical on every ra
 DDP) is written once by rank 0; per-rank state (RNG streams) is gathered to rank 0 and stored
 as per-rank entries. Every rank restores the same step; a rank that did not exist in the saved
 world keeps its own RNG.
+
+Storage outages: periodic saves are skipped (``snapshot.skipped``) while storage is down,
+never waited for; a blocking (final) save takes ``deadline_s`` and raises SnapshotSaveError
+on every rank once it passes (rank 0 decides, the others learn it at the closing broadcast).
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from typing import Any
 
 import torch
 
-from snapshots import RNGState, SnapshotError, SnapshotInfo, SnapshotSaveError, SnapshotStore
+from snapshots import (
+    Owner,
+    RNGState,
+    SnapshotError,
+    SnapshotInfo,
+    SnapshotSaveError,
+    SnapshotStore,
+)
 from snapshots.distributed import DistributedSnapshotter
 
 
@@ -26,8 +37,25 @@ class Restored:
 
 
 class SessionSnapshots:
-    def __init__(self, url: str, *, keep: int | None) -> None:
-        self.store = SnapshotStore(url, keep=keep, async_save=True)
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep: int | None,
+        owner: Owner | None = None,
+        storage_timeout: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``owner``: the job and supervisor run writing ``url`` (``snapshots.ownership``);
+        ``storage_timeout``: seconds per storage operation, retries included (default 30)."""
+        self.store = SnapshotStore(
+            url,
+            keep=keep,
+            async_save=True,
+            owner=owner,
+            storage_timeout=storage_timeout,
+            storage_options=storage_options,
+        )
         self.url = self.store.url
         self._snapshotter = DistributedSnapshotter(self.store)
         self.last_saved_step: int | None = None  # saved or restored: never save it again
@@ -40,25 +68,54 @@ class SessionSnapshots:
         self.last_saved_step = loaded.info.step
         return Restored(info=loaded.info, state=loaded.state)
 
-    def save(self, step: int, state: Mapping[str, Any], *, epoch: int, blocking: bool) -> None:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        epoch: int,
+        blocking: bool,
+        deadline_s: float | None = None,
+    ) -> None:
         """Collective. A blocking save returns on every rank only once the snapshot is
-        committed, so no rank exits (or is stopped) before the final snapshot exists."""
-        try:
-            self._snapshotter.save(
-                step,
-                state,
-                per_rank={"rng": RNGState()},
-                epoch=epoch,
-                blocking=blocking,
-                overlap_with=None if blocking else sole_optimizer(state),
-            )
-        except SnapshotSaveError as exc:
-            if exc.handle is None:
-                raise  # this save itself failed
-            # An earlier async save failed (already logged as snapshot.failed); this one runs.
+        committed, so no rank exits (or is stopped) before the final snapshot exists; it
+        raises SnapshotSaveError on every rank if it failed or ``deadline_s`` passed."""
+        error: SnapshotError | None = None
+        with self.store.deadline(deadline_s if blocking else None):
+            try:
+                self._snapshotter.save(
+                    step,
+                    state,
+                    per_rank={"rng": RNGState()},
+                    epoch=epoch,
+                    blocking=blocking,
+                    overlap_with=None if blocking else sole_optimizer(state),
+                )
+            except SnapshotSaveError as exc:
+                if exc.handle is None:
+                    error = exc  # this save itself failed (rank 0)
+                # else: an earlier async save failed (already logged); this one runs.
+            if blocking:
+                error = self._closing_broadcast(step, error)
+        if error is not None:
+            raise error
         self.last_saved_step = step
-        if blocking:
-            self._snapshotter.wait()
+
+    def _closing_broadcast(self, step: int, error: SnapshotError | None) -> SnapshotError | None:
+        """Every rank takes part in the broadcast, even when rank 0's save already failed
+        (before, rank 0 raised first and the other ranks waited in it until the collective
+        timeout). A rank learns of a failure when the committed step is not the one saved."""
+        try:
+            committed = self._snapshotter.wait()
+        except SnapshotError as exc:
+            return error or exc
+        if error is None and committed != step:
+            return SnapshotSaveError(
+                f"the snapshot of step {step} was not committed (rank 0 logged why as "
+                "snapshot.failed)",
+                step=step,
+            )
+        return error
 
     def close(self) -> None:
         """Collective: flush the in-flight save and stop the writer."""

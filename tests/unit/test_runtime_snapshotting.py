@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from elastic_trainer.runtime.snapshotting import SessionSnapshots, sole_optimizer
-from snapshots import SnapshotStore
+from snapshots import Owner, SnapshotOwnerError, SnapshotSaveError, SnapshotStore
 
 
 def _model_and_optimizer():
@@ -45,3 +48,29 @@ def test_periodic_saves_overlap_and_final_saves_do_not(tmp_path, monkeypatch) ->
     saved = restored["model"].state_dict()
     assert all(torch.equal(saved[k], at_save[k]) for k in at_save)  # before the step
     assert not torch.equal(saved["weight"], model.weight.detach())  # the step did change them
+
+
+def test_a_final_save_past_its_deadline_raises_and_commits_nothing(tmp_path) -> None:
+    snaps = SessionSnapshots(str(tmp_path), keep=3, storage_timeout=5)
+    assert snaps.store._storage.policy.deadline_s == 5
+    entered, release = threading.Event(), threading.Event()
+    write = snaps.store._storage.inner.write
+
+    def stalled(path, data, *, exclusive=False):
+        entered.set()
+        assert release.wait(30)
+        write(path, data, exclusive=exclusive)
+
+    snaps.store._storage.inner.write = stalled  # type: ignore[method-assign]
+    with pytest.raises(SnapshotSaveError, match=r"deadline_s=0\.1 s"):
+        snaps.save(4, {"w": torch.ones(2)}, epoch=0, blocking=True, deadline_s=0.1)
+    assert entered.is_set() and snaps.last_saved_step is None
+    release.set()
+    snaps.close_local()
+    assert SnapshotStore(str(tmp_path)).latest() is None  # cancelled before its manifest
+
+
+def test_owner_reaches_the_store(tmp_path) -> None:
+    SessionSnapshots(str(tmp_path), keep=3, owner=Owner(job_id="a", run_token="r1"))
+    with pytest.raises(SnapshotOwnerError, match="belongs to job 'a'"):
+        SessionSnapshots(str(tmp_path), keep=3, owner=Owner(job_id="b", run_token="r2"))

@@ -212,7 +212,7 @@ def test_interpreter_exit_flushes_the_save_in_flight(tmp_path: Path, worker_env:
 def test_overlapped_capture_holds_the_optimizer_step_until_copied(tmp_path: Path) -> None:
     store = SnapshotStore(str(tmp_path))
     entered, release = threading.Event(), threading.Event()
-    hook, copy = store._before_optimizer_step, store._stager.copy_deferred
+    hook, copy = store._capturer.before_optimizer_step, store._capturer.stager.copy_deferred
 
     def hook_spy(*args: object) -> None:
         entered.set()
@@ -222,8 +222,8 @@ def test_overlapped_capture_holds_the_optimizer_step_until_copied(tmp_path: Path
         assert release.wait(TIMEOUT)
         copy()
 
-    store._before_optimizer_step = hook_spy  # type: ignore[method-assign]
-    store._stager.copy_deferred = slow_copy  # type: ignore[method-assign]
+    store._capturer.before_optimizer_step = hook_spy  # type: ignore[method-assign]
+    store._capturer.stager.copy_deferred = slow_copy  # type: ignore[method-assign]
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model(torch.randn(4, 6)).sum().backward()

@@ -41,7 +41,25 @@ def _assert_state_equal(got: dict, step: int) -> None:
     assert got["step"] == step
 
 
-def _fork_writer(root: str, spec: str) -> tuple[int, bool]:
+def _save_all(root: str, mode: str, report: int) -> None:
+    """Save steps 1..SAVES; a step is reported once committed. ``mode``: blocking, async
+    (the writer thread), overlapped (async, optimizer state copied on the writer thread)."""
+    store = SnapshotStore(root, async_save=mode != "blocking", keep=2)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(1, SAVES + 1):
+        state = _state(step)
+        if mode == "overlapped":
+            model(torch.randn(2, 8)).sum().backward()
+            handle = store.save(step, {**state, "net": model, "opt": opt}, overlap_with=opt)
+            opt.step()  # waits for the overlapped copy
+        else:
+            handle = store.save(step, state)
+        handle.result()
+        os.write(report, f"{step}\n".encode())
+
+
+def _fork_writer(root: str, spec: str, mode: str = "blocking") -> tuple[int, bool]:
     """Run the writer in a forked child; return (last step it reported saved, was killed)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -50,10 +68,7 @@ def _fork_writer(root: str, spec: str) -> tuple[int, bool]:
         try:
             os.close(read_fd)
             os.environ[KILL_ENV] = spec
-            store = SnapshotStore(root, async_save=False, keep=2)
-            for step in range(1, SAVES + 1):
-                store.save(step, _state(step))
-                os.write(write_fd, f"{step}\n".encode())
+            _save_all(root, mode, write_fd)
             code = 0
         finally:
             os._exit(code)
@@ -90,6 +105,22 @@ def test_sigkill_at_any_point_keeps_latest_whole(tmp_path: Path, seed: int) -> N
     per_save = FILES_PER_SAVE if point == "mid_file" else 1
     nth = rng.randint(1, SAVES * per_save)
     last_saved, killed = _fork_writer(str(tmp_path), f"{point}:{nth}")
+    assert killed, "the kill point was never reached: the test would prove nothing"
+    _check_after_crash(str(tmp_path), last_saved, point)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("mode", ["async", "overlapped"])
+@pytest.mark.parametrize("seed", range(len(POINTS)))
+def test_sigkill_during_background_saves_keeps_latest_whole(
+    tmp_path: Path, seed: int, mode: str
+) -> None:
+    """The kill lands on the writer thread, while the training thread goes on."""
+    rng = random.Random(seed)
+    point = POINTS[seed % len(POINTS)]
+    per_save = (FILES_PER_SAVE + (mode == "overlapped") * 2) if point == "mid_file" else 1
+    nth = rng.randint(1, SAVES * per_save)
+    last_saved, killed = _fork_writer(str(tmp_path), f"{point}:{nth}", mode)
     assert killed, "the kill point was never reached: the test would prove nothing"
     _check_after_crash(str(tmp_path), last_saved, point)
 

@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from snapshots import RetryPolicy, StorageError
-from snapshots.retry import is_transient
+from snapshots.retry import is_transient, s3_options
 from snapshots.storage import Entry, RetryingStorage
 
 
@@ -135,3 +135,45 @@ def test_retries_give_up_after_the_policy_with_credentials_redacted() -> None:
 def test_policy_validates_its_fields() -> None:
     with pytest.raises(ValueError, match="attempts"):
         RetryPolicy(attempts=0)
+
+
+def test_no_retry_starts_that_could_end_past_the_deadline() -> None:
+    policy = RetryPolicy(attempts=10, deadline_s=30.0)  # attempts of up to 10 s
+    assert policy.attempt_timeout_s == 10.0
+    assert not policy.gives_up(attempt=1, elapsed_s=0.0, next_wait_s=0.2)
+    assert not policy.gives_up(attempt=2, elapsed_s=10.0, next_wait_s=0.4)
+    assert policy.gives_up(attempt=3, elapsed_s=20.0, next_wait_s=0.4)  # would end at 30.4
+    assert policy.gives_up(attempt=10, elapsed_s=0.0, next_wait_s=0.0)  # attempts bound too
+
+
+def test_storage_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"deadline_s.*storage_timeout"):
+        RetryPolicy(deadline_s=0)
+
+
+def test_s3_options_bound_each_attempt_and_leave_retries_to_us() -> None:
+    options = s3_options({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}, RetryPolicy())
+    config = options["config_kwargs"]
+    assert config["connect_timeout"] <= 5 and config["read_timeout"] == 10.0
+    assert config["retries"]["total_max_attempts"] == 1  # botocore: one attempt, ours retry
+    assert options["client_kwargs"] == {"endpoint_url": "http://127.0.0.1:9"}
+    mine = s3_options({"config_kwargs": {"read_timeout": 99}}, RetryPolicy())
+    assert mine["config_kwargs"]["read_timeout"] == 99  # the caller's choice wins
+
+
+def test_transient_failures_mark_storage_down_until_it_answers() -> None:
+    inner = _Flaky([ConnectionResetError()] * 4)
+    store = RetryingStorage(inner, FAST)
+    with pytest.raises(StorageError):
+        store.read("x")
+    assert store.health.down and "ConnectionResetError" in (store.health.error or "")
+    assert store.list("") == []  # storage answered again
+    assert not store.health.down
+
+
+def test_single_attempt_view_never_retries_and_shares_health() -> None:
+    inner = _Flaky([ConnectionResetError()] * 4)
+    store = RetryingStorage(inner, FAST)
+    with pytest.raises(StorageError):
+        store.single_attempt().delete("x")
+    assert inner.calls == 1 and store.health.down

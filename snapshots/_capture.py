@@ -1,0 +1,83 @@
+"""Capturing a save's state into reused staging buffers, on the training thread.
+
+With an optimizer to overlap with (CheckFreq), its parameters and state are copied later, on
+the writer thread (``copy_deferred``), and ``optimizer.step()`` waits in a pre-hook until that
+copy is done: the only place an overlapped save makes training wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from snapshots import _commit, layout
+from snapshots.serialization import Stager
+
+
+class Capturer:
+    def __init__(self) -> None:
+        self.stager = Stager()
+        self.copy_done = threading.Event()  # overlapped capture: deferred copies finished
+        self.copy_done.set()
+        self._hooked: set[int] = set()
+        self.last_hook_wait_ms = 0.0
+
+    def capture(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        epoch: int,
+        world_size: int,
+        meta: dict[str, Any],
+        per_rank: Sequence[Any] | None,
+        started: float,
+        overlap: torch.optim.Optimizer | None = None,
+    ) -> _commit.SaveJob:
+        if overlap is not None:
+            self._hook_optimizer(overlap)
+            self.copy_done.clear()
+            entries = self.stager.capture_overlapped(state, overlap)
+        else:
+            entries = self.stager.capture(state)
+        ranks = None
+        if per_rank is not None:
+            ranks = [self.stager.copy_tree(v, ("__rank__", r)) for r, v in enumerate(per_rank)]
+        return _commit.SaveJob(
+            step=step,
+            epoch=epoch,
+            world_size=world_size,
+            metadata=meta,
+            entries=entries,
+            per_rank=ranks,
+            stall_ms=(time.perf_counter() - started) * 1000,
+            token=layout.new_token(),
+            overlapped=overlap is not None,
+        )
+
+    def finish_deferred(self, job: _commit.SaveJob) -> None:
+        """On the writer thread: the deferred copies of an overlapped save."""
+        if not job.overlapped:
+            return
+        try:
+            self.stager.copy_deferred()
+        finally:
+            self.copy_done.set()  # never leave optimizer.step() waiting
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._hooked:
+            return
+        self._hooked.add(id(optimizer))
+        optimizer.register_step_pre_hook(self.before_optimizer_step)
+
+    def before_optimizer_step(self, *_: Any) -> None:
+        """The only place an overlapped save makes training wait: weights are about to change."""
+        if self.copy_done.is_set():
+            return
+        begun = time.perf_counter()
+        self.copy_done.wait()
+        self.last_hook_wait_ms = (time.perf_counter() - begun) * 1000

@@ -1,0 +1,122 @@
+"""A snapshot folder belongs to one job (owner.json); a resumed job adopts it; a concurrent
+second run of the same job takes it over and the older run can no longer save or prune.
+
+Before: two jobs sharing a folder pruned each other's snapshots, and a job would resume
+silently from another job's state.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from snapshots import Owner, SnapshotOwnerError, SnapshotSaveError, SnapshotStore
+from snapshots.ownership import OWNER_NAME, Claim, decide
+
+
+def _x(value: float) -> dict[str, torch.Tensor]:
+    return {"x": torch.full((4,), value)}
+
+
+def _store(root: Path, job: str, run: str, **kwargs: object) -> SnapshotStore:
+    return SnapshotStore(
+        str(root), owner=Owner(job_id=job, run_token=run), async_save=False, **kwargs
+    )  # type: ignore[arg-type]
+
+
+def test_decisions() -> None:
+    me = Owner(job_id="a", run_token="r2")
+    assert decide(None, me) is Claim.FREE
+    assert decide(Owner(job_id="a", run_token="r2"), me) is Claim.MINE
+    assert decide(Owner(job_id="a", run_token="r1"), me) is Claim.ADOPT
+    assert decide(Owner(job_id="b", run_token="r2"), me) is Claim.FOREIGN
+
+
+def test_owner_fields_are_validated() -> None:
+    with pytest.raises(ValueError, match="job_id"):
+        Owner(job_id="", run_token="r")
+
+
+def test_the_first_job_records_itself_as_json(tmp_path: Path) -> None:
+    _store(tmp_path, "job-a", "run-1")
+    record = json.loads((tmp_path / OWNER_NAME).read_text())
+    assert (record["job_id"], record["run_token"]) == ("job-a", "run-1")
+    assert record["created_at"]
+
+
+def test_a_second_job_is_refused_with_one_line_naming_both(tmp_path: Path) -> None:
+    first = _store(tmp_path, "job-a", "run-1", keep=1)
+    first.save(5, _x(5))
+    with pytest.raises(SnapshotOwnerError) as info:
+        _store(tmp_path, "job-b", "run-9", keep=1)
+    message = str(info.value)
+    assert "\n" not in message and "'job-a'" in message and "'job-b'" in message
+    assert "--snapshot-dir" in message
+    assert [i.step for i in first.list()] == [5]  # untouched
+
+
+def test_a_resumed_job_adopts_its_folder(tmp_path: Path) -> None:
+    _store(tmp_path, "job-a", "run-1").save(1, _x(1))
+    with capture_logs() as logs:
+        resumed = _store(tmp_path, "job-a", "run-2")
+    assert [e["previous_run_token"] for e in logs if e["event"] == "snapshot.adopted"] == ["run-1"]
+    assert json.loads((tmp_path / OWNER_NAME).read_text())["run_token"] == "run-2"
+    assert resumed.latest().step == 1  # type: ignore[union-attr]
+    resumed.save(2, _x(2))
+
+
+def test_an_older_run_cannot_save_or_prune_after_a_takeover(tmp_path: Path) -> None:
+    old = _store(tmp_path, "job-a", "run-1", keep=1)
+    old.save(100, _x(100))
+    new = _store(tmp_path, "job-a", "run-2", keep=5)  # a concurrent second run
+    new.save(3, _x(3))
+    with capture_logs() as logs, pytest.raises(SnapshotSaveError, match="taken over"):
+        old.save(200, _x(200))  # with keep=1 it would have pruned steps 3 and 100
+    failed = [e for e in logs if e["event"] == "snapshot.failed"]
+    assert len(failed) == 1 and "run-2" in failed[0]["error"] and "run-1" in failed[0]["error"]
+    assert [i.step for i in new.list()] == [3, 100]
+    with pytest.raises(SnapshotOwnerError):
+        old.prune(1)
+    assert [i.step for i in new.list()] == [3, 100]
+
+
+def test_of_two_jobs_starting_at_once_exactly_one_owns_the_folder(tmp_path: Path) -> None:
+    barrier = threading.Barrier(2)
+    outcomes: dict[str, str] = {}
+
+    def start(job: str) -> None:
+        barrier.wait()
+        try:
+            _store(tmp_path, job, f"run-{job}")
+            outcomes[job] = "owner"
+        except SnapshotOwnerError:
+            outcomes[job] = "refused"
+
+    threads = [threading.Thread(target=start, args=(job,)) for job in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes.values()) == ["owner", "refused"]
+    winner = next(job for job, outcome in outcomes.items() if outcome == "owner")
+    assert json.loads((tmp_path / OWNER_NAME).read_text())["job_id"] == winner
+
+
+def test_a_malformed_record_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / OWNER_NAME).write_text("{not json")
+    with pytest.raises(SnapshotOwnerError, match=f"{OWNER_NAME} is not a valid owner record"):
+        _store(tmp_path, "job-a", "run-1")
+
+
+def test_without_an_owner_nothing_is_checked_or_recorded(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path), async_save=False)
+    store.save(1, _x(1))
+    assert not (tmp_path / OWNER_NAME).exists()
+    _store(tmp_path, "job-a", "run-1")  # a job may then claim the folder
+    store.save(2, _x(2))  # and a standalone store (ops, scripts) still works there
+    assert [i.step for i in store.list()] == [1, 2]
