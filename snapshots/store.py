@@ -202,6 +202,8 @@ class SnapshotStore:
         if reason is not None:
             emit("snapshot.skipped", step=step, reason=reason)
             return SaveHandle(step, skipped_reason=reason)
+        # the previous save may have finished (failed) since: collect its error to raise once
+        self._writer.settle()
         job = capture(overlap_with)
         previous = self._writer.take_unreported()
         handle = self._submit(job)

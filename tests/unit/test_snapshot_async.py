@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -248,4 +249,21 @@ def test_overlapped_capture_holds_the_optimizer_step_until_copied(tmp_path: Path
         assert torch.equal(loaded.state["model"][key], value), key
     assert torch.equal(loaded.state["optimizer"]["state"][0]["momentum_buffer"], momentum)
     assert not torch.equal(model[0].weight, expected["0.weight"])
+    store.close()
+
+
+def test_a_failure_that_finished_before_the_next_save_is_still_raised_once(
+    tmp_path: Path,
+) -> None:
+    """Regression: when the failed save had already finished by the next save() (not still
+    in flight), its error was dropped instead of being raised once."""
+    store, gated = _gated_store(tmp_path)
+    gated.failures.append(PermissionError("finished failing"))
+    failed = store.save(1, {"x": torch.ones(3)})
+    with contextlib.suppress(Exception):
+        failed._future.exception(timeout=TIMEOUT)  # done, without touching the store
+    assert failed.done()
+    with pytest.raises(SnapshotSaveError, match="finished failing"):
+        store.save(2, {"x": torch.ones(3)})
+    assert store.wait().step == 2  # type: ignore[union-attr]
     store.close()
