@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -147,7 +148,28 @@ def deserialize(data: bytes, *, what: str) -> Any:
         KeyError,
         IndexError,
     ) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SnapshotCorruptError(
-            f"{what} cannot be loaded safely (weights_only): {first_line[:300]}"
+            f"{what} cannot be loaded safely (weights_only): {refusal(exc)}"
         ) from exc
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# torch's error wraps what it refused in advice to load with weights_only=False, or to allow
+# the global: neither is ever right for a snapshot read from storage.
+_ADVICE = re.compile(
+    r"weights_only\W+(set to\W+)?false|safe_globals|trusted source|check the documentation"
+    r"|file an issue|two options|we changed the default|^\(\d\)",
+    re.IGNORECASE,
+)
+
+
+def refusal(exc: BaseException) -> str:
+    """The part of a load error that names what was refused, without torch's advice."""
+    text = _ANSI.sub("", str(exc))
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    for line in text.splitlines():
+        sentences = [p.strip() for p in line.split(". ") if p.strip()]
+        kept = [p for p in sentences if not _ADVICE.search(p) and "load failed" not in p]
+        if kept:
+            return kept[0].rstrip(".")[:300]  # the first sentence names it; the rest advises
+    return f"the loader refused it ({type(exc).__name__})"
