@@ -19,7 +19,11 @@ import torch
 
 from snapshots.errors import SnapshotCorruptError, UnsafeStateError
 
+# Values copied as they are (matched by exact type) and the types a mapping's keys may have:
+# what torch.load(weights_only=True) reads back. tests/unit/test_snapshot_weights_only.py
+# checks that every state the stager accepts round-trips through it.
 PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+KEY_TYPES = (str, int, float, bool, type(None))
 
 
 @runtime_checkable
@@ -61,6 +65,9 @@ class Stager:
         self.deferred = []
 
     def capture(self, state: Mapping[str, Any], *, prefix: tuple[Any, ...] = ()) -> dict[str, Any]:
+        if not state:
+            # Readers refuse a snapshot without entries (it would restore nothing).
+            raise UnsafeStateError("state is empty: a snapshot needs at least one entry")
         out: dict[str, Any] = {}
         with torch.no_grad():
             for key, value in state.items():
@@ -75,7 +82,9 @@ class Stager:
             return self._stage(obj, path)
         if isinstance(obj, Mapping):
             return self._copy_mapping(obj, path)
-        if isinstance(obj, (torch.Size, PLAIN_TYPES)):
+        # Exact types: a subclass (an IntEnum, numpy.float64, a str subclass) pickles as its
+        # own class, which the weights-only loader refuses.
+        if type(obj) in PLAIN_TYPES or type(obj) is torch.Size:
             return obj
         if type(obj) in (list, tuple):
             return type(obj)(self.copy_tree(v, (*path, i)) for i, v in enumerate(obj))
@@ -86,12 +95,14 @@ class Stager:
         )
 
     def _copy_mapping(self, obj: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
-        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        metadata = getattr(obj, "_metadata", None)
+        # Only an OrderedDict carries attributes through pickling (and the loader).
+        ordered = isinstance(obj, OrderedDict) or metadata is not None
+        out: dict[Any, Any] = OrderedDict() if ordered else {}
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
+            if type(k) not in KEY_TYPES:
                 raise UnsafeStateError(f"state{_fmt(path)} has a key of type {type(k).__name__}")
             out[k] = self.copy_tree(v, (*path, k))
-        metadata = getattr(obj, "_metadata", None)
         if metadata is not None:
             # nn.Module.state_dict() keeps per-module versions here (BatchNorm needs them).
             out._metadata = self.copy_tree(metadata, (*path, "_metadata"))  # type: ignore[attr-defined]
@@ -99,7 +110,15 @@ class Stager:
 
     def _stage(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         tensor = tensor.detach()
+        if tensor.is_nested or tensor.is_meta:
+            kind = "a nested tensor" if tensor.is_nested else "a meta tensor (no data)"
+            raise UnsafeStateError(f"state{_fmt(path)} is {kind}, which snapshots cannot hold")
         if tensor.layout != torch.strided or tensor.is_quantized:
+            if type(tensor) is not torch.Tensor:  # pickles as its own class: refused on load
+                raise UnsafeStateError(
+                    f"state{_fmt(path)} is a sparse or quantized {type(tensor).__qualname__}; "
+                    "store a plain torch.Tensor"
+                )
             return tensor.clone()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,3 +43,14 @@ def resign(root: Path, step: int, pick: Callable[[dict], bool], data: bytes) -> 
     entry.update(size=len(data), checksum=checksum(data))
     manifest.write_text(json.dumps(body))
     return target
+
+
+def raw_pickle(sentinel: Path) -> bytes:
+    """The payload as a bare pickle (no torch archive around it)."""
+    return pickle.dumps(Payload(str(sentinel)))
+
+
+EXPLOITS: dict[str, Callable[[Path], bytes]] = {
+    "torch archive": evil_bytes,
+    "raw pickle": raw_pickle,
+}
