@@ -8,6 +8,11 @@ Usable on its own (it does not import elastic_trainer)::
     loaded = store.load(into={"model": model, "optimizer": opt, "rng": RNGState()})
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from snapshots.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -22,9 +27,31 @@ from snapshots.errors import (
 from snapshots.info import LoadedSnapshot, SaveHandle, SnapshotInfo, VerifyResult
 from snapshots.ownership import Owner
 from snapshots.retry import DEFAULT_STORAGE_TIMEOUT_S, RetryPolicy
-from snapshots.rng import RNGState, capture_rng_state, restore_rng_state
-from snapshots.serialization import Stateful
-from snapshots.store import SnapshotStore
+
+# name -> module, imported on first use: these need torch, and the read-only tools
+# (``elastic-train snapshots list``...) must start without paying for it.
+_LAZY = {
+    "SnapshotStore": "snapshots.store",
+    "Stateful": "snapshots.serialization",
+    "RNGState": "snapshots.rng",
+    "capture_rng_state": "snapshots.rng",
+    "restore_rng_state": "snapshots.rng",
+}
+
+if TYPE_CHECKING:
+    from snapshots.rng import RNGState, capture_rng_state, restore_rng_state
+    from snapshots.serialization import Stateful
+    from snapshots.store import SnapshotStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'snapshots' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_STORAGE_TIMEOUT_S",

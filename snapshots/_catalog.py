@@ -11,7 +11,6 @@ from snapshots import _reader, layout
 from snapshots.errors import NoValidSnapshotError, SnapshotCorruptError, SnapshotNotFoundError
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SnapshotInfo, VerifyResult
-from snapshots.serialization import deserialize
 from snapshots.storage import Storage
 
 
@@ -19,6 +18,10 @@ class Catalog:
     def __init__(self, storage: Storage, url: str) -> None:
         self._storage = storage
         self.url = url
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
 
     def step_url(self, step: int) -> str:
         return f"{self.url}/{layout.step_dir(step)}"
@@ -41,26 +44,34 @@ class Catalog:
             infos.append(SnapshotInfo.from_manifest(manifest, self.step_url(step)))
         return infos
 
-    def verify(self, step: int) -> VerifyResult:
-        """Check a snapshot's manifest, file sizes and checksums. Deserialises nothing."""
+    def describe(self, step: int) -> VerifyResult:
+        """The manifest alone (no file is read): ``ok`` says only that it parses."""
         try:
             manifest = _reader.read_manifest(self._storage, step)
-        except FileNotFoundError:
-            return VerifyResult(
-                step=step, ok=False, problems=[f"{layout.MANIFEST_NAME} is missing"]
-            )
-        except SnapshotCorruptError as exc:
-            return VerifyResult(step=step, ok=False, problems=[str(exc)])
-        problems, _ = _reader.check_files(self._storage, step, manifest, manifest.files)
+        except (SnapshotCorruptError, FileNotFoundError) as exc:
+            return VerifyResult(step=step, ok=False, problems=[_manifest_problem(exc)])
+        info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
+        return VerifyResult(step=step, ok=True, problems=[], info=info)
+
+    def verify(self, step: int, *, deep: bool = False) -> VerifyResult:
+        """Check a snapshot's manifest, file sizes and checksums; ``deep`` also deserialises
+        every file with the weights-only loader (nothing is restored into anything)."""
+        try:
+            manifest = _reader.read_manifest(self._storage, step)
+        except (SnapshotCorruptError, FileNotFoundError) as exc:
+            return VerifyResult(step=step, ok=False, problems=[_manifest_problem(exc)])
+        problems, data = _reader.check_files(self._storage, step, manifest, manifest.files)
+        if deep and not problems:
+            problems = _load_problems(step, data)
         info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
         return VerifyResult(step=step, ok=not problems, problems=problems, info=info)
 
-    def latest(self) -> SnapshotInfo | None:
+    def latest(self, *, deep: bool = False) -> SnapshotInfo | None:
         """The newest committed and verified snapshot; None only when nothing is committed."""
         committed, _ = self.committed()
         problems = []
         for step in committed:
-            result = self.verify(step)
+            result = self.verify(step, deep=deep)
             if result.ok:
                 return result.info
             problems.append(self._report_corrupt(step, "; ".join(result.problems)))
@@ -81,6 +92,8 @@ class Catalog:
         raise self._none_valid(problems)
 
     def load_step(self, step: int, rank: int | None) -> LoadedSnapshot:
+        from snapshots.serialization import deserialize  # torch: only when loading
+
         try:
             manifest = _reader.read_manifest(self._storage, step)
         except FileNotFoundError as exc:
@@ -121,3 +134,22 @@ class Catalog:
             f"({' | '.join(problems)[:1000]}); run 'elastic-train snapshots verify {self.url}', "
             "then repair or remove them, or point to another snapshot URL"
         )
+
+
+def _load_problems(step: int, data: dict[str, bytes]) -> list[str]:
+    """What the weights-only loader refuses among verified bytes (imports torch)."""
+    from snapshots.serialization import deserialize
+
+    problems = []
+    for name, blob in data.items():
+        try:
+            deserialize(blob, what=f"step {step} file {name}")
+        except SnapshotCorruptError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _manifest_problem(exc: Exception) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return f"{layout.MANIFEST_NAME} is missing"
+    return str(exc)

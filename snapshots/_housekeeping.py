@@ -10,6 +10,9 @@ from snapshots.errors import SnapshotCorruptError
 from snapshots.events import emit
 from snapshots.storage import Storage
 
+# Strays younger than this may belong to a writer still running (SnapshotStore.stray_grace_s).
+DEFAULT_STRAY_GRACE_S = 60.0
+
 
 def prune(
     storage: Storage,

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping
 
 from snapshots import layout
 from snapshots.errors import SnapshotCorruptError
-from snapshots.manifest import FileEntry, Manifest, checksum, from_json
-from snapshots.storage import Entry, Storage
+from snapshots.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum, from_json
+from snapshots.storage import Entry, Storage, read_limited
 
 
 def step_folders(storage: Storage) -> list[int]:
@@ -21,13 +21,14 @@ def step_folders(storage: Storage) -> list[int]:
 
 
 def has_manifest(storage: Storage, step: int) -> bool:
-    names = {e.name for e in storage.list(layout.step_dir(step)) if not e.is_dir}
-    return layout.MANIFEST_NAME in names
+    # Whatever holds the name counts (a folder or a FIFO too): reading it then reports the
+    # damage, where skipping it would hide the snapshot from every report.
+    return any(e.name == layout.MANIFEST_NAME for e in storage.list(layout.step_dir(step)))
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
     """The step's manifest. FileNotFoundError: not committed; SnapshotCorruptError: damaged."""
-    data = storage.read(layout.manifest_path(step))
+    data = read_limited(storage, layout.manifest_path(step), MAX_MANIFEST_BYTES)
     return from_json(data, expected_step=step)
 
 
@@ -82,9 +83,13 @@ def _check_contents(
     verified: dict[str, bytes] = {}
     for f in files:
         try:
-            data = storage.read(f"{folder}/{f.name}")
+            # One byte more than the manifest's size is enough to prove a file too long.
+            data = read_limited(storage, f"{folder}/{f.name}", f.size)
         except FileNotFoundError:
             problems.append(f"file {f.name} is missing")
+            continue
+        except SnapshotCorruptError as exc:  # not a regular file, or longer than listed
+            problems.append(f"file {f.name}: {exc}")
             continue
         problem = _size_problem(f, len(data)) or _checksum_problem(f, data, manifest)
         if problem:

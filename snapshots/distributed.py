@@ -6,9 +6,10 @@ thread on the training group crash gloo ("collective mismatch"). So:
   rank's per-rank state (e.g. RNG) is gathered to rank 0, and rank 0 hands everything to its
   SnapshotStore, whose background thread does the I/O (no collectives there).
 - ``wait``/``close``: rank 0 flushes, then broadcasts the step now committed; all ranks agree.
-- ``load``: rank 0 picks the step (newest verified), broadcasts it; every rank loads that same
-  step from the shared storage and gets its own per-rank entry (None if its rank >= the saved
-  world size).
+- ``load``: rank 0 lists the committed steps and broadcasts them; all ranks try the newest
+  together (each loads it from the shared storage with its own per-rank entry, None if its
+  rank >= the saved world size), agree on the outcome with one all-gather, and move on to
+  the next older step together if any rank failed.
 Per-rank files are named ``rank-<5 digits>.<token>.pt`` in the step folder, which leaves room
 for sharded state (one file per rank) later.
 """
@@ -20,13 +21,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from snapshots import layout
 from snapshots.errors import NoValidSnapshotError, SnapshotError
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SaveHandle
 from snapshots.serialization import is_stateful
 from snapshots.store import SnapshotStore, restore_into
 
-_NONE = -1
+_NONE = -1  # no committed step, in a broadcast
 
 
 class DistributedSnapshotter:
@@ -118,44 +120,85 @@ class DistributedSnapshotter:
         into: Mapping[str, Any] | None = None,
         rank_into: Mapping[str, Any] | None = None,
     ) -> LoadedSnapshot | None:
-        """Collective. None on every rank when nothing is committed (a fresh start)."""
-        chosen = self._agree_on_step(step)
-        if chosen is None:
-            return None
-        loaded = self.store.load(chosen, into=into, rank=self.rank)
-        if rank_into is not None and isinstance(loaded.rank_state, Mapping):
-            restore_into(rank_into, loaded.rank_state, step=chosen)
-        emit(
-            "snapshot.restored",
-            step=chosen,
-            saved_world_size=loaded.info.world_size,
-            world_size=self.world_size,
-        )
-        return loaded
+        """Collective. None on every rank when nothing is committed (a fresh start).
 
-    def _agree_on_step(self, step: int | None) -> int | None:
+        Without ``step``, committed snapshots are tried newest first, all ranks together:
+        every rank loads (checksums, weights-only deserialisation, restore) the same step,
+        the ranks agree on the outcome, and if any rank failed all move on to the next older
+        step (``snapshot.corrupt`` names the rank and the problem). NoValidSnapshotError on
+        every rank when none loads; no rank is ever left waiting in a collective.
+        """
+        candidates = self._agree_on_candidates(step)
+        if not candidates:
+            return None
+        problems = []
+        for chosen in candidates:
+            loaded, problem = self._try_load(chosen, into, rank_into)
+            failures = self._failures(problem)
+            if not failures:
+                emit(
+                    "snapshot.restored",
+                    step=chosen,
+                    saved_world_size=loaded.info.world_size,  # type: ignore[union-attr]
+                    world_size=self.world_size,
+                )
+                return loaded
+            text = "; ".join(f"rank {r}: {p}" for r, p in failures)
+            if self.rank == 0:  # one report per snapshot, not one per rank
+                emit(
+                    "snapshot.corrupt",
+                    step=chosen,
+                    url=f"{self.store.url}/{layout.step_dir(chosen)}",
+                    problem=text,
+                )
+            problems.append(f"step {chosen}: {text}")
+        raise NoValidSnapshotError(
+            f"{len(problems)} snapshot(s) at {self.store.url} but none loads "
+            f"({' | '.join(problems)[:1000]}); run 'elastic-train snapshots verify --deep "
+            f"{self.store.url}', then repair or remove them, or point to another snapshot URL"
+        )
+
+    def _try_load(
+        self, step: int, into: Mapping[str, Any] | None, rank_into: Mapping[str, Any] | None
+    ) -> tuple[LoadedSnapshot | None, str | None]:
+        # Any failure, of any type, is an answer to share: raising here would leave the
+        # other ranks waiting in the next collective forever.
+        try:
+            loaded = self.store.load(step, into=into, rank=self.rank)
+            if rank_into is not None and isinstance(loaded.rank_state, Mapping):
+                restore_into(rank_into, loaded.rank_state, step=step)
+        except Exception as exc:  # every load failure, whatever its type, means "try an older one"
+            return None, " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+        return loaded, None
+
+    def _failures(self, problem: str | None) -> list[tuple[int, str]]:
+        """Every rank's problem with the step just tried (one all-gather), by rank."""
+        answers: list[Any] = [problem]
+        if self._dist:
+            answers = [None] * self.world_size
+            dist.all_gather_object(answers, problem, group=self.group)
+        return [(r, p) for r, p in enumerate(answers) if p is not None]
+
+    def _agree_on_candidates(self, step: int | None) -> list[int]:
+        """Rank 0 lists the steps to try, newest first; every rank gets the same list."""
         box: list[Any] = [None]
         if self.rank == 0:
-            box[0] = self._pick_step(step)
+            box[0] = self._candidates(step)
         self._broadcast(box)
         answer = box[0]
         if isinstance(answer, tuple):  # rank 0 failed: every rank fails the same way
             kind, message = answer
             raise (NoValidSnapshotError if kind == "invalid" else SnapshotError)(message)
-        return None if answer == _NONE else int(answer)
+        return [int(s) for s in answer]
 
-    def _pick_step(self, step: int | None) -> int | tuple[str, str]:
+    def _candidates(self, step: int | None) -> list[int] | tuple[str, str]:
         # Never raise before the broadcast: the other ranks would wait for it forever.
         try:
-            if step is not None:
-                result = self.store.verify(step)
-                if not result.ok:
-                    problems = "; ".join(result.problems)
-                    return ("invalid", f"snapshot of step {step} fails verification: {problems}")
-                return step
-            latest = self.store.latest()
-        except NoValidSnapshotError as exc:
-            return ("invalid", str(exc))
+            committed = self.store.committed_steps()
         except SnapshotError as exc:
             return ("error", str(exc))
-        return latest.step if latest is not None else _NONE
+        if step is None:
+            return sorted(committed, reverse=True)
+        if step not in committed:
+            return ("invalid", f"no committed snapshot of step {step} at {self.store.url}")
+        return [step]

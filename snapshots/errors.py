@@ -15,6 +15,14 @@ class SnapshotCorruptError(SnapshotError):
     """A snapshot failed verification (size, checksum, manifest) or could not be loaded safely."""
 
 
+class NotRegularFileError(SnapshotCorruptError):
+    """A path that must be a regular file is a FIFO, a device, a symlink or a folder."""
+
+
+class FileTooLargeError(SnapshotCorruptError):
+    """A file holds more bytes than its manifest (or the manifest size cap) allows."""
+
+
 class NoValidSnapshotError(SnapshotError):
     """Snapshots exist at the URL, but none of them passes verification."""
 

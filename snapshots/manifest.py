@@ -22,6 +22,15 @@ SUPPORTED_VERSIONS = frozenset({1})
 # sha256 runs at ~1.5 GB/s here with SHA-NI (blake2b ~0.8 GB/s), and hashlib releases the GIL
 # on large buffers, so checksumming in the writer thread barely slows training.
 CHECKSUM_ALGORITHM = "sha256"
+# Readers accept only these: a manifest naming a weak (md5) or a variable-length (shake_128)
+# hash would let damage pass or make checksumming itself fail. sha256 and stronger.
+CHECKSUM_ALGORITHMS = frozenset(
+    {"sha256", "sha384", "sha512", "sha3_256", "sha3_384", "sha3_512", "blake2b"}
+)
+# Sizes, ranks, epochs: far beyond any real value, small enough to never overflow a C long.
+MAX_COUNT = 2**62
+# A manifest lists a few files: anything near this size is not one of ours. Bounds the read.
+MAX_MANIFEST_BYTES = 4 * 2**20
 
 
 def checksum(data: bytes | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> str:
@@ -75,22 +84,41 @@ def to_json(manifest: Manifest) -> bytes:
 
 def from_json(data: bytes, *, expected_step: int | None = None) -> Manifest:
     """Parse and validate a manifest; every problem is a SnapshotCorruptError naming it."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SnapshotCorruptError(
+            f"manifest has {len(data)} bytes, more than a manifest may ({MAX_MANIFEST_BYTES})"
+        )
     try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SnapshotCorruptError(f"manifest is not valid JSON: {exc}") from exc
+        body = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and the duplicate keys refused by _unique_keys;
+        # RecursionError a pathologically deep nesting.
+        raise SnapshotCorruptError(f"manifest is not valid JSON: {_short(exc)}") from exc
     if not isinstance(body, dict):
         raise SnapshotCorruptError("manifest is not a JSON object")
     _check_version(body.get("format_version"))
     try:
         manifest = _build(body)
     except (KeyError, TypeError, ValueError) as exc:
-        raise SnapshotCorruptError(f"manifest field missing or malformed: {exc!r}") from exc
+        raise SnapshotCorruptError(f"manifest field missing or malformed: {_short(exc)}") from exc
     if expected_step is not None and manifest.step != expected_step:
         raise SnapshotCorruptError(
             f"manifest says step {manifest.step} but sits in the folder of step {expected_step}"
         )
     return manifest
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    body = dict(pairs)
+    if len(body) != len(pairs):
+        seen = [k for k, _ in pairs]
+        raise ValueError(f"key {next(k for k in seen if seen.count(k) > 1)!r} appears twice")
+    return body
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) if not isinstance(exc, KeyError) else f"key {exc} is missing"
+    return text[:200] or type(exc).__name__
 
 
 def _check_version(version: Any) -> None:
@@ -105,53 +133,78 @@ def _check_version(version: Any) -> None:
 
 def _build(body: dict[str, Any]) -> Manifest:
     algorithm = _typed(body, "checksum_algorithm", str)
-    if algorithm not in hashlib.algorithms_available:
-        raise ValueError(f"unknown checksum_algorithm {algorithm!r}")
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise ValueError(
+            f"checksum_algorithm {algorithm[:40]!r} is not one of {sorted(CHECKSUM_ALGORITHMS)}"
+        )
     metadata = body.get("metadata", {})
     if not isinstance(metadata, dict):
         raise TypeError("metadata must be an object")
     return Manifest(
-        step=_typed(body, "step", int),
-        epoch=_typed(body, "epoch", int),
-        world_size=_typed(body, "world_size", int),
+        step=_count(body, "step", maximum=layout.MAX_STEP),
+        epoch=_count(body, "epoch"),
+        world_size=_count(body, "world_size"),
         torch_version=_typed(body, "torch_version", str),
         created_at=_typed(body, "created_at", str),
-        files=_files(body["files"]),
+        files=_files(body["files"], algorithm),
         metadata=metadata,
         checksum_algorithm=algorithm,
         format_version=body["format_version"],
     )
 
 
-def _files(raw: Any) -> tuple[FileEntry, ...]:
+def _files(raw: Any, algorithm: str) -> tuple[FileEntry, ...]:
     if not isinstance(raw, list):
         raise TypeError("files must be a list")
-    files = tuple(_file(item) for item in raw)
-    names = [f.name for f in files]
-    if len(set(names)) != len(names):
-        raise ValueError("files lists a name twice")
+    files = tuple(_file(item, algorithm) for item in raw)
+    if not any(f.key is not None for f in files):
+        # A snapshot with no entry restores nothing: load would fail after verify passed.
+        raise ValueError("files lists no entry file (a snapshot holds at least one entry)")
+    for field_name in ("name", "key", "rank"):
+        values = [getattr(f, field_name) for f in files if getattr(f, field_name) is not None]
+        if len(set(values)) != len(values):
+            raise ValueError(f"files lists the same {field_name} twice")
     return files
 
 
-def _file(item: Any) -> FileEntry:
+def _file(item: Any, algorithm: str) -> FileEntry:
     if not isinstance(item, dict):
         raise TypeError("each file must be an object")
     name = _typed(item, "name", str)
     if not layout.is_safe_file_name(name) or name == layout.MANIFEST_NAME:
         # Checked before anything touches storage: a name like '../x' or '/etc/passwd' would
         # make a reader open a file outside the snapshot's own folder.
-        raise SnapshotCorruptError(f"manifest file name {name!r} escapes the snapshot folder")
-    size = _typed(item, "size", int)
-    if size < 0:
-        raise ValueError(f"file {name!r} has negative size {size}")
+        raise SnapshotCorruptError(f"manifest file name {name[:80]!r} escapes the snapshot folder")
     key, rank = item.get("key"), item.get("rank")
     if key is not None and not isinstance(key, str):
         raise TypeError(f"file {name!r}: key must be a string")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise TypeError(f"file {name!r}: rank must be a non-negative integer")
+    if rank is not None:
+        rank = _count(item, "rank")
+    if (key is None) == (rank is None):
+        raise ValueError(f"file {name!r} must name exactly one of key and rank")
     return FileEntry(
-        name=name, size=size, checksum=_typed(item, "checksum", str), key=key, rank=rank
+        name=name,
+        size=_count(item, "size"),
+        checksum=_digest(item, algorithm),
+        key=key,
+        rank=rank,
     )
+
+
+def _count(body: Mapping[str, Any], name: str, *, maximum: int = MAX_COUNT) -> int:
+    """A non-negative integer no larger than ``maximum`` (JSON allows any size)."""
+    value = _typed(body, name, int)
+    if not 0 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer in [0, {maximum}], got {str(value)[:40]}")
+    return value
+
+
+def _digest(item: Mapping[str, Any], algorithm: str) -> str:
+    value = _typed(item, "checksum", str)
+    length = hashlib.new(algorithm).digest_size * 2
+    if len(value) != length or value.strip("0123456789abcdef"):
+        raise ValueError(f"checksum {value[:80]!r} is not a {algorithm} hex digest")
+    return value
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type) -> Any:
@@ -159,5 +212,5 @@ def _typed(body: Mapping[str, Any], name: str, kind: type) -> Any:
     if kind is int and isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if not isinstance(value, kind):
-        raise TypeError(f"{name} must be {kind.__name__}, got {value!r}")
+        raise TypeError(f"{name} must be {kind.__name__}, got {str(value)[:40]!r}")
     return value

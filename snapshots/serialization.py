@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +19,11 @@ import torch
 
 from snapshots.errors import SnapshotCorruptError, UnsafeStateError
 
+# Values copied as they are (matched by exact type) and the types a mapping's keys may have:
+# what torch.load(weights_only=True) reads back. tests/unit/test_snapshot_weights_only.py
+# checks that every state the stager accepts round-trips through it.
 PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+KEY_TYPES = (str, int, float, bool, type(None))
 
 
 @runtime_checkable
@@ -60,6 +65,9 @@ class Stager:
         self.deferred = []
 
     def capture(self, state: Mapping[str, Any], *, prefix: tuple[Any, ...] = ()) -> dict[str, Any]:
+        if not state:
+            # Readers refuse a snapshot without entries (it would restore nothing).
+            raise UnsafeStateError("state is empty: a snapshot needs at least one entry")
         out: dict[str, Any] = {}
         with torch.no_grad():
             for key, value in state.items():
@@ -74,7 +82,9 @@ class Stager:
             return self._stage(obj, path)
         if isinstance(obj, Mapping):
             return self._copy_mapping(obj, path)
-        if isinstance(obj, (torch.Size, PLAIN_TYPES)):
+        # Exact types: a subclass (an IntEnum, numpy.float64, a str subclass) pickles as its
+        # own class, which the weights-only loader refuses.
+        if type(obj) in PLAIN_TYPES or type(obj) is torch.Size:
             return obj
         if type(obj) in (list, tuple):
             return type(obj)(self.copy_tree(v, (*path, i)) for i, v in enumerate(obj))
@@ -85,12 +95,14 @@ class Stager:
         )
 
     def _copy_mapping(self, obj: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
-        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        metadata = getattr(obj, "_metadata", None)
+        # Only an OrderedDict carries attributes through pickling (and the loader).
+        ordered = isinstance(obj, OrderedDict) or metadata is not None
+        out: dict[Any, Any] = OrderedDict() if ordered else {}
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
+            if type(k) not in KEY_TYPES:
                 raise UnsafeStateError(f"state{_fmt(path)} has a key of type {type(k).__name__}")
             out[k] = self.copy_tree(v, (*path, k))
-        metadata = getattr(obj, "_metadata", None)
         if metadata is not None:
             # nn.Module.state_dict() keeps per-module versions here (BatchNorm needs them).
             out._metadata = self.copy_tree(metadata, (*path, "_metadata"))  # type: ignore[attr-defined]
@@ -98,7 +110,15 @@ class Stager:
 
     def _stage(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         tensor = tensor.detach()
+        if tensor.is_nested or tensor.is_meta:
+            kind = "a nested tensor" if tensor.is_nested else "a meta tensor (no data)"
+            raise UnsafeStateError(f"state{_fmt(path)} is {kind}, which snapshots cannot hold")
         if tensor.layout != torch.strided or tensor.is_quantized:
+            if type(tensor) is not torch.Tensor:  # pickles as its own class: refused on load
+                raise UnsafeStateError(
+                    f"state{_fmt(path)} is a sparse or quantized {type(tensor).__qualname__}; "
+                    "store a plain torch.Tensor"
+                )
             return tensor.clone()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
@@ -147,7 +167,28 @@ def deserialize(data: bytes, *, what: str) -> Any:
         KeyError,
         IndexError,
     ) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SnapshotCorruptError(
-            f"{what} cannot be loaded safely (weights_only): {first_line[:300]}"
+            f"{what} cannot be loaded safely (weights_only): {refusal(exc)}"
         ) from exc
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# torch's error wraps what it refused in advice to load with weights_only=False, or to allow
+# the global: neither is ever right for a snapshot read from storage.
+_ADVICE = re.compile(
+    r"weights_only\W+(set to\W+)?false|safe_globals|trusted source|check the documentation"
+    r"|file an issue|two options|we changed the default|^\(\d\)",
+    re.IGNORECASE,
+)
+
+
+def refusal(exc: BaseException) -> str:
+    """The part of a load error that names what was refused, without torch's advice."""
+    text = _ANSI.sub("", str(exc))
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    for line in text.splitlines():
+        sentences = [p.strip() for p in line.split(". ") if p.strip()]
+        kept = [p for p in sentences if not _ADVICE.search(p) and "load failed" not in p]
+        if kept:
+            return kept[0].rstrip(".")[:300]  # the first sentence names it; the rest advises
+    return f"the loader refused it ({type(exc).__name__})"

@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import inspect
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -34,7 +36,12 @@ import structlog
 import tenacity
 
 from snapshots import _faults, layout
-from snapshots.errors import StorageError
+from snapshots.errors import (
+    FileTooLargeError,
+    NotRegularFileError,
+    SnapshotCorruptError,
+    StorageError,
+)
 from snapshots.health import StorageHealth
 from snapshots.retry import RetryPolicy, is_transient, s3_options
 
@@ -72,7 +79,7 @@ class Storage(Protocol):
 
     def check(self, *, create: bool = True) -> None: ...
     def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None: ...
-    def read(self, path: str) -> bytes: ...
+    def read(self, path: str) -> bytes: ...  # may take limit=N (see RetryingStorage.read)
     def list(self, path: str = "") -> list[Entry]: ...
     def delete(self, path: str) -> None: ...
 
@@ -142,9 +149,28 @@ class LocalStorage:
             return
         _fsync_dir(parent)  # make the new folder's entry durable before files appear in it
 
-    def read(self, path: str) -> bytes:
-        with open(self._abs(path), "rb") as fh:
-            return fh.read()
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """A regular file's bytes; at most ``limit`` of them (more: FileTooLargeError).
+
+        Opened without following a symlink and without blocking (a FIFO), then checked with
+        fstat on the open descriptor, so nothing can swap the file between check and read.
+        """
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        target = self._abs(path)
+        try:
+            fd = os.open(target, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise NotRegularFileError(f"{path} is not a regular file ({exc.strerror})") from exc
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise NotRegularFileError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb") as fh:
+            cap = st.st_size if limit is None else min(st.st_size, limit)
+            data = fh.read(cap + 1)  # one byte more than allowed proves "too large"
+        return _within(path, data, cap if limit is None else limit)
 
     def list(self, path: str = "") -> list[Entry]:
         folder = self._abs(path)
@@ -160,6 +186,12 @@ class LocalStorage:
             shutil.rmtree(target, ignore_errors=False, onerror=_ignore_missing)
         else:
             _unlink_quietly(target)
+
+
+def _within(path: str, data: bytes, limit: int) -> bytes:
+    if len(data) > limit:
+        raise FileTooLargeError(f"{path} holds more than the {limit} bytes expected")
+    return data
 
 
 def _local_entry(item: os.DirEntry[str]) -> Entry:
@@ -263,8 +295,11 @@ class FsspecStorage:
                 raise FileExistsError(errno.EEXIST, "already exists", target) from None
             self.fs.pipe_file(target, data)
 
-    def read(self, path: str) -> bytes:
-        return self.fs.cat_file(self._abs(path))
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        if limit is None:
+            return self.fs.cat_file(self._abs(path))
+        # A ranged read: a replaced object may be arbitrarily large.
+        return _within(path, self.fs.cat_file(self._abs(path), start=0, end=limit + 1), limit)
 
     def list(self, path: str = "") -> list[Entry]:
         folder = self._abs(path)
@@ -347,8 +382,8 @@ class RetryingStorage:
     def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         self._call("write", path, lambda: self.inner.write(path, data, exclusive=exclusive))
 
-    def read(self, path: str) -> bytes:
-        return self._call("read", path, lambda: self.inner.read(path))
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        return self._call("read", path, lambda: read_limited(self.inner, path, limit))
 
     def list(self, path: str = "") -> list[Entry]:
         return self._call("list", path, lambda: self.inner.list(path))
@@ -379,7 +414,7 @@ class RetryingStorage:
         )
         try:
             result = retrying(fn)
-        except (FileNotFoundError, FileExistsError):
+        except (FileNotFoundError, FileExistsError, SnapshotCorruptError):
             self.health.answered()
             raise  # answers, not failures: the store decides what they mean
         except Exception as exc:
@@ -397,6 +432,16 @@ class RetryingStorage:
 
     def _where(self, path: str) -> str:
         return f"{self.url}/{path}" if path else self.url
+
+
+def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
+    """``read`` with a limit where the storage takes one; wrappers written against the
+    five-method protocol (tests, user code) are read whole and checked after."""
+    if limit is None:
+        return storage.read(path)
+    if "limit" in inspect.signature(storage.read).parameters:
+        return storage.read(path, limit=limit)  # type: ignore[call-arg]
+    return _within(path, storage.read(path), limit)
 
 
 def open_storage(

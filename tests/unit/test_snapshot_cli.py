@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -65,28 +66,68 @@ def test_prune_keeps_the_newest(url: str, capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.parametrize(
-    "argv_tail",
+    ("argv", "words"),
     [
-        ["list"],  # missing folder: not created, exit 2
-        ["verify"],
-        ["list", "--storage-options", "{not json"],
+        (["list", "{missing}"], "there is no snapshot folder at"),
+        (["verify", "{missing}"], "there is no snapshot folder at"),
+        (["show", "{missing}"], "there is no snapshot folder at"),
+        (["list", "{missing}", "--storage-options", "{{not json"], "--storage-options"),
+        (["prune", "{missing}"], "--keep"),  # argparse's own usage error
+        (["prune", "{missing}", "--keep", "0"], "integer >= 1"),
+        (["explode"], "invalid choice"),
+        ([], "required"),
+        (["list", "gs://bucket/run"], "pip install 'elastic-train[gcs]'"),
+        (["show", "{empty}"], "no committed snapshots"),
+        (["list", "{empty}"], "no committed snapshots"),
     ],
 )
-def test_usage_and_storage_errors_exit_2_with_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv_tail: list[str]
+def test_errors_exit_2_with_one_prefixed_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: str
 ) -> None:
-    missing = str(tmp_path / "nowhere")
-    assert main([argv_tail[0], missing, *argv_tail[1:]]) == 2
+    if argv[1:2] == ["gs://bucket/run"]:
+        pytest.importorskip("fsspec")
+        if importlib.util.find_spec("gcsfs") is not None:
+            pytest.skip("gcsfs is installed: gs:// opens")
+    missing, empty = tmp_path / "nowhere", tmp_path / "empty"
+    empty.mkdir()
+    assert main([a.format(missing=missing, empty=empty) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("elastic-train snapshots: error:")
-    assert not Path(missing).exists()
+    assert len(err.splitlines()) == 1 and err.startswith("elastic-train: error: "), err
+    assert words in err and "writable" not in err
+    assert not missing.exists()
 
 
-def test_empty_store_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["list", str(tmp_path)]) == 2
-    assert "no snapshots" in capsys.readouterr().err
+def test_missing_steps_exit_2_for_show_and_verify(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in ("show", "verify"):
+        assert main([command, url, "--step", "99"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("elastic-train: error: no committed snapshot of step 99")
 
 
-def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["prune", "/x"]) == 2  # --keep is required
-    assert main(["explode"]) == 2
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert main(["prune", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--dry-run" in out and "--keep-every" in out
+
+
+def test_prune_dry_run_deletes_nothing(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["prune", url, "--keep", "1", "--dry-run"]) == 0
+    assert "would delete 2 snapshot(s): [10, 20]" in capsys.readouterr().out
+    assert SnapshotStore(url).committed_steps() == [10, 20, 30]
+
+
+def test_list_shows_the_verified_state(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = next((Path(url) / layout.step_dir(20)).glob("*-w.*.pt"))
+    bad.write_bytes(bad.read_bytes()[:-1])
+    assert main(["list", url]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.strip().splitlines()]
+    assert rows[0][4] == "verified" and [r[4] for r in rows[1:]] == ["ok", "FAILED", "ok"]
+    assert main(["list", url, "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert [r["verified"] for r in body] == [True, False, True]
+    assert body[1]["problems"] and bad.name in body[1]["problems"][0]
+    assert main(["list", url, "--json", "--no-verify"]) == 0
+    assert [r["verified"] for r in json.loads(capsys.readouterr().out)] == [None] * 3

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +17,7 @@ from snapshots import (
     SnapshotStore,
     layout,
 )
-from snapshots.manifest import checksum
+from tests.tamper import EXPLOITS, resign
 
 
 def _state(step: int) -> dict[str, object]:
@@ -130,46 +127,16 @@ def test_empty_store_has_no_latest_and_load_says_so(tmp_path: Path) -> None:
         store.load(5)
 
 
-class _Payload:
-    """Unpickling this would create the sentinel file: the classic pickle exploit."""
-
-    def __init__(self, sentinel: str) -> None:
-        self.sentinel = sentinel
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return (os.system, (f"touch {self.sentinel}",))
-
-
-def _raw_pickle(obj: object) -> bytes:
-    return pickle.dumps(obj)
-
-
-def _torch_zip(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save({"model": obj}, buf)  # the payload hidden inside a normal-looking archive
-    return buf.getvalue()
-
-
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-@pytest.mark.parametrize("wrap", [_raw_pickle, _torch_zip])
+@pytest.mark.parametrize("exploit", list(EXPLOITS))
 def test_malicious_pickle_with_a_valid_checksum_does_not_execute(
-    tmp_path: Path, wrap: Callable[[object], bytes]
+    tmp_path: Path, exploit: str
 ) -> None:
     root = tmp_path / "snaps"
     store = SnapshotStore(str(root), async_save=False)
     store.save(3, _state(3))
     sentinel = tmp_path / "pwned"
-    evil = wrap(_Payload(str(sentinel)))
-    target = _data_file(root, 3)
-    target.write_bytes(evil)
-
-    def fix_manifest(body: dict) -> None:  # a valid size + checksum for the evil bytes
-        entry = next(f for f in body["files"] if f["name"] == target.name)
-        entry.update(size=len(evil), checksum=checksum(evil))
-
-    body = json.loads(_manifest(root, 3).read_bytes())
-    fix_manifest(body)
-    _manifest(root, 3).write_text(json.dumps(body))
+    resign(root, 3, lambda f: f.get("key") == "w", EXPLOITS[exploit](sentinel))
     assert store.verify(3).ok  # the checksum cannot catch it; the loader must
     with pytest.raises(SnapshotCorruptError, match="cannot be loaded safely"):
         store.load(3)

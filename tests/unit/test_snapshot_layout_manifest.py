@@ -19,8 +19,8 @@ def _manifest(**changes: object) -> Manifest:
         torch_version="2.14.1",
         created_at="2026-01-01T00:00:00.000+00:00",
         files=(
-            FileEntry(name="000-model.abcd1234.pt", size=10, checksum="00", key="model"),
-            FileEntry(name="rank-00001.abcd1234.pt", size=3, checksum="11", rank=1),
+            FileEntry(name="000-model.abcd1234.pt", size=10, checksum="0" * 64, key="model"),
+            FileEntry(name="rank-00001.abcd1234.pt", size=3, checksum="1" * 64, rank=1),
         ),
         metadata={"note": "x"},
     )
