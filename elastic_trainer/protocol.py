@@ -35,6 +35,9 @@ ENV_LOG_FORMAT = "ELASTIC_TRAIN_LOG_FORMAT"  # json | console
 ENV_LOG_FILE = "ELASTIC_TRAIN_LOG_FILE"  # optional path workers append JSON lines to
 ENV_COLLECTIVE_TIMEOUT = "ELASTIC_TRAIN_COLLECTIVE_TIMEOUT"  # seconds, process-group timeout
 ENV_GRACE_PERIOD = "ELASTIC_TRAIN_GRACE_PERIOD"  # seconds from a stop request to the kill
+# the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
+# and the node sentinel kills whatever still carries it once the supervisor is gone
+ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"
 
 
 def _positive_int(raw: str) -> int:

@@ -18,18 +18,57 @@ So once the script is done, this module does what the interpreter does up to the
 the race starts -- wait for non-daemon threads, run the ``atexit`` handlers, collect garbage
 (closing files the script left open), flush stdio -- and then ends the process with
 ``os._exit``: there is no finalization, so no thread can be caught asking for the GIL in it.
+
+It also makes the worker die with its supervisor (``die_with_supervisor``): a SIGKILLed
+supervisor must not leave workers training on, re-parented to init. Their own children are
+the node sentinel's business (``sentinel.py``).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import io
 import os
 import runpy
+import signal
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
+
+from elastic_trainer import protocol
+
+# Set by the supervisor for its workers: its pid, for the parent-death race check below.
+ENV_SUPERVISOR_PID = protocol.ENV_SUPERVISOR_PID
+_PR_SET_PDEATHSIG = 1
+# The status of a worker whose supervisor was already gone when it started: 128 + SIGKILL,
+# as if the parent-death signal had reached it.
+EXIT_ORPHANED = 128 + signal.SIGKILL
+
+
+def die_with_supervisor(environ: Mapping[str, str] = os.environ) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux).
+
+    The parent-death signal is armed only from now on: if the supervisor died between our
+    fork and this call, we have already been re-parented and nothing would ever fire, so
+    a parent other than the supervisor (``ENV_SUPERVISOR_PID``) means exit at once.
+    Returns False where this is not available (not Linux, not started by a supervisor).
+    Caveat: the signal follows the parent *thread*; the supervisor starts workers from its
+    main thread, which lives as long as it does.
+    """
+    supervisor = environ.get(ENV_SUPERVISOR_PID, "")
+    if not supervisor.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != int(supervisor):
+        os._exit(EXIT_ORPHANED)  # nothing of the script has run: nothing to finish
+    return armed
 
 
 def run_script(argv: list[str]) -> int:
@@ -93,6 +132,7 @@ def flush_open_files() -> None:
 
 
 def main(argv: list[str]) -> None:
+    die_with_supervisor()
     if not argv or argv == ["-m"]:
         raise SystemExit(
             "usage: python -m elastic_trainer.supervisor.bootstrap (SCRIPT | -m MODULE) [args...]"

@@ -5,6 +5,11 @@ worker's own children (data loaders, compilers) are re-parented when the worker 
 therefore remember every descendant we have ever seen (pid + create time, so a recycled pid
 is never killed by mistake), and make the supervisor a child subreaper (Linux) so that
 orphans are re-parented to us and can be killed and reaped: no orphan, no zombie.
+
+That covers the exits the supervisor lives through. For the others (SIGKILL, OOM kill, a
+crash), ``guard_node`` arms two more guards before any worker starts: each worker asks the
+kernel for a parent-death SIGKILL (``bootstrap.die_with_supervisor``), and a sentinel
+process kills whatever else of the tree outlives the supervisor (``sentinel.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,23 @@ from dataclasses import dataclass
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def guard_node() -> subprocess.Popen | None:
+    """Make every process this supervisor starts die with it, on every exit path.
+
+    Call once, before starting workers: subreaper, the supervisor pid for the workers'
+    parent-death check, and the node sentinel (None where it could not start: the other
+    guards still hold). The sentinel is a child like any other: ``reap_strays`` ends it.
+    """
+    from elastic_trainer.supervisor import bootstrap, sentinel
+
+    become_subreaper()
+    os.environ[bootstrap.ENV_SUPERVISOR_PID] = str(os.getpid())
+    try:
+        return sentinel.start()
+    except OSError:
+        return None
 
 
 def become_subreaper() -> bool:

@@ -20,8 +20,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -87,21 +86,25 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         return torch_compat.this_node(self)
 
 
-def create_handler(cfg: RunConfig) -> FastRecoveryRendezvousHandler:
-    """Connect to (or host) the c10d store and build the handler. Raises on failure."""
-    extra: dict[str, Any] = {"read_timeout": str(cfg.rdzv.read_timeout)}
-    if cfg.is_host is not None:
-        extra["is_host"] = "true" if cfg.is_host else "false"
-    params = RendezvousParameters(
-        backend="c10d",
-        endpoint=cfg.rdzv_endpoint,
-        run_id=cfg.job_id,
-        min_nodes=cfg.min_nodes,
-        max_nodes=cfg.max_nodes,
-        **extra,
-    )
-    backend, store = create_backend(params)
+def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHandler:
+    """Host (``serve``) or connect to the c10d store and build the handler.
+
+    The store comes from ``endpoint.open_store`` rather than torch's ``create_backend``:
+    every connect and handshake is bounded, a store not up yet is waited for up to the join
+    timeout, and bad input is told apart (``endpoint.EndpointError``, ``StoreUnreachable``).
+    """
+    from elastic_trainer.supervisor import endpoint
+
     tuning = cfg.rdzv
+    store = endpoint.open_store(
+        cfg.rdzv_host,
+        cfg.rdzv_port,
+        serve=serve,
+        explicit=cfg.is_host is not None,
+        deadline_s=tuning.join_timeout,
+        read_timeout_s=tuning.read_timeout,
+    )
+    backend = C10dRendezvousBackend(store, cfg.job_id)
     handler = FastRecoveryRendezvousHandler.from_backend(
         cfg.job_id,
         store,

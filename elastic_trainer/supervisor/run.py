@@ -11,7 +11,6 @@ import contextlib
 import importlib.util
 import os
 import shutil
-import socket
 import sys
 import time
 import uuid
@@ -37,9 +36,13 @@ _CPP_LOG_LEVEL = "ERROR"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL)
-    from elastic_trainer.supervisor import args
+    # First of all, before any heavy import: SIGTERM/SIGINT in the first second is a stop
+    # (exit 143), not a death by signal; until the supervisor runs, it interrupts at once.
+    from elastic_trainer.supervisor import args, signals
 
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL)
+
+    stop, previous = signals.install_early()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = args.parse(argv)
@@ -50,10 +53,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             static_fields={"job_id": cfg.job_id, "node": cfg.node, "pid": os.getpid()},
         )
         preflight(cfg)
+        stop.interruptible = False  # from here on the supervisor stops its workers gracefully
+    except signals.StopRequested:
+        signals.restore(previous)
+        return protocol.SUPERVISOR_EXIT_PREEMPTED
     except ElasticTrainError as exc:  # config, dataset: found before any worker starts
+        signals.restore(previous)
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return protocol.SUPERVISOR_EXIT_CONFIG
     except SystemExit as exc:  # --help
+        signals.restore(previous)
         return int(exc.code or 0)
     router = None
     if resolve_format(cfg.log_format) == "json":  # type: ignore[arg-type]
@@ -76,7 +85,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.snapshot_dir:
         check_snapshot_dir(cfg.snapshot_dir)
     if not hosts_store(cfg):
-        check_endpoint(cfg.rdzv_host, cfg.rdzv_port, timeout_s=min(5.0, cfg.rdzv.join_timeout))
+        check_endpoint(cfg.rdzv_host, cfg.rdzv_port, read_timeout_s=cfg.rdzv.read_timeout)
 
 
 def _check_log_file(path: str | None) -> None:
@@ -142,20 +151,17 @@ def _scrub(text: str, url: str) -> str:
 def hosts_store(cfg: RunConfig) -> bool:
     if cfg.is_host is not None:
         return cfg.is_host
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    from elastic_trainer import torch_compat
 
-    return bool(_matches_machine_hostname(cfg.rdzv_host))
+    return torch_compat.matches_machine_hostname(cfg.rdzv_host)
 
 
-def check_endpoint(host: str, port: int, *, timeout_s: float) -> None:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise ConfigError(
-            f"--rdzv-endpoint={host}:{port} is unreachable ({exc.strerror or exc}): "
-            "start the store host first (elastic-train store) or fix HOST:PORT"
-        ) from exc
+def check_endpoint(host: str, port: int, *, read_timeout_s: float) -> None:
+    """Exit 2 now for a name that does not resolve or a port that is not a c10d store; a
+    store that is not up yet is not an error: ``create_handler`` waits for it."""
+    from elastic_trainer.supervisor import endpoint
+
+    endpoint.check(host, port, read_timeout_s=read_timeout_s)
 
 
 def _route_torch_logs() -> None:
@@ -183,13 +189,13 @@ class Supervisor:
 
         _route_torch_logs()
 
-        stop = signals.StopRequest()
+        stop = signals.process_stop()
         signals.install(stop)
-        procs.become_subreaper()
+        procs.guard_node()
         emit("supervisor.started", **cfg.summary())
         status, code, restarts, goodput, error = self._run_agent(stop)
         procs.reap_strays(keep=set())
-        if error:  # a worker refused its configuration: the operator gets its one line
+        if error:  # why this node cannot go on (a worker's configuration, the store): one line
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         emit(
             "job.finished",
@@ -214,17 +220,27 @@ class Supervisor:
 
         from elastic_trainer.supervisor import agent as agent_mod
         from elastic_trainer.supervisor import workerenv
+        from elastic_trainer.supervisor.endpoint import EndpointError, StoreUnreachable
         from elastic_trainer.supervisor.rendezvous import create_handler
         from elastic_trainer.supervisor.signals import StopRequested
 
         cfg = self.cfg
+        stop.interruptible = True  # type: ignore[attr-defined]  # nothing to stop gracefully yet
         try:
-            handler = create_handler(cfg)
+            if stop.requested:  # type: ignore[attr-defined]
+                raise StopRequested("stop")
+            handler = create_handler(cfg, serve=hosts_store(cfg))
         except StopRequested:
             return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None, None
+        except EndpointError as exc:  # bad input found only now (the port was taken, ...)
+            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, str(exc)
+        except StoreUnreachable as exc:  # waited the join timeout (one warning said so)
+            return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, str(exc)
         except Exception as exc:
             self._store_unreachable(exc)
             return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
+        finally:
+            stop.interruptible = False  # type: ignore[attr-defined]
         control_root = workerenv.make_control_root(cfg)
         spec = WorkerSpec(
             role="trainer",

@@ -7,6 +7,11 @@ in a rendezvous (no workers to stop) it raises ``StopRequested`` to leave at onc
 
 torch's process context installs its own SIGTERM handler (raise, then kill workers after
 30 s); ``run.py`` sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` so that it leaves ours alone.
+
+The handlers go in at the very start of ``run.main`` (``install_early``), before the heavy
+imports and the checks: a SIGTERM in the first second must end the process with 143, not
+kill it with -15. Until the supervisor takes over, the request is interruptible: whatever
+``main`` is doing (parsing, probing the store) is abandoned at once.
 """
 
 from __future__ import annotations
@@ -80,3 +85,30 @@ def install(stop: StopRequest) -> dict[int, object]:
     for sig in STOP_SIGNALS:
         previous[int(sig)] = signal.signal(sig, stop.handler)
     return previous
+
+
+_process_stop: StopRequest | None = None
+
+
+def install_early() -> tuple[StopRequest, dict[int, object]]:
+    """The process's stop request, interruptible, with its handlers installed.
+
+    Returns it and the previous handlers (``main`` restores them when it returns early, so
+    that an in-process caller such as a test keeps its own).
+    """
+    global _process_stop
+    stop = StopRequest()
+    stop.interruptible = True
+    previous = install(stop)
+    _process_stop = stop
+    return stop, previous
+
+
+def process_stop() -> StopRequest:
+    """The stop request installed by ``install_early`` (a fresh one if there was none)."""
+    return _process_stop if _process_stop is not None else StopRequest()
+
+
+def restore(previous: dict[int, object]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)  # type: ignore[arg-type]

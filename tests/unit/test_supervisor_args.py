@@ -157,21 +157,6 @@ def test_unwritable_remote_snapshot_dir_exits_2_without_leaking_secrets(tmp_path
     assert "hunter2" not in err
 
 
-def test_unreachable_endpoint_when_not_hosting_exits_2(tmp_path, capsys) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again below: nothing listens there
-    script = tmp_path / "t.py"
-    script.write_text("")
-    code = main(
-        ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false", str(script)]
-    )
-    assert code == 2
-    assert "unreachable" in capsys.readouterr().err
-
-
 def test_unwritable_log_file_exits_2(tmp_path, capsys) -> None:
     (tmp_path / "a-file").write_text("")  # a log path below a regular file cannot be created
     assert main(["--log-file", str(tmp_path / "a-file" / "x.log"), "x.py"]) == 2

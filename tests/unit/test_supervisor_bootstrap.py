@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.supervisor.bootstrap import exit_status
+from elastic_trainer.supervisor.bootstrap import ENV_SUPERVISOR_PID, EXIT_ORPHANED, exit_status
 
 BOOTSTRAP = [sys.executable, "-m", "elastic_trainer.supervisor.bootstrap"]
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -98,3 +99,35 @@ def test_a_module_runs_as_with_python_dash_m(tmp_path):
 
 def test_exit_status_helper():
     assert [exit_status(c) for c in (None, 0, 7)] == [0, 0, 7]
+
+
+# --- dying with the supervisor ---------------------------------------------------------------
+PDEATHSIG_PROBE = """
+import ctypes, signal
+libc = ctypes.CDLL(None)
+sig = ctypes.c_int()
+libc.prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(signal.Signals(sig.value).name if sig.value else "none")
+"""
+
+
+def _run_as_worker(tmp_path: Path, supervisor_pid: int) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", ENV_SUPERVISOR_PID: str(supervisor_pid)}
+    script = _script(tmp_path, PDEATHSIG_PROBE)
+    return subprocess.run(
+        [*BOOTSTRAP, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux only")
+def test_a_worker_dies_by_sigkill_with_its_supervisor(tmp_path):
+    done = _run_as_worker(tmp_path, os.getpid())  # we are its parent: the supervisor
+    assert (done.returncode, done.stdout.strip()) == (0, "SIGKILL"), done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux only")
+def test_a_worker_whose_supervisor_is_already_gone_exits_before_the_script(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is certainly not our worker's parent
+    done = _run_as_worker(tmp_path, gone.pid)
+    assert done.returncode == EXIT_ORPHANED and done.stdout == ""

@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 PROTO = str(HERE / "proto_worker.py")
 PLAIN_DDP = str(HERE / "plain_ddp.py")
 EXIT_RACE = str(HERE / "sup_exit_race.py")
+ORPHAN = str(HERE / "orphan_worker.py")
 REQUIRED = ("timestamp", "level", "event", "job_id", "node", "pid")
 # Short timeouts keep the e2e set fast; the patient first round still covers agents that
 # start a second or two apart on this loaded machine.
@@ -101,6 +102,7 @@ def start_agent(
     port: int,
     job_id: str = "e2e",
     rdzv_conf: str = FAST_RDZV,
+    new_session: bool = False,
 ) -> Agent:
     log_file = tmp / f"{name}.jsonl"
     stderr_file = tmp / f"{name}.stderr"
@@ -123,7 +125,9 @@ def start_agent(
         *argv,
     ]
     with open(stderr_file, "wb") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=err, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
     agent = Agent(name=name, proc=proc, log_file=log_file, stderr_file=stderr_file)
     return agent
 
@@ -184,3 +188,60 @@ def env_with(base: dict[str, str], **extra: str) -> dict[str, str]:
     root = str(HERE.parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def processes_with_env(name: str, value: str) -> list[psutil.Process]:
+    """Live (not zombie) processes whose environment has ``name=value``: a test's own tree,
+    found even after it was re-parented, and including what it spawned at the last moment."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(name) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def sigcaught(pid: int, sig: int) -> bool:
+    """Has process ``pid`` installed a handler for ``sig``? (SigCgt in /proc/PID/status)"""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (sig - 1)))
+
+
+@contextlib.contextmanager
+def not_a_store(kind: str):
+    """A loopback port held by something that is not a c10d store: ``"http"`` (an HTTP
+    server) or ``"silent"`` (accepts connections, never says a word). Yields (port, the
+    connections accepted so far)."""
+    import http.server
+    import threading
+
+    accepted: list[socket.socket] = []
+    if kind == "http":
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), http.server.BaseHTTPRequestHandler
+        )
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield server.server_address[1], accepted
+        finally:
+            server.shutdown()
+            server.server_close()
+        return
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1], accepted
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()

@@ -1,0 +1,271 @@
+"""Reaching the c10d rendezvous store: bad input fails at once, a store not up yet is waited for.
+
+Three kinds of trouble, three answers:
+
+- bad input (a host name that does not resolve, a port held by something that is not a c10d
+  store): ``EndpointError``, a ``ConfigError``, exit 2 at once -- retrying cannot fix it;
+- nothing listens yet, or the connect times out: transient. Nodes of one job boot in any
+  order, so a node whose store host is not up yet waits, with backoff, up to the rendezvous
+  join timeout, says so once (``store.unreachable``, ``retrying=True``), and only then gives
+  up with ``StoreUnreachable`` (exit 1: systemd and Kubernetes restart it);
+- a store that answers: the connected ``TCPStore``.
+
+Every step is bounded. torch's ``TCPStore`` client blocks in C++ without a timeout while it
+waits for the handshake's answer (measured with torch 2.15: an HTTP server or a silent
+listener keeps it there for good, and no signal handler runs meanwhile). So the TCP connect
+is done in Python (interruptible), and the c10d handshake runs in a thread that the main
+thread waits for interruptibly; past ``HANDSHAKE_TIMEOUT_S``, or on a stop signal, the
+thread's socket is shut down, which ends its blocking read at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import tenacity
+
+from elastic_trainer.errors import ConfigError, ElasticTrainError
+from elastic_trainer.events import emit
+
+# A c10d store answers its handshake in milliseconds; anything slower is not one.
+HANDSHAKE_TIMEOUT_S = 5.0
+# One TCP connect attempt (a dropped SYN: the host or its firewall is not up yet).
+CONNECT_TIMEOUT_S = 3.0
+# How long torch's client keeps reconnecting on its own before it reports a failure.
+CLIENT_RETRY_S = 1.0
+# Backoff between attempts while the store is not up: 0.5 s, doubling, capped here.
+RETRY_MAX_WAIT_S = 5.0
+# A key nobody writes: the handshake's one real store operation only asks whether it exists.
+_PROBE_KEY = "elastic-train/probe"
+
+
+# No attempt starts past the deadline (tenacity >= 8.3); older: the last wait may overrun it.
+_STOP_BEFORE = getattr(tenacity, "stop_before_delay", tenacity.stop_after_delay)
+
+
+class EndpointError(ConfigError):
+    """The endpoint is wrong: it does not resolve, or what answers there is not a c10d store."""
+
+
+class StoreUnreachable(ElasticTrainError):
+    """Nothing answered at the endpoint within the rendezvous join timeout."""
+
+    exit_code = 1
+
+
+class _Transient(Exception):
+    """Nothing listens there (yet): worth another try."""
+
+
+def resolve(host: str, port: int) -> None:
+    """Fail at once, with exit 2, on a host name that cannot resolve."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:  # the resolver itself is not reachable yet
+            raise _Transient(f"cannot resolve {host!r} yet ({exc.strerror})") from exc
+        raise EndpointError(
+            f"--rdzv-endpoint={host}:{port}: the host name {host!r} does not resolve "
+            f"({exc.strerror}): fix HOST"
+        ) from exc
+
+
+def reach(host: str, port: int) -> None:
+    """One TCP connect, in Python so that signals are handled meanwhile; ``_Transient`` if
+    nothing answers."""
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise _Transient(exc.strerror or str(exc) or type(exc).__name__) from exc
+
+
+def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
+    """A c10d client: ``TCPStore`` plus one store operation, bounded by ``HANDSHAKE_TIMEOUT_S``.
+
+    Returns the connected store (its operations time out after ``read_timeout_s``). Raises
+    ``EndpointError`` when the listener there does not speak c10d, ``_Transient`` when it
+    went away meanwhile.
+    """
+    import torch.distributed  # noqa: F401  # here, not in the thread: an import is no handshake
+
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome["store"] = _client(host, port, read_timeout_s=read_timeout_s)
+        except Exception as exc:  # reported to the caller below
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=attempt, name="c10d-handshake", daemon=True)
+    thread.start()
+    try:
+        done.wait(HANDSHAKE_TIMEOUT_S)  # a stop signal's handler raises out of this wait
+    finally:
+        if not done.is_set():
+            outcome["aborted"] = True
+            _abort(thread, host, port)
+    if "store" in outcome:
+        return outcome["store"]
+    reach(host, port)  # refused now: the store went away while we talked to it (transient)
+    if "error" in outcome and "aborted" not in outcome:
+        reason = f"its c10d handshake failed: {_first_line(outcome['error'])}"
+    else:
+        reason = f"no c10d handshake answer within {HANDSHAKE_TIMEOUT_S:g}s"
+    raise EndpointError(
+        f"--rdzv-endpoint={host}:{port} answers but is not a c10d store ({reason}): "
+        "point it at the store host (elastic-train store) or free the port"
+    )
+
+
+def _abort(thread: threading.Thread, host: str, port: int) -> None:
+    """End a handshake stuck in C++: shut its socket down (the client may reconnect and block
+    again within its own timeout, so repeat until the thread is done)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 1
+    while thread.is_alive() and time.monotonic() < deadline:
+        shut_down_connections(host, port)
+        thread.join(0.05)
+
+
+def _client(host: str, port: int, *, read_timeout_s: float) -> Any:
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        host,
+        port,
+        is_master=False,
+        # bounds the client's own reconnect loop: after ``_abort`` cut its read, it retries
+        # for this long (``reach`` just connected, so the first connect is immediate)
+        timeout=timedelta(seconds=CLIENT_RETRY_S),
+        wait_for_workers=False,
+    )
+    store.check([_PROBE_KEY])
+    store.set_timeout(timedelta(seconds=read_timeout_s))
+    return store
+
+
+def shut_down_connections(host: str, port: int) -> int:
+    """Shut down this process's TCP connections to ``host:port``; how many."""
+    targets = _addresses(host, port)
+    count = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.fd >= 0 and (_plain(conn.raddr.ip), conn.raddr.port) in targets:
+            with contextlib.suppress(OSError):
+                # a duplicate of the fd: shutting it down shuts down the one socket behind both
+                with socket.socket(fileno=os.dup(conn.fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+    return count
+
+
+def _addresses(host: str, port: int) -> set[tuple[str, int]]:
+    with contextlib.suppress(OSError):
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return {(_plain(info[4][0]), port) for info in infos}
+    return set()
+
+
+def _plain(ip: str) -> str:
+    """``::ffff:127.0.0.1`` -> ``127.0.0.1``: how an IPv4 peer of an IPv6 socket shows."""
+    with contextlib.suppress(ValueError):
+        mapped = ipaddress.ip_address(ip.split("%", 1)[0])
+        if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped:
+            return str(mapped.ipv4_mapped)
+    return ip
+
+
+def connect(host: str, port: int, *, deadline_s: float, read_timeout_s: float) -> Any:
+    """The connected store, waiting up to ``deadline_s`` for it to come up (see module)."""
+    warned = False
+
+    def warn_once(state: tenacity.RetryCallState) -> None:
+        nonlocal warned
+        if not warned:
+            warned = True
+            emit(
+                "store.unreachable",
+                level="warning",
+                endpoint=f"{host}:{port}",
+                error=_first_line(state.outcome.exception() if state.outcome else None),
+                consequence="waiting for the store host to come up",
+                retrying=True,
+                deadline_s=deadline_s,
+            )
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(_Transient),
+        stop=_STOP_BEFORE(deadline_s),
+        wait=tenacity.wait_exponential_jitter(initial=0.5, max=RETRY_MAX_WAIT_S),
+        before_sleep=warn_once,
+        reraise=True,
+    )
+    try:
+        return retrying(_attempt, host, port, read_timeout_s)
+    except _Transient as exc:
+        raise StoreUnreachable(
+            f"--rdzv-endpoint={host}:{port}: no store answered within {deadline_s:g}s "
+            f"({exc}): start the store host, or check HOST:PORT and the firewall"
+        ) from exc
+
+
+def _attempt(host: str, port: int, read_timeout_s: float) -> Any:
+    resolve(host, port)
+    reach(host, port)
+    return handshake(host, port, read_timeout_s=read_timeout_s)
+
+
+def open_store(
+    host: str, port: int, *, serve: bool, explicit: bool, deadline_s: float, read_timeout_s: float
+) -> Any:
+    """Host the store here (``serve``) or connect to it (see ``connect``).
+
+    A host that was only inferred from the address (``explicit`` False) falls back to being
+    a client when the port is taken: several agents on one machine share one store.
+    """
+    if serve:
+        try:
+            return _server(port, read_timeout_s=read_timeout_s)
+        except RuntimeError as exc:  # torch's DistNetworkError: the port is taken
+            if explicit:
+                raise EndpointError(
+                    f"--rdzv-endpoint={host}:{port}: cannot host the store here "
+                    f"({_first_line(exc)}): pick a free port or stop what holds it"
+                ) from exc
+    return connect(host, port, deadline_s=deadline_s, read_timeout_s=read_timeout_s)
+
+
+def _server(port: int, *, read_timeout_s: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "0.0.0.0",  # ignored by the server side (it listens on every address, as torch's)
+        port,
+        is_master=True,
+        multi_tenant=True,
+        timeout=timedelta(seconds=read_timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def check(host: str, port: int, *, read_timeout_s: float) -> None:
+    """Before anything starts: exit 2 on bad input; a store that is not up yet is fine."""
+    with contextlib.suppress(_Transient):
+        _attempt(host, port, read_timeout_s)  # a probe: the rendezvous opens its own
+
+
+def _first_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown"
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

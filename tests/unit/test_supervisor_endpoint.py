@@ -1,0 +1,116 @@
+"""endpoint.py on loopback: bad input at once, a store not up yet retried, every wait bounded."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import pytest
+from structlog.testing import capture_logs
+
+from elastic_trainer.supervisor import endpoint
+from elastic_trainer.supervisor.endpoint import EndpointError, StoreUnreachable
+from tests.e2e.workers.harness import not_a_store
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(endpoint, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(endpoint, "RETRY_MAX_WAIT_S", 0.5)
+
+
+@pytest.fixture
+def silent_port():
+    with not_a_store("silent") as (port, _):
+        yield port
+
+
+@pytest.fixture
+def store_port():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False
+    )
+    yield store.port
+    del store
+
+
+def test_a_name_that_cannot_resolve_is_bad_input():
+    with pytest.raises(EndpointError, match="does not resolve"):
+        endpoint.check("no-such-store.invalid", 29400, read_timeout_s=5)
+
+
+def test_a_closed_port_passes_the_check_it_is_only_not_up_yet():
+    endpoint.check("127.0.0.1", _closed_port(), read_timeout_s=5)
+
+
+@pytest.mark.usefixtures("fast")
+@pytest.mark.parametrize("kind", ["silent", "http"])
+def test_a_listener_that_is_not_a_store_is_bad_input_within_a_bound(kind):
+    began = time.monotonic()
+    with not_a_store(kind) as (port, _), pytest.raises(EndpointError, match="not a c10d store"):
+        endpoint.connect("127.0.0.1", port, deadline_s=30, read_timeout_s=5)
+    assert time.monotonic() - began < 20  # did not hang (the bound is 1 s here)
+    assert not [t for t in threading.enumerate() if t.name == "c10d-handshake"]
+
+
+@pytest.mark.usefixtures("fast")
+def test_a_refused_port_is_retried_with_one_warning_until_the_deadline():
+    with capture_logs() as logs, pytest.raises(StoreUnreachable, match="within 2s") as info:
+        endpoint.connect("127.0.0.1", _closed_port(), deadline_s=2, read_timeout_s=5)
+    assert info.value.exit_code == 1
+    warnings = [e for e in logs if e["event"] == "store.unreachable"]
+    assert len(warnings) == 1
+    assert (warnings[0]["log_level"], warnings[0]["retrying"]) == ("warning", True)
+
+
+def test_a_store_connects_and_answers(store_port):
+    store = endpoint.connect("127.0.0.1", store_port, deadline_s=10, read_timeout_s=5)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_hosting_on_a_taken_port_is_bad_input_only_when_asked_to_host(store_port):
+    with pytest.raises(EndpointError, match="cannot host"):
+        endpoint.open_store(
+            "127.0.0.1", store_port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
+        )
+    # inferred: another agent on this machine hosts it -> become its client
+    store = endpoint.open_store(
+        "127.0.0.1", store_port, serve=True, explicit=False, deadline_s=5, read_timeout_s=5
+    )
+    assert store.check(["nothing"]) is False
+
+
+def test_a_stop_signal_ends_a_blocked_handshake(silent_port):
+    class Stop(BaseException):
+        pass
+
+    def handler(signum, frame):
+        raise Stop  # what signals.StopRequest.handler does while interruptible
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    began = time.monotonic()
+    try:
+        with pytest.raises(Stop):
+            endpoint.handshake("127.0.0.1", silent_port, read_timeout_s=5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - began < endpoint.HANDSHAKE_TIMEOUT_S  # not the full bound
+    # the C++ client blocked in its read was released: no thread left behind
+    assert not [t for t in threading.enumerate() if t.name == "c10d-handshake"]
