@@ -32,6 +32,7 @@ from elastic_trainer.jobs.models import (
     check_input_size,
     logits_of,
 )
+from elastic_trainer.runtime import failure
 from elastic_trainer.runtime.plan import batch_plan
 from elastic_trainer.runtime.progress import STOP_MAX_STEPS
 
@@ -258,8 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(parse_args(argv))
     except ElasticTrainError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return failure.refuse(exc)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from elastic_trainer.runtime.progress import (
 )
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.snapshotting import SessionSnapshots
+from snapshots import Owner, SnapshotOwnerError
 
 _DEFAULTS = {
     "snapshot_every": protocol.DEFAULT_SNAPSHOT_EVERY,
@@ -80,7 +81,7 @@ class TrainingSession:
         self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
         url = self._setting("snapshot_dir", snapshot_dir)
         keep = self._setting("snapshot_keep", keep)
-        self._snapshots = SessionSnapshots(url, keep=keep) if url else None
+        self._snapshots = self._open_snapshots(url, keep) if url else None
         self._progress = ProgressFile(self.context.progress_path)
         self._signals = StopSignals()  # SIGTERM/SIGUSR1 to the worker = this node stops
         self._signals.install()
@@ -104,6 +105,30 @@ class TrainingSession:
                 operator_value=operator_value,
             )
         return operator_value
+
+    def _open_snapshots(self, url: str, keep: int) -> SessionSnapshots:
+        """The folder belongs to this job (``snapshots.ownership``): the run token is the
+        group's attempt, agreed by every rank, so a later attempt or a requeued run adopts the
+        folder and a concurrent run of the same job takes it over from this one."""
+        job_id = self.context.job_id
+        owner = Owner(job_id=job_id, run_token=f"{self.attempt:x}") if job_id else None
+        try:
+            return SessionSnapshots(
+                url, keep=keep, owner=owner, storage_timeout=self.context.settings.storage_timeout_s
+            )
+        except SnapshotOwnerError as exc:  # a restart cannot fix it: exit 2 with this line
+            raise ConfigError(str(exc)) from exc
+
+    def _final_deadline(self) -> float:
+        """Seconds the final snapshot of a stop may take: what is left of the grace period
+        before the supervisor kills (it keeps a margin), counted from the stop file."""
+        grace = self.context.settings.grace_period_s
+        budget = grace - min(2.0, grace * 0.2)
+        stop_file = self.context.stop_file
+        with contextlib.suppress(OSError):
+            if stop_file is not None:
+                budget -= max(0.0, time.time() - os.path.getmtime(stop_file))
+        return max(1.0, budget)
 
     def _open_audit(self, directory: str | None) -> AuditLog | None:
         if directory is None:
@@ -283,7 +308,7 @@ class TrainingSession:
         received = self._signals.received
         if D.rank() == 0 or received is not None:
             emit("session.stopping", step=self.step, reason=reason, signal=received)
-        self._save(blocking=True)
+        self._save(blocking=True, deadline_s=self._final_deadline())
 
     # --- snapshots ------------------------------------------------------------------------
     def _snapshot_state(self) -> dict[str, Any]:
@@ -293,10 +318,16 @@ class TrainingSession:
         state[SESSION_KEY] = {"step": self.step, "epoch": self.epoch}
         return state
 
-    def _save(self, *, blocking: bool) -> None:
+    def _save(self, *, blocking: bool, deadline_s: float | None = None) -> None:
         if self._snapshots is None or self._snapshots.last_saved_step == self.step:
             return
-        self._snapshots.save(self.step, self._snapshot_state(), epoch=self.epoch, blocking=blocking)
+        self._snapshots.save(
+            self.step,
+            self._snapshot_state(),
+            epoch=self.epoch,
+            blocking=blocking,
+            deadline_s=deadline_s,
+        )
 
     def finish(self) -> int:
         """Commit a final snapshot (synchronously) and close. After a coordinated stop the

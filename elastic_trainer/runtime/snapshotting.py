@@ -79,9 +79,16 @@ class SessionSnapshots:
     ) -> None:
         """Collective. A blocking save returns on every rank only once the snapshot is
         committed, so no rank exits (or is stopped) before the final snapshot exists; it
-        raises SnapshotSaveError on every rank if it failed or ``deadline_s`` passed."""
+        raises SnapshotSaveError on every rank if it failed or ``deadline_s`` passed.
+
+        A blocking save first flushes the save in flight and skips the step if that one
+        committed it; ``last_saved_step`` only counts saves known to be committed (a periodic
+        save may have been skipped while storage was down: the final one must still run)."""
         error: SnapshotError | None = None
         with self.store.deadline(deadline_s if blocking else None):
+            if blocking and self._committed_after_flush() == step:
+                self.last_saved_step = step
+                return
             try:
                 self._snapshotter.save(
                     step,
@@ -99,7 +106,15 @@ class SessionSnapshots:
                 error = self._closing_broadcast(step, error)
         if error is not None:
             raise error
-        self.last_saved_step = step
+        if blocking:
+            self.last_saved_step = step
+
+    def _committed_after_flush(self) -> int | None:
+        """Collective: wait for the save in flight; the step every rank agrees is committed."""
+        try:
+            return self._snapshotter.wait()
+        except SnapshotError:  # that save failed, and said so (snapshot.failed)
+            return self._snapshotter.last_committed_step
 
     def _closing_broadcast(self, step: int, error: SnapshotError | None) -> SnapshotError | None:
         """Every rank takes part in the broadcast, even when rank 0's save already failed

@@ -39,6 +39,8 @@ import traceback
 from collections.abc import Mapping
 
 from elastic_trainer import protocol
+from elastic_trainer.errors import ElasticTrainError
+from elastic_trainer.runtime import failure
 
 # Set by the supervisor for its workers: its pid, for the parent-death race check below.
 ENV_SUPERVISOR_PID = protocol.ENV_SUPERVISOR_PID
@@ -87,6 +89,11 @@ def run_script(argv: list[str]) -> int:
         return exit_status(exc.code)
     except KeyboardInterrupt:
         raise  # the interpreter's own handling: it dies by SIGINT
+    except ElasticTrainError as exc:
+        if not failure.is_config_error(exc):
+            sys.excepthook(*sys.exc_info())
+            return 1
+        return failure.refuse(exc)  # one line and exit 2: the supervisor ends the job
     except BaseException:  # like the interpreter: print it, status 1
         sys.excepthook(*sys.exc_info())
         return 1

@@ -347,3 +347,16 @@ def test_without_flags_the_script_keyword_then_the_default_applies(tmp_path):
     )
     default.close()
     assert default.snapshot_every == protocol.DEFAULT_SNAPSHOT_EVERY
+
+
+def test_another_jobs_snapshot_folder_is_a_configuration_error(tmp_path):
+    from snapshots import Owner, SnapshotStore
+
+    folder = str(tmp_path / "snaps")
+    SnapshotStore(folder, owner=Owner(job_id="job-a", run_token="1")).close()
+    theirs = WorkerSettings(job_id="job-b", snapshot_dir=folder)
+    with pytest.raises(ConfigError, match="job-a") as info:
+        TrainingSession(
+            {"model": nn.Linear(1, 1)}, context=WorkerContext(settings=theirs), configure_logs=False
+        )
+    assert info.value.exit_code == 2 and "job-b" in str(info.value)

@@ -74,3 +74,34 @@ def test_owner_reaches_the_store(tmp_path) -> None:
     SessionSnapshots(str(tmp_path), keep=3, owner=Owner(job_id="a", run_token="r1"))
     with pytest.raises(SnapshotOwnerError, match="belongs to job 'a'"):
         SessionSnapshots(str(tmp_path), keep=3, owner=Owner(job_id="b", run_token="r2"))
+
+
+def test_a_skipped_periodic_save_does_not_skip_the_final_one(tmp_path) -> None:
+    """Regression: a periodic save skipped while storage was down still counted as saved,
+    so a preemption at that very step skipped its final snapshot too."""
+    import torch
+
+    from elastic_trainer.runtime.snapshotting import SessionSnapshots
+
+    snaps = SessionSnapshots(str(tmp_path / "s"), keep=3)
+    state = {"model": torch.nn.Linear(2, 2)}
+    snaps.store._storage.health.failed("down for the test")
+    snaps.save(5, state, epoch=0, blocking=False)  # skipped: storage is down
+    assert snaps.last_saved_step is None
+    snaps.save(5, state, epoch=0, blocking=True, deadline_s=30)
+    assert [i.step for i in snaps.store.list()] == [5] and snaps.last_saved_step == 5
+    snaps.save(5, state, epoch=0, blocking=True)  # committed already: nothing to do
+    snaps.close()
+
+
+def test_a_final_save_after_the_same_periodic_step_is_not_written_twice(tmp_path) -> None:
+    import torch
+
+    from elastic_trainer.runtime.snapshotting import SessionSnapshots
+
+    snaps = SessionSnapshots(str(tmp_path / "s"), keep=3)
+    state = {"model": torch.nn.Linear(2, 2)}
+    snaps.save(7, state, epoch=0, blocking=False)
+    snaps.save(7, state, epoch=0, blocking=True)  # flushes, sees 7 committed: no second write
+    assert [i.step for i in snaps.store.list()] == [7]
+    snaps.close()

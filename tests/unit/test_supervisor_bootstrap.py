@@ -131,3 +131,23 @@ def test_a_worker_whose_supervisor_is_already_gone_exits_before_the_script(tmp_p
     gone.wait()  # a pid that is certainly not our worker's parent
     done = _run_as_worker(tmp_path, gone.pid)
     assert done.returncode == EXIT_ORPHANED and done.stdout == ""
+
+
+def test_a_configuration_error_is_one_line_exit_2_and_reaches_the_error_file(tmp_path) -> None:
+    """What the supervisor shows for a worker's exit 2 (job.finished error) comes from here."""
+    import json
+
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "from elastic_trainer.errors import ConfigError\n"
+        "raise ConfigError('--lr=-1 is invalid: use a number > 0')\n"
+    )
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.supervisor.bootstrap", str(script)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --lr=-1 is invalid: use a number > 0"
+    assert "--lr=-1 is invalid" in json.dumps(json.loads(error_file.read_text()))
