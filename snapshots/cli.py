@@ -23,12 +23,10 @@ from snapshots import _housekeeping, retention
 from snapshots._catalog import Catalog
 from snapshots.errors import NoValidSnapshotError, SnapshotError, SnapshotNotFoundError
 from snapshots.info import VerifyResult
-from snapshots.storage import RetryingStorage, open_storage, redact_url
+from snapshots.storage import RetryingStorage, backend_fix, open_storage, redact_url
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 ERROR_PREFIX = "elastic-train: error:"
-# fsspec protocol -> the extra of this package that installs its backend.
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
 class UsageError(Exception):
@@ -120,8 +118,7 @@ def _open_problem(url: str, exc: SnapshotError) -> str:
     if not isinstance(exc.__cause__, ImportError):
         return str(exc)
     scheme = url.split("://", 1)[0].lower()
-    extra = EXTRAS.get(scheme)
-    fix = f"pip install 'elastic-train[{extra}]'" if extra else "install its fsspec backend"
+    fix = backend_fix(scheme)
     return f"cannot open {redact_url(url)}: {scheme}:// needs a package that is missing; {fix}"
 
 

@@ -59,6 +59,20 @@ S3_PROTOCOLS = frozenset({"s3", "s3a"})
 S3FS_PART_SIZE = 50 * 2**20
 
 
+# fsspec protocol -> the extra of this package that installs its backend.
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+def backend_fix(scheme: str) -> str:
+    """How to install the fsspec backend of ``scheme`` (for an error message)."""
+    extra = EXTRAS.get(scheme)
+    return (
+        f"pip install 'elastic-train[{extra}]'"
+        if extra
+        else f"install the {scheme}:// fsspec backend"
+    )
+
+
 def redact_url(text: str) -> str:
     """Remove credentials (user:password@, secret query parameters) from a URL."""
     return _SECRET_QUERY.sub(r"\g<key>=***", _URL_USERINFO.sub(r"\g<scheme>***@", text))
@@ -466,8 +480,7 @@ def open_storage(
             inner = FsspecStorage(url, options)
         except (ImportError, ValueError) as exc:
             raise StorageError(
-                f"cannot open snapshot URL {redact_url(url)}: {exc}; install the fsspec "
-                "backend for this scheme (e.g. pip install 'elastic-train[s3]')"
+                f"cannot open snapshot URL {redact_url(url)}: {exc}; {backend_fix(scheme)}"
             ) from exc
         if scheme in S3_PROTOCOLS:
             inner.fs.retries = 1  # type: ignore[attr-defined]  # s3fs's own retry loop: off

@@ -150,10 +150,11 @@ class SnapshotStore:
             self._storage.check(create=create)
         except (StorageError, OSError) as exc:
             cause = exc.__cause__ or exc
+            access = "writable" if create else "readable"
             raise StorageError(
                 f"cannot use snapshot storage {redact_url(url)}: {redact_url(str(cause))}; "
-                "check that the folder or bucket exists and is writable, and that the endpoint, "
-                "credentials (storage_options) and network are right"
+                f"check that the folder or bucket exists and is {access}, and that the "
+                "endpoint, credentials (storage_options) and network are right"
             ) from exc
 
     # ------------------------------------------------------------------ save
@@ -399,8 +400,10 @@ class SnapshotStore:
 
     # ------------------------------------------------------------- retention
     def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed snapshots (and every keep_every-th)."""
-        latest = self.latest()
+        """Delete all but the newest ``keep`` committed snapshots (and every keep_every-th),
+        never the newest one that actually loads (deep verification: checksums are not
+        enough when a file passes them but ``weights_only`` refuses it) nor anything newer."""
+        latest = self._catalog.latest(deep=True)
         return self._prune(keep, latest.step if latest is not None else None)
 
     def _prune(self, keep: int, newest_verified: int | None) -> list[int]:

@@ -64,3 +64,15 @@ def test_nothing_loads_prunes_nothing(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["prune", str(root), "--keep", "1"]) == 1
     assert capsys.readouterr().err.splitlines()[-1].startswith("elastic-train: error: ")
     assert store.committed_steps() == [1, 2]
+
+
+def test_store_prune_also_anchors_on_the_newest_snapshot_that_loads(
+    tampered: tuple[str, Path],
+) -> None:
+    """The library call, not only the CLI: step 3 passes its checksums but does not load, so
+    step 2 (the newest that loads) must survive keep=1."""
+    url, sentinel = tampered
+    store = SnapshotStore(url, keep=None)
+    assert store.prune(1) == [1]
+    assert store.committed_steps() == [2, 3]
+    assert not sentinel.exists()
