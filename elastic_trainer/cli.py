@@ -18,7 +18,7 @@ def _snapshots(argv: Sequence[str]) -> int:
 
 
 def _report(argv: Sequence[str]) -> int:
-    from elastic_trainer.report import main
+    from elastic_trainer.reporting.cli import main
 
     return main(argv)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError, ElasticTrainError
 from elastic_trainer.events import emit
 
@@ -60,8 +61,8 @@ class StoreConfig:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """argv -> namespace; argparse exits 2 with usage on unknown flags."""
-    parser = argparse.ArgumentParser(
+    """argv -> namespace; a bad flag is one ConfigError line."""
+    parser = OneLineParser(
         prog="elastic-train store",
         description="Host a c10d rendezvous store (torch TCPStore) for elastic-train agents. "
         "c10d has no authentication: bind it to a private network address.",
@@ -252,9 +253,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         ns = parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exc:  # argparse already printed usage and the problem
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
         config = config_from_args(ns)
         configure_logging(
             fmt=ns.log_format, log_file=ns.log_file, static_fields={"job_id": ns.job_id}
@@ -263,7 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop.install()
         code = serve(config, stop)
     except ElasticTrainError as exc:
-        print(f"elastic-train store: {exc}", file=sys.stderr)
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
     emit("store.stopped", signal=", ".join(stop.signals) or None)
     return code

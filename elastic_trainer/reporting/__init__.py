@@ -1,4 +1,5 @@
 """``elastic-train report``: read a run's JSON event log, summarise it, draw it.
 
-``events`` reads (I/O), ``summary`` is pure, ``plot`` draws with matplotlib's Agg backend.
+``cli`` is the command, ``events`` reads (I/O), ``summary`` is pure, ``plot`` draws with
+matplotlib's Agg backend.
 """

@@ -34,15 +34,6 @@ class ProgressFile:
         os.replace(self._tmp, self.path)
 
 
-def read_progress(path: str) -> dict[str, object] | None:
-    """The last progress a worker published, or None if it has not published yet."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except FileNotFoundError:
-        return None
-
-
 def stop_exit_code(reason: str | None) -> int | None:
     """The worker's exit code after a coordinated stop (None: not a preemption stop)."""
     if reason in (STOP_PREEMPTED, STOP_RESTARTING):

@@ -17,8 +17,9 @@ import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NoReturn
+from typing import Any
 
+from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.config import (
     DEFAULT_MODULE,
     DEFAULT_RDZV_PORT,
@@ -36,15 +37,8 @@ _FALSE = {"0", "false", "no", "off"}
 _BACKEND_KEYS = {"is_host", "store_type"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{PROG}: {message} (see {PROG} --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         usage=f"{PROG} [options] [SCRIPT | -m MODULE] [args...]",
         description="Fault-tolerant elastic training supervisor (a better torchrun).",

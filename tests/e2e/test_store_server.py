@@ -188,7 +188,7 @@ def test_port_in_use_is_one_line_and_exit_2(worker_env: dict[str, str]) -> None:
         result = run_store_cli(worker_env, "--host", "127.0.0.1", "--port", str(port))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"elastic-train store: port {port} is already in use on 127.0.0.1: pick another --port"
+        f"elastic-train: error: port {port} is already in use on 127.0.0.1: pick another --port"
     ]
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elastic_trainer.cli import main as cli_main
-from elastic_trainer.report import main
+from elastic_trainer.reporting.cli import main
 from tests.unit.test_report_summary import a_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -60,7 +60,7 @@ def test_bad_runs_are_one_line_and_exit_2(tmp_path, capsys, make) -> None:
         run.write_text("hello\nworld\n")
     assert main([str(run)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err
+    assert err.startswith("elastic-train: error: ") and "\n" not in err
 
 
 def test_unwritable_output_is_exit_2(tmp_path, capsys) -> None:

@@ -1,8 +1,9 @@
 """``elastic-train report RUN``: one PNG and a short summary of what happened in a run.
 
 RUN is the run's JSON event log (the supervisor's ``--log-file``, which the workers append
-to as well) or a folder holding it as ``events.jsonl``. The PNG goes to ``-o/--output``
-(default: ``<log name>.png`` next to the log); ``--json`` prints the summary as JSON.
+to as well) or a run folder holding ``events*.jsonl`` files (one per node, merged by time).
+The PNG goes to ``-o/--output`` (default: ``<log name>.png`` next to the log, or
+``events.png`` in the folder); ``--json`` prints the summary as JSON.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
+from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.reporting.events import load_event_log
 from elastic_trainer.reporting.summary import format_summary, summarize
@@ -21,14 +22,11 @@ from elastic_trainer.reporting.summary import format_summary, summarize
 PROG = "elastic-train report"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{PROG}: {message} (see {PROG} --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("run", metavar="RUN", help="event log file, or a folder with events.jsonl")
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument(
+        "run", metavar="RUN", help="event log file, or a run folder of events*.jsonl (one per node)"
+    )
     p.add_argument("-o", "--output", help="PNG path (default: next to the log)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-plot", action="store_true", help="summary only, no PNG")
@@ -64,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
 
 
