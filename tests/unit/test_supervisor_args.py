@@ -228,7 +228,7 @@ def test_the_rendezvous_node_is_advertised_at_local_addr() -> None:
         ],
         env={},
     )
-    handler = create_handler(cfg)
+    handler = create_handler(cfg, serve=True)
     assert torch_compat.this_node(handler).addr == "127.0.0.9"
 
 
