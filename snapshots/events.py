@@ -21,7 +21,12 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.storage_retry": ("op", "url", "attempt", "error"),
     "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token"),
 }
-_LEVELS = {"snapshot.corrupt": "warning", "snapshot.failed": "error", "snapshot.skipped": "warning"}
+_LEVELS = {
+    "snapshot.corrupt": "warning",
+    "snapshot.failed": "error",
+    "snapshot.skipped": "warning",
+    "snapshot.storage_retry": "warning",
+}
 
 
 def emit(event: str, **fields: Any) -> None:

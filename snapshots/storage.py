@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-import structlog
 import tenacity
 
 from snapshots import _faults, layout
@@ -42,10 +41,10 @@ from snapshots.errors import (
     SnapshotCorruptError,
     StorageError,
 )
+from snapshots.events import emit
 from snapshots.health import StorageHealth
 from snapshots.retry import RetryPolicy, is_transient, s3_options
 
-log = structlog.get_logger("snapshots")
 T = TypeVar("T")
 
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+(:[^/@\s]*)?@")
@@ -417,7 +416,7 @@ class RetryingStorage:
             wait=tenacity.wait_exponential_jitter(
                 multiplier=p.initial_s, max=p.max_s, jitter=p.initial_s
             ),
-            before_sleep=lambda rs: log.warning(
+            before_sleep=lambda rs: emit(
                 "snapshot.storage_retry",
                 op=op,
                 url=self._where(path),
