@@ -37,6 +37,13 @@ class SamplerStateError(ElasticTrainError):
     exit_code = 2
 
 
+class StorageUnavailable(ElasticTrainError):
+    """Snapshot storage did not answer within its deadline: transient, so not exit 2 (a
+    scheduler's restart policy may retry it), but this node cannot start now."""
+
+    exit_code = 1
+
+
 class RestartBudgetExhausted(ElasticTrainError):
     """The group failed more often than --max-restarts allows."""
 

@@ -56,6 +56,10 @@ def _resolve_format(fmt: LogFormat, stream: Any) -> Literal["json", "console"]:
     return "console" if hasattr(stream, "isatty") and stream.isatty() else "json"
 
 
+# Storage clients log routine steps at INFO ("Found credentials in environment variables."):
+# not events ops should page through. Their warnings and errors still come through.
+_CHATTY_LIBRARIES = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "fsspec", "urllib3")
+
 # Fields every event of this process carries (job_id, node, pid; workers add rank...). Kept
 # process-wide rather than in contextvars: a context is per thread, and events logged from
 # background threads (the snapshot writer) must carry them too.
@@ -115,6 +119,10 @@ def configure_logging(
     for handler in handlers:
         root.addHandler(handler)
     root.setLevel(level)
+    for name in _CHATTY_LIBRARIES:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:  # a level someone chose is theirs
+            logger.setLevel(logging.WARNING)
     route_torch_logs()
     _STATIC_FIELDS.clear()
     bind_static_fields(static_fields or {})

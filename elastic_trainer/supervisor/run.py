@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from elastic_trainer import protocol, stderr_router
 from elastic_trainer.config import RunConfig
-from elastic_trainer.errors import ConfigError, ElasticTrainError
+from elastic_trainer.errors import ConfigError, ElasticTrainError, StorageUnavailable
 from elastic_trainer.events import emit
 from elastic_trainer.logging import (
     configure_logging,
@@ -57,10 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except signals.StopRequested:
         signals.restore(previous)
         return protocol.SUPERVISOR_EXIT_PREEMPTED
-    except ElasticTrainError as exc:  # config, dataset: found before any worker starts
+    except ElasticTrainError as exc:  # config, dataset, storage: found before any worker starts
         signals.restore(previous)
         print(f"elastic-train: error: {exc}", file=sys.stderr)
-        return protocol.SUPERVISOR_EXIT_CONFIG
+        return exc.exit_code
     except SystemExit as exc:  # --help
         signals.restore(previous)
         return int(exc.code or 0)
@@ -83,7 +83,7 @@ def preflight(cfg: RunConfig) -> None:
     for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
         emit("preflight.warning", level="warning", warning=warning)
     if cfg.snapshot_dir:
-        check_snapshot_dir(cfg.snapshot_dir)
+        check_snapshot_dir(cfg.snapshot_dir, storage_timeout=cfg.storage_timeout)
     if not hosts_store(cfg):
         check_endpoint(cfg.rdzv_host, cfg.rdzv_port, read_timeout_s=cfg.rdzv.read_timeout)
 
@@ -116,20 +116,29 @@ def _check_entrypoint(cfg: RunConfig) -> None:
         raise ConfigError(f"-m {module!r}: no such module; check the name and the PYTHONPATH")
 
 
-def check_snapshot_dir(url: str) -> None:
-    """Write and delete a probe file through fsspec (local or remote). ConfigError if not."""
-    import fsspec
+def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> None:
+    """Write and delete a probe file through the snapshot store's own storage layer, within
+    its deadline (``--storage-timeout``). A permanent problem (permissions, a missing bucket,
+    no backend) is ConfigError (exit 2); storage that stays unreachable through the deadline
+    is StorageUnavailable (exit 1): it may come up, so a restart policy should retry."""
+    from snapshots.retry import RetryPolicy, is_transient
+    from snapshots.storage import open_storage
 
     safe = redact(url)
     try:
-        fs, path = fsspec.core.url_to_fs(url)
-        fs.makedirs(path, exist_ok=True)
-        probe = f"{path.rstrip('/')}/.elastic-train-probe-{uuid.uuid4().hex}"
-        with fs.open(probe, "wb") as f:
-            f.write(b"probe")
-        fs.rm(probe)
+        storage = open_storage(url, retry=RetryPolicy().with_timeout(storage_timeout))
+        storage.check(create=True)
+        probe = f".elastic-train-probe-{uuid.uuid4().hex}"
+        storage.write(probe, b"probe")
+        storage.delete(probe)
     except Exception as exc:
-        reason = _scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, url)
+        cause = exc.__cause__ or exc
+        reason = _scrub(str(cause).splitlines()[0] if str(cause) else type(cause).__name__, url)
+        if is_transient(cause):
+            raise StorageUnavailable(
+                f"--snapshot-dir={safe!r} did not answer within the storage timeout ({reason}): "
+                "check the endpoint and network, or raise --storage-timeout"
+            ) from exc
         raise ConfigError(
             f"--snapshot-dir={safe!r} is not writable ({reason}): "
             "fix the path, permissions or credentials"

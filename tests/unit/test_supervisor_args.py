@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -269,3 +270,42 @@ def test_ipv6_endpoints(endpoint, expected) -> None:
 
 def test_standalone_with_one_node_spelled_out_is_fine() -> None:
     assert args.parse(["--standalone", "--nnodes", "1", "x.py"], env={}).max_nodes == 1
+
+
+def test_snapshot_storage_that_does_not_answer_is_exit_1_within_the_storage_timeout(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """A refused S3 endpoint at start-up is transient (exit 1, retried by the platform), and
+    bounded by --storage-timeout instead of botocore's own minute of retries."""
+    import socket
+    import time
+
+    pytest.importorskip("s3fs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x")):
+        monkeypatch.setenv(name, value)
+    script = tmp_path / "x.py"
+    script.write_text("")
+    began = time.monotonic()
+    argv = ["--standalone", "--snapshot-dir", "s3://bucket/run", "--storage-timeout", "3"]
+    code = main([*argv, str(script)])
+    assert code == 1
+    *retries, last = capsys.readouterr().err.strip().splitlines()
+    assert last.startswith("elastic-train: error: --snapshot-dir='s3://bucket/run' did not answer")
+    assert all('"snapshot.storage_retry"' in line for line in retries)  # warnings, no chatter
+    assert time.monotonic() - began < 60  # bounded (the bug was minutes): not a timing target
+
+
+def test_an_unwritable_snapshot_dir_is_still_exit_2(tmp_path, capsys) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    script = tmp_path / "x.py"
+    script.write_text("")
+    if os.access(folder, os.W_OK):  # root ignores modes: use a path below a file instead
+        folder = tmp_path / "x.py" / "below-a-file"
+    assert main(["--standalone", "--snapshot-dir", str(folder), str(script)]) == 2
+    assert "is not writable" in capsys.readouterr().err
