@@ -309,3 +309,22 @@ def test_an_unwritable_snapshot_dir_is_still_exit_2(tmp_path, capsys) -> None:
         folder = tmp_path / "x.py" / "below-a-file"
     assert main(["--standalone", "--snapshot-dir", str(folder), str(script)]) == 2
     assert "is not writable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("supervisor_flags", "job_flags", "words"),
+    [
+        ([], ["--model", "vit_b_16"], "vit_b_16"),
+        (["--nproc-per-node", "3"], ["--global-batch-size", "64"], "not divisible"),
+    ],
+)
+def test_the_crash_loops_of_issue_9_are_refused_before_any_worker(
+    tmp_path, monkeypatch, capsys, supervisor_flags, job_flags, words
+) -> None:
+    """Both passed the old preflight; every worker then exited 2 and was restarted 3 times."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--standalone", *supervisor_flags, "--", *job_flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elastic-train: error: ") and words in err and "\n" not in err
+    log = next((tmp_path / "runs").rglob("events-*.jsonl"))
+    assert "workers.started" not in log.read_text()
