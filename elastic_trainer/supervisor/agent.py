@@ -135,8 +135,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _restart(self, outcome: decisions.Outcome) -> bool:
         """Stop, back off, re-rendezvous, start. False if a stop was requested meanwhile."""
-        decision = outcome.decision
-        assert decision is not None  # RESTART verdicts always carry the policy's decision
+        decision = outcome.restart_decision
         self._state = outcome.state
         emit(
             "group.restarting",

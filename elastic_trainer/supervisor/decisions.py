@@ -55,6 +55,13 @@ class Outcome:
     causes: Mapping[int, FailureCause] = field(default_factory=dict)  # rank -> cause
     recovery_cause: str | None = None  # what recovery.completed will name
 
+    @property
+    def restart_decision(self) -> Decision:
+        """The policy's decision of a RESTART verdict (back-off, budget left)."""
+        if self.verdict != Verdict.RESTART or self.decision is None:
+            raise ValueError(f"a {self.verdict.value} outcome has no restart decision")
+        return self.decision
+
 
 def root_failures(
     exits: Mapping[int, WorkerExit], killed_pids: Iterable[int], pids: Mapping[int, int]
