@@ -117,12 +117,28 @@ class RestartTuning:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TorchrunOptions:
+    """torchrun's logging and process flags, honoured as torchrun does (torchrun_flags.py)."""
+
+    log_dir: str | None = None  # None: a private folder removed at exit
+    redirects: str = "0"  # torch's Std syntax: 0-3, or LOCAL_RANK:0-3,...
+    tee: str = "0"
+    local_ranks_filter: frozenset[int] | None = None
+    log_line_prefix_template: str | None = None
+    role: str = "trainer"
+    shutdown_timeout: float | None = None  # None: ours (2 s from SIGTERM to SIGKILL on restarts)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Entrypoint:
-    """What each worker runs: a script, a module, or (neither) the built-in job."""
+    """What each worker runs: a script, a module, or (neither) the built-in job.
+
+    ``no_python`` (torchrun's ``--no-python``): SCRIPT is an executable, run as it is."""
 
     script: str | None = None
     module: str | None = None
     args: tuple[str, ...] = ()
+    no_python: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -130,6 +146,12 @@ class Entrypoint:
             "SCRIPT",
             self.script,
             f"give either a SCRIPT or -m {self.module}, not both",
+        )
+        _check(
+            not self.no_python or bool(self.script),
+            "--no-python",
+            self.no_python,
+            "give the executable to run as SCRIPT",
         )
 
     @property
@@ -177,6 +199,7 @@ class RunConfig:
     log_file: str | None = None
     node: str = "localhost"
     entrypoint: Entrypoint = field(default_factory=Entrypoint)
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
     collective_timeout: float = protocol.DEFAULT_COLLECTIVE_TIMEOUT_S
     exit_barrier_timeout: float = 60.0
     resources_interval: float = 30.0

@@ -63,6 +63,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             start_method="spawn",
             exit_barrier_timeout=cfg.exit_barrier_timeout,
             shutdown_timeout=5,
+            log_line_prefix_template=cfg.torchrun.log_line_prefix_template,
         )
         self._cfg = cfg
         self._stop = stop
@@ -84,6 +85,10 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._store_lost_reported = False
         self._oom_kills_at_start: int | None = None
         self._error: str | None = None
+        # SIGTERM -> SIGKILL when we stop workers to restart them (torchrun's
+        # --shutdown-timeout); short by default: every second here is downtime
+        timeout = cfg.torchrun.shutdown_timeout
+        self._kill_grace_s = 2.0 if timeout is None else timeout
 
     # ---- the loop ------------------------------------------------------------------------
     def supervise(self) -> AgentOutcome:
@@ -315,7 +320,7 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._mark_restarting()
-        self._procs.kill(grace_s=2.0)
+        self._procs.kill(grace_s=self._kill_grace_s)
         super()._stop_workers(worker_group)
 
     def _mark_restarting(self) -> None:

@@ -28,6 +28,7 @@ from elastic_trainer.config import (
     RunConfig,
 )
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.supervisor import torchrun_flags
 from elastic_trainer.supervisor.allocation import detect_local_workers
 
 PROG = "elastic-train"
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--node", help="this node's name in events (default: hostname)")
     a("--collective-timeout", type=float, help="process-group timeout for workers, seconds")
     a("-m", "--module", help="run a Python module instead of a script")
+    for flag in torchrun_flags.FLAGS:  # the rest of torchrun's command line
+        if flag.takes_value:
+            a(*flag.names, dest=flag.dest, help=flag.help or "torchrun's; see README")
+        else:
+            a(*flag.names, dest=flag.dest, action="store_true", default=None, help=flag.help)
     return p
 
 
@@ -283,10 +289,35 @@ def _check_standalone(ns: argparse.Namespace, lo: int, hi: int) -> None:
         )
 
 
-def _check_backend(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
-    backend = _pick(ns.rdzv_backend, env, "PET_RDZV_BACKEND")
-    if backend and backend.strip().lower() != "c10d":
-        raise ConfigError(f"--rdzv-backend={backend!r} is not supported: use c10d (the default)")
+def _check_backend(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
+    backend = (_pick(ns.rdzv_backend, env, "PET_RDZV_BACKEND") or "c10d").strip().lower()
+    if backend not in ("c10d", "static"):
+        raise ConfigError(
+            f"--rdzv-backend={backend!r} is not supported: use c10d (the default), or static "
+            "(torchrun's, run as a fixed-size c10d rendezvous)"
+        )
+    return backend
+
+
+def _static_rendezvous(
+    ns: argparse.Namespace, env: Mapping[str, str], backend: str, nodes: tuple[int, int]
+) -> torchrun_flags.StaticRendezvous | None:
+    static = torchrun_flags.static_rendezvous(ns, env, backend=backend)
+    if static is None:
+        return None
+    if ns.standalone:
+        raise ConfigError(
+            "--standalone picks its own local store: drop --node-rank/--master-addr/--master-port"
+        )
+    if nodes[0] != nodes[1]:
+        raise ConfigError(
+            f"torchrun's static rendezvous (--node-rank/--master-addr) has a fixed size but "
+            f"--nnodes is {nodes[0]}:{nodes[1]}: give one number, or use --rdzv-endpoint for an "
+            "elastic job"
+        )
+    if static.node_rank >= nodes[1]:
+        raise ConfigError(f"--node-rank={static.node_rank} is invalid: use 0 .. {nodes[1] - 1}")
+    return static
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfig:
@@ -295,13 +326,19 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
     parser = build_parser()
     split = split_argv(argv, parser)
     ns = parser.parse_args(split.options)
-    _check_backend(ns, env)
+    torchrun_flags.refuse_unsupported(ns, env)
+    backend = _check_backend(ns, env)
     lo, hi = resolve_nodes(ns, env)
+    static = _static_rendezvous(ns, env, backend, (lo, hi))
     host, port = resolve_endpoint(ns, env)
+    if static is not None and not _pick(ns.rdzv_endpoint, env, "PET_RDZV_ENDPOINT"):
+        host, port = static.host, static.port  # torchrun: MASTER_ADDR:MASTER_PORT
     if ns.standalone:
         _check_standalone(ns, lo, hi)
         lo, hi = 1, 1
     tuning, is_host = tuning_from_conf(parse_rdzv_conf(_pick(ns.rdzv_conf, env, "PET_RDZV_CONF")))
+    if static is not None and is_host is None:
+        is_host = static.hosts_store  # torchrun: node rank 0 hosts the store
     return with_run_folder(
         RunConfig(
             min_nodes=lo,
@@ -316,8 +353,12 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
             **_optional_fields(ns, env),
             node=ns.node or env.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
             entrypoint=Entrypoint(
-                script=split.script, module=split.module or ns.module, args=tuple(split.rest)
+                script=split.script,
+                module=split.module or ns.module,
+                args=tuple(split.rest),
+                no_python=bool(torchrun_flags.value(ns, env, "no_python")),
             ),
+            torchrun=torchrun_flags.options(ns, env),
         )
     )
 

@@ -66,6 +66,8 @@ def run(
     entry: Entrypoint, world_sizes: Sequence[int], *, timeout_s: float = TIMEOUT_S
 ) -> list[str]:
     """Call the entrypoint's preflight, if it has one; its warnings, or ConfigError."""
+    if entry.no_python:
+        return []  # an executable, not Python source
     path = source_of(entry)
     if path is None or not defines_preflight(path):
         return []

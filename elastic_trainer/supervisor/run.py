@@ -103,6 +103,12 @@ def _check_log_file(path: str | None) -> None:
 
 def _check_entrypoint(cfg: RunConfig) -> None:
     entry = cfg.entrypoint
+    if entry.script and entry.no_python:
+        if not (os.path.isfile(entry.script) or shutil.which(entry.script)):
+            raise ConfigError(
+                f"SCRIPT={entry.script!r} (--no-python) is neither a file nor on PATH"
+            )
+        return
     if entry.script:
         if not os.path.isfile(entry.script):
             raise ConfigError(f"SCRIPT={entry.script!r} does not exist: check the path")
@@ -220,7 +226,6 @@ class Supervisor:
 
     def _run_agent(self, stop: object) -> tuple[str, int, int, float | None, str | None]:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.rendezvous.api import (
             RendezvousClosedError,
             RendezvousError,
@@ -252,9 +257,9 @@ class Supervisor:
             stop.interruptible = False  # type: ignore[attr-defined]
         control_root = workerenv.make_control_root(cfg)
         spec = WorkerSpec(
-            role="trainer",
+            role=cfg.torchrun.role,
             local_world_size=cfg.nproc_per_node,
-            entrypoint=sys.executable,
+            entrypoint=workerenv.worker_entrypoint(cfg),
             args=workerenv.worker_args(cfg),
             rdzv_handler=handler,
             max_restarts=cfg.max_restarts,
@@ -263,7 +268,7 @@ class Supervisor:
         )
         agent = agent_mod.ElasticTrainAgent(
             spec=spec,
-            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(control_root, "logs")),
+            logs_specs=workerenv.logs_specs(cfg, control_root),
             cfg=cfg,
             stop=stop,  # type: ignore[arg-type]
             control_root=control_root,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from typing import Any
 
 from elastic_trainer.config import RunConfig
 
@@ -19,9 +21,31 @@ def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
     cfg.worker_settings(control_dir).apply_to(os.environ)
 
 
+def worker_entrypoint(cfg: RunConfig) -> str:
+    """The program each worker runs: Python, or the executable itself (``--no-python``)."""
+    entry = cfg.entrypoint
+    return entry.script if entry.no_python and entry.script else sys.executable
+
+
 def worker_args(cfg: RunConfig) -> tuple[str, ...]:
-    """Arguments after the Python executable: unbuffered, through the bootstrap."""
+    """Arguments after the entrypoint: unbuffered Python through the bootstrap, or the
+    executable's own arguments (``--no-python``)."""
+    if cfg.entrypoint.no_python:
+        return cfg.entrypoint.args
     return ("-u", "-m", BOOTSTRAP_MODULE, *cfg.entrypoint.argv())
+
+
+def logs_specs(cfg: RunConfig, control_root: str) -> Any:
+    """torch's per-rank log files, as torchrun's --log-dir/--redirects/--tee ask for them."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    options = cfg.torchrun
+    return DefaultLogsSpecs(
+        log_dir=options.log_dir or os.path.join(control_root, "logs"),
+        redirects=Std.from_str(options.redirects),
+        tee=Std.from_str(options.tee),
+        local_ranks_filter=set(options.local_ranks_filter) if options.local_ranks_filter else None,
+    )
 
 
 def make_control_root(cfg: RunConfig) -> str:

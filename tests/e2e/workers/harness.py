@@ -103,7 +103,10 @@ def start_agent(
     job_id: str = "e2e",
     rdzv_conf: str = FAST_RDZV,
     new_session: bool = False,
+    endpoint: bool = True,
 ) -> Agent:
+    """``endpoint=False``: no --rdzv-endpoint (the command line brings its own, e.g. torchrun's
+    --master-addr/--master-port); ``port`` is then unused."""
     log_file = tmp / f"{name}.jsonl"
     stderr_file = tmp / f"{name}.stderr"
     cmd = [
@@ -118,8 +121,7 @@ def start_agent(
         name,
         "--job-id",
         job_id,
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        *(["--rdzv-endpoint", f"127.0.0.1:{port}"] if endpoint else []),
         "--rdzv-conf",
         rdzv_conf,
         *argv,
