@@ -210,7 +210,8 @@ class Supervisor:
         emit("supervisor.started", **cfg.summary())
         status, code, restarts, goodput, error = self._run_agent(stop)
         procs.reap_strays(keep=set())
-        if error:  # why this node cannot go on (a worker's configuration, the store): one line
+        if error and resolve_format(cfg.log_format) == "console":  # type: ignore[arg-type]
+            # why this node cannot go on, for a person; JSON mode has it in job.finished.error
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         emit(
             "job.finished",

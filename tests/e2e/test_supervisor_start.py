@@ -43,11 +43,15 @@ def silent_listener():
 
 
 def _error_lines(agent) -> list[str]:
-    return [
+    """The one-line reason: printed before the supervisor runs, else (JSON mode, where every
+    stderr line is JSON) job.finished's error field."""
+    raw = [
         line
         for line in agent.stderr_file.read_text().splitlines()
         if line.startswith("elastic-train: error:")
     ]
+    finished = [e["error"] for e in agent.events("job.finished") if e.get("error")]
+    return raw + [f"elastic-train: error: {error}" for error in finished]
 
 
 def _start(tmp_path, worker_env, port, script, *, conf=NOT_HOST, host=None):
