@@ -38,13 +38,28 @@ _FALSE = {"0", "false", "no", "off"}
 _BACKEND_KEYS = {"is_host", "store_type"}
 
 
+ENV_PREFIX = "ELASTIC_TRAIN_"
+SUBCOMMANDS_HELP = """sub-commands (each has --help):
+  elastic-train snapshots list|show|verify|prune URL   inspect and manage snapshots
+  elastic-train report RUN                            what happened in a run, as a PNG
+  elastic-train store --host ADDR --port N            a standalone rendezvous store
+
+Every option also reads ELASTIC_TRAIN_<NAME> (e.g. ELASTIC_TRAIN_SNAPSHOT_DIR); a flag wins
+over its variable, which wins over torchrun's PET_* and the default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from elastic_trainer import __version__
+
     p = OneLineParser(
         prog=PROG,
         usage=f"{PROG} [options] [SCRIPT | -m MODULE] [args...]",
         description="Fault-tolerant elastic training supervisor (a better torchrun).",
+        epilog=SUBCOMMANDS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = p.add_argument
+    a("--version", action="version", version=f"{PROG} {__version__}")
     a("--min-nodes", type=int, help="fewest nodes the job runs with (default 1)")
     a("--max-nodes", type=int, help="most nodes admitted (default: --min-nodes)")
     a("--nnodes", help="torchrun spelling: N or MIN:MAX (env PET_NNODES)")
@@ -68,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--node", help="this node's name in events (default: hostname)")
     a("--collective-timeout", type=float, help="process-group timeout for workers, seconds")
     a("-m", "--module", help="run a Python module instead of a script")
+    p.set_defaults(_own_options=[x.dest for x in p._actions if x.dest not in _NO_ENV])
     for flag in torchrun_flags.FLAGS:  # the rest of torchrun's command line
         if flag.takes_value:
             a(*flag.names, dest=flag.dest, help=flag.help or "torchrun's; see README")
@@ -179,7 +195,7 @@ def _parse_bool(name: str, value: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise ConfigError(f"--rdzv-conf {name}={value!r} is invalid: use true or false")
+    raise ConfigError(f"{name}={value!r} is invalid: use true or false")
 
 
 def _number(name: str, value: str, kind: type) -> Any:
@@ -197,7 +213,7 @@ def tuning_from_conf(conf: Mapping[str, str]) -> tuple[RendezvousTuning, bool | 
     is_host: bool | None = None
     for key, raw in conf.items():
         if key == "is_host":
-            is_host = _parse_bool(key, raw)
+            is_host = _parse_bool(f"--rdzv-conf {key}", raw)
         elif key == "store_type":
             if raw.strip().lower() != "tcp":
                 raise ConfigError(f"--rdzv-conf store_type={raw!r} is invalid: only tcp works")
@@ -320,12 +336,36 @@ def _static_rendezvous(
     return static
 
 
+_NO_ENV = {"help", "version", "module"}
+
+
+def env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> dict[str, Any]:
+    """Our options' ELASTIC_TRAIN_<NAME> variables, as parser defaults: argparse converts
+    them like command-line values, and a flag still wins."""
+    found: dict[str, Any] = {}
+    for action in parser._actions:  # argparse has no public list of actions
+        if action.dest not in parser.get_default("_own_options"):
+            continue
+        raw = env.get(ENV_PREFIX + action.dest.upper(), "")
+        if raw == "":
+            continue
+        if action.nargs == 0:  # a switch such as --standalone
+            found[action.dest] = _parse_bool(ENV_PREFIX + action.dest.upper(), raw)
+        else:
+            found[action.dest] = raw
+    return found
+
+
 def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfig:
     """The whole command line and environment -> RunConfig, or ConfigError."""
     env = os.environ if env is None else env
     parser = build_parser()
+    parser.set_defaults(**env_defaults(parser, env))
     split = split_argv(argv, parser)
-    ns = parser.parse_args(split.options)
+    try:
+        ns = parser.parse_args(split.options)
+    except ConfigError as exc:
+        raise _with_job_flag_hint(exc, split) from None
     torchrun_flags.refuse_unsupported(ns, env)
     backend = _check_backend(ns, env)
     lo, hi = resolve_nodes(ns, env)
@@ -360,6 +400,16 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
             ),
             torchrun=torchrun_flags.options(ns, env),
         )
+    )
+
+
+def _with_job_flag_hint(exc: ConfigError, split: SplitArgv) -> ConfigError:
+    """``elastic-train --epochs 2``: the built-in job's (or a script's) flags go after ``--``."""
+    if "unrecognized arguments" not in str(exc):
+        return exc
+    return ConfigError(
+        f"{exc}; the training job's own flags go after `--` (elastic-train [options] -- "
+        "--epochs 2) or after SCRIPT"
     )
 
 

@@ -328,3 +328,33 @@ def test_the_crash_loops_of_issue_9_are_refused_before_any_worker(
     assert err.startswith("elastic-train: error: ") and words in err and "\n" not in err
     log = next((tmp_path / "runs").rglob("events-*.jsonl"))
     assert "workers.started" not in log.read_text()
+
+
+def test_every_option_has_an_elastic_train_variable_and_the_flag_wins() -> None:
+    env = {
+        "ELASTIC_TRAIN_MAX_RESTARTS": "7",
+        "ELASTIC_TRAIN_SNAPSHOT_DIR": "memory://env",
+        "ELASTIC_TRAIN_STANDALONE": "true",
+        "PET_MAX_RESTARTS": "1",  # torchrun's: ours wins over it
+    }
+    cfg = args.parse(["x.py"], env=env)
+    assert (cfg.max_restarts, cfg.snapshot_dir, cfg.max_nodes) == (7, "memory://env", 1)
+    assert args.parse(["--max-restarts", "2", "x.py"], env=env).max_restarts == 2
+    with pytest.raises(ConfigError, match="invalid int value: 'many'"):
+        args.parse(["x.py"], env={"ELASTIC_TRAIN_MAX_RESTARTS": "many"})
+    with pytest.raises(ConfigError, match="ELASTIC_TRAIN_STANDALONE='maybe' is invalid"):
+        args.parse(["x.py"], env={"ELASTIC_TRAIN_STANDALONE": "maybe"})
+
+
+def test_version_and_help_list_the_sub_commands(capsys) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "elastic-train 0.1.0"
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"elastic-train {c}" in out for c in ("snapshots", "report", "store"))
+
+
+def test_job_flags_before_the_separator_get_a_hint(capsys) -> None:
+    assert main(["--epochs", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unrecognized arguments: --epochs" in err and "go after `--`" in err
