@@ -7,6 +7,14 @@ as is and exits with ``exit_code``.
 from __future__ import annotations
 
 
+def first_line(text: str | None, limit: int = 500) -> str | None:
+    """The first non-blank line of a message (what an event or an operator gets)."""
+    for line in str(text or "").splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return None
+
+
 class ElasticTrainError(Exception):
     """Root of every error this package raises on purpose."""
 

@@ -23,9 +23,11 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 
 from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
+from elastic_trainer.errors import first_line
 from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
 from elastic_trainer.supervisor import decisions
 from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
+from elastic_trainer.supervisor.membership import MembershipWatch
 from elastic_trainer.supervisor.observer import GroupObserver
 from elastic_trainer.supervisor.policy import RestartPolicy, WorkerExit, signal_name
 from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
@@ -80,9 +82,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._attempt = 0
         self._started_at = time.monotonic()
         self._attempt_started = self._started_at
-        self._members: set[Any] = set()
+        self._membership = MembershipWatch(
+            spec.rdzv_handler,
+            endpoint=cfg.rdzv_endpoint,
+            check_every_s=cfg.rdzv.keep_alive_interval,
+            dead_after_s=cfg.rdzv.dead_after_s,
+        )
         self._peer_stop_seen: float | None = None
-        self._store_lost_reported = False
         self._oom_kills_at_start: int | None = None
         self._error: str | None = None
         # SIGTERM -> SIGKILL when we stop workers to restart them (torchrun's
@@ -123,8 +129,10 @@ class ElasticTrainAgent(LocalElasticAgent):
                 outcome = self._on_failure(result)
             elif verdict is not None:
                 outcome = self._on_hang(verdict)
-            elif self._nodes_waiting() > 0:
+            elif self._membership.nodes_waiting() > 0:
                 outcome = decisions.on_nodes_waiting(self._policy, self._state)
+            elif peers := self._membership.silent_peers():
+                outcome = self._on_silent_peers(peers)
             else:
                 continue
             if outcome.verdict == Verdict.CONFIG_ERROR:
@@ -176,7 +184,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         for rank, cause in outcome.causes.items():
             self._emit_failed(rank, result.failures[rank], cause)
         if outcome.verdict == Verdict.CHECK_PEERS:
-            outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=self._peer_lost())
+            lost = self._membership.wait_for_lost_peer(self._stop.wait)
+            outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=lost)
         if outcome.verdict == Verdict.CONFIG_ERROR:
             self._error = self._config_error_line(outcome, result)
         self.ledger.failed(
@@ -191,6 +200,22 @@ class ElasticTrainAgent(LocalElasticAgent):
         summary = self._error_summary(result.failures[rank])
         why = summary or "see its output above"
         return f"worker rank {rank} refused its configuration (exit 2): {why}"
+
+    def _on_silent_peers(self, peers: set[Any]) -> decisions.Outcome:
+        """Members stopped beating without a reset (frozen, partitioned): our workers would
+        block in a collective until its timeout; re-form without them now."""
+        emit(
+            "peer.silent",
+            level="warning",
+            nodes=sorted(_node_name(p) for p in peers),
+            silent_s=self._cfg.rdzv.dead_after_s,
+        )
+        self.ledger.failed(
+            cause=MembershipReason.NODE_LOST.value,
+            now=time.time(),
+            world_size=self._state.world_size or 0,
+        )
+        return decisions.on_peers_silent(self._policy, self._state)
 
     def _on_hang(self, verdict: HangVerdict) -> decisions.Outcome:
         rank = self._global_rank(verdict.local_rank)
@@ -235,43 +260,14 @@ class ElasticTrainAgent(LocalElasticAgent):
     @staticmethod
     def _error_summary(failure: ProcessFailure) -> str | None:
         # torch's message without an error file is boilerplate; only @record/session write one
-        return _first_line(failure.message) if os.path.isfile(failure.error_file) else None
-
-    def _peer_lost(self) -> bool:
-        """Did a node of our round vanish? Waits until a dead node's heartbeat would expire."""
-        handler = self._worker_group.spec.rdzv_handler
-        deadline = time.monotonic() + self._cfg.rdzv.dead_after_s + 1.5
-        while time.monotonic() < deadline:
-            try:
-                if handler.stale_peers(self._members):
-                    return True
-            except Exception:
-                return False
-            if self._stop.wait(0.5):
-                return False
-        return False
-
-    def _nodes_waiting(self) -> int:
-        try:
-            return int(self._worker_group.spec.rdzv_handler.num_nodes_waiting())
-        except Exception as exc:  # the store host is gone: keep training, no scale-up
-            if not self._store_lost_reported:
-                self._store_lost_reported = True
-                emit(
-                    "store.unreachable",
-                    level="error",
-                    endpoint=self._cfg.rdzv_endpoint,
-                    error=_first_line(str(exc)),
-                    consequence="running workers continue; no node can join or leave until restart",
-                )
-            return 0
+        return first_line(failure.message) if os.path.isfile(failure.error_file) else None
 
     # ---- torch hooks (the template methods of SimpleElasticAgent; see torch_compat) -------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
         self._join_round(worker_group)
-        self._members = handler.participants()
+        self._membership.round_formed()
         world_size = worker_group.workers[0].world_size
         emit(
             "rendezvous.completed",
@@ -402,10 +398,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         return workers[local_rank].global_rank if local_rank < len(workers) else local_rank
 
 
-def _first_line(text: str | None) -> str | None:
-    if not text:
-        return None
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return None
+def _node_name(node: Any) -> str:
+    """A rendezvous node as ops can find it: its address and its agent's pid."""
+    addr, pid = getattr(node, "addr", None), getattr(node, "pid", None)
+    return f"{addr}:{pid}" if addr is not None and pid is not None else str(node)

@@ -119,3 +119,30 @@ def test_sigterm_to_one_of_two_agents_stops_it_cleanly_and_the_other_continues(
     finally:
         store.kill()
         store.wait(10)
+
+
+def test_a_frozen_node_is_dropped_by_its_silence_and_the_job_goes_on(tmp_path, worker_env, agents):
+    """SIGSTOP sends no reset: the survivor's worker just blocks in its collective. The lost
+    heartbeats make the survivor re-form at once (not after the collective timeout); thawed,
+    the frozen node finds itself out and rejoins or exits cleanly."""
+    audit = tmp_path / "audit"
+    port, env = free_port(), env_with(worker_env)
+    argv = ["--min-nodes", "1", "--max-nodes", "2", "--collective-timeout", "600", PROTO,
+            "--steps", "150", "--step-time", "0.1", "--audit", str(audit)]  # fmt: skip
+    a = start_agent(tmp_path, "a", argv, env, port=port)
+    agents.append(a)
+    wait_for(lambda: listening(port), 60, "a to host the store")
+    b = start_agent(tmp_path, "b", argv, env, port=port)
+    agents.append(b)
+    wait_for(lambda: 2 in _world_sizes(audit), 90, "steps at world size 2")
+    b.signal_tree(signal.SIGSTOP)
+    silent = a.wait_event("peer.silent", 30)
+    assert silent["nodes"]
+    shrink = a.wait_event("membership.changed", 30, lambda e: e["new_world_size"] == 1)
+    assert shrink["reason"] == "node_lost"
+    wait_for(lambda: _world_sizes(audit)[-1:] == [1], 60, "steps at world size 1")
+    b.signal_tree(signal.SIGCONT)
+    assert a.wait(180) == 0
+    assert b.wait(60) in (0, 1)  # rejoined and finished, or told it is out: never hangs
+    assert a.events("job.finished")[-1]["restarts"] == 0  # a lost node is free
+    assert max(s for s, _, _ in read_audit(audit)) == 150

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessF
 from elastic_trainer import protocol
 from elastic_trainer.config import RestartTuning, RunConfig
 from elastic_trainer.supervisor.agent import ElasticTrainAgent
+from elastic_trainer.supervisor.membership import MembershipWatch
 from elastic_trainer.supervisor.watchdog import HangVerdict
 
 OK, RUNNING = 0, None
@@ -49,6 +50,8 @@ class FakeHandler:
         return waiting[tick] if tick < len(waiting) else 0
 
     def stale_peers(self, members: set[str]) -> set[str]:
+        if self.script.silent_from is not None and self.script.tick >= self.script.silent_from:
+            return set(self.script.silent) & members
         return set(self.script.lost_peers)
 
     def leave(self) -> bool:
@@ -106,7 +109,15 @@ class FakeProcs:
 
 
 class Script:
-    def __init__(self, rounds: list[Round], *, lost_peers: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        rounds: list[Round],
+        *,
+        lost_peers: tuple[str, ...] = (),
+        silent: tuple[str, ...] = (),
+        silent_from: int | None = None,
+    ) -> None:
+        self.silent, self.silent_from = silent, silent_from
         self.rounds = rounds
         self.index = -1
         self.tick = 0
@@ -140,6 +151,14 @@ class ScriptedAgent(ElasticTrainAgent):
         )
         self._procs = FakeProcs()  # type: ignore[assignment]
         self._observer._procs = self._procs  # type: ignore[assignment]
+        self.clock = 0.0  # one second per monitor tick, for the silent-peer checks
+        self._membership = MembershipWatch(
+            spec.rdzv_handler,
+            endpoint="127.0.0.1:1",
+            check_every_s=1.0,
+            dead_after_s=3.0,
+            clock=lambda: self.clock,
+        )
 
     def _join_round(self, worker_group: Any) -> None:
         self.script.index += 1
@@ -170,6 +189,7 @@ class ScriptedAgent(ElasticTrainAgent):
     def _collect(self, worker_group: Any) -> RunResult:
         codes = self._codes()
         self.script.tick += 1
+        self.clock += 1.0
         failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
         if failed:
             return RunResult(
@@ -342,3 +362,42 @@ def test_a_stop_request_preempts_and_leaves_the_rendezvous(tmp_path, requested_a
     assert (outcome.status, outcome.exit_code) == ("preempted", 143)
     assert named(logs, "preemption.received")[0]["signal"] == "SIGTERM"
     assert agent._worker_group.spec.rdzv_handler.left
+
+
+def test_a_silent_peer_is_dropped_once_confirmed_without_waiting_for_a_timeout(tmp_path) -> None:
+    """node1 stops beating (frozen or cut off: no reset, our worker just blocks): after two
+    checks one interval apart the group re-forms without it, for free."""
+    running = {0: RUNNING}
+    rounds = [Round(nodes=2, ticks=[running] * 12), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path, silent=("node1",), silent_from=5)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    (silent,) = named(logs, "peer.silent")
+    assert silent["nodes"] == ["node1"]
+    assert named(logs, "group.restarting")[0]["reason"] == "membership"
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+    assert not named(logs, "worker.failed")
+
+
+def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
+    """Stale on one check only (a loaded machine): no re-formation."""
+    from elastic_trainer.supervisor.membership import MembershipWatch
+
+    now = [10.0]
+    stale = [{"node1"}, set(), {"node1"}, {"node1"}]
+
+    class Handler:
+        def participants(self):
+            return {"node0", "node1"}
+
+        def stale_peers(self, members):
+            return stale.pop(0)
+
+    watch = MembershipWatch(
+        Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0, clock=lambda: now[0]
+    )
+    watch.round_formed()
+    seen = []
+    for _ in range(4):
+        now[0] += 3.0
+        seen.append(watch.silent_peers())
+    assert seen == [set(), set(), set(), {"node1"}]

@@ -83,6 +83,13 @@ class Agent:
             root = psutil.Process(self.proc.pid)
             self.tree = [root, *root.children(recursive=True)]
 
+    def signal_tree(self, sig: signal.Signals) -> None:
+        """Every process of the node at once (SIGSTOP: a node that goes silent, no reset)."""
+        self.remember_tree()
+        for proc in self.tree:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(sig)
+
     def kill_tree(self) -> None:
         """A whole node vanishing: the agent and every worker, at once."""
         self.remember_tree()
