@@ -192,8 +192,21 @@ class Supervisor:
         stop = signals.process_stop()
         signals.install(stop)
         procs.guard_node()
-        emit("supervisor.started", **cfg.summary())
-        status, code, restarts, goodput, error = self._run_agent(stop)
+        from elastic_trainer.supervisor import metrics_server
+
+        try:
+            serving = metrics_server.start(cfg.metrics_host, cfg.metrics_port)
+        except ConfigError as exc:  # the metrics port is taken: before any worker starts
+            print(f"elastic-train: error: {exc}", file=sys.stderr, flush=True)
+            return protocol.SUPERVISOR_EXIT_CONFIG
+        with serving as metrics:
+            return self._supervise(stop, metrics, started)
+
+    def _supervise(self, stop: object, metrics: object, started: float) -> int:
+        from elastic_trainer.supervisor import procs
+
+        emit("supervisor.started", **self.cfg.summary())
+        status, code, restarts, goodput, error = self._run_agent(stop, metrics)
         procs.reap_strays(keep=set())
         if error:  # why this node cannot go on (a worker's configuration, the store): one line
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
@@ -209,7 +222,9 @@ class Supervisor:
         )
         return code
 
-    def _run_agent(self, stop: object) -> tuple[str, int, int, float | None, str | None]:
+    def _run_agent(
+        self, stop: object, metrics: object = None
+    ) -> tuple[str, int, int, float | None, str | None]:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.rendezvous.api import (
@@ -258,6 +273,7 @@ class Supervisor:
             cfg=cfg,
             stop=stop,  # type: ignore[arg-type]
             control_root=control_root,
+            metrics=metrics,
         )
         try:
             outcome = agent.supervise()
