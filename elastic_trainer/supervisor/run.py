@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from elastic_trainer import protocol, stderr_router
 from elastic_trainer.config import RunConfig
@@ -54,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         preflight(cfg)
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
+        serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
     except signals.StopRequested:
         signals.restore(previous)
         return protocol.SUPERVISOR_EXIT_PREEMPTED
@@ -68,10 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if resolve_format(cfg.log_format) == "json":  # type: ignore[arg-type]
         router = stderr_router.install(static_fields)
     try:
-        return Supervisor(cfg).run()
+        return Supervisor(cfg, serving=serving).run()
     finally:
         if router is not None:
             router.close()
+
+
+def _start_metrics(cfg: RunConfig) -> Any:
+    from elastic_trainer.supervisor import metrics_server
+
+    return metrics_server.start(cfg.metrics_host, cfg.metrics_port)
 
 
 # ---- checks before any worker starts ----------------------------------------------------
@@ -173,8 +181,9 @@ def _route_torch_logs() -> None:
 
 # ---- the run ------------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, serving: Any = None) -> None:
         self.cfg = cfg
+        self.serving = serving  # metrics_server.Serving, started by main (None: started here)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -192,14 +201,7 @@ class Supervisor:
         stop = signals.process_stop()
         signals.install(stop)
         procs.guard_node()
-        from elastic_trainer.supervisor import metrics_server
-
-        try:
-            serving = metrics_server.start(cfg.metrics_host, cfg.metrics_port)
-        except ConfigError as exc:  # the metrics port is taken: before any worker starts
-            print(f"elastic-train: error: {exc}", file=sys.stderr, flush=True)
-            return protocol.SUPERVISOR_EXIT_CONFIG
-        with serving as metrics:
+        with self.serving or _start_metrics(cfg) as metrics:
             return self._supervise(stop, metrics, started)
 
     def _supervise(self, stop: object, metrics: object, started: float) -> int:
