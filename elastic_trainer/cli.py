@@ -1,8 +1,8 @@
 """``elastic-train``: argv -> the right command -> exit code.
 
 ``elastic-train [options] [SCRIPT | -m MODULE] [args...]`` runs the supervisor; a few
-sub-commands (``snapshots``, ``report``, ``store``) serve ops. Sub-commands are dispatched on
-the first word so that a training script's own arguments never collide with ours.
+sub-commands (``snapshots``, ``report``, ``status``, ``store``) serve ops. Sub-commands are
+dispatched on the first word so that a training script's own arguments never collide with ours.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ def _report(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _status(argv: Sequence[str]) -> int:
+    from elastic_trainer.status import main
+
+    return main(argv)
+
+
 def _store(argv: Sequence[str]) -> int:
     from elastic_trainer.store_server import main
 
@@ -38,6 +44,7 @@ def _supervise(argv: Sequence[str]) -> int:
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "snapshots": _snapshots,
     "report": _report,
+    "status": _status,
     "store": _store,
 }
 

@@ -204,11 +204,15 @@ class RunConfig:
     exit_barrier_timeout: float = 60.0
     resources_interval: float = 30.0
     control_root: str | None = None  # None: the system temp dir
+    # Prometheus /metrics and /health (supervisor/metrics_server.py); None: not served
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # loopback unless the operator opens it up
 
     def __post_init__(self) -> None:
         self._check_nodes()
         self._check_times()
         self._check_snapshots()
+        self._check_metrics()
         _check(
             self.log_format in LOG_FORMATS, "--log-format", self.log_format, "use json|console|auto"
         )
@@ -289,6 +293,21 @@ class RunConfig:
             "--snapshot-dir",
             self.snapshot_dir,
             "use a local path or an fsspec URL such as s3://bucket/run",
+        )
+
+    def _check_metrics(self) -> None:
+        _check(
+            self.metrics_port is None
+            or (isinstance(self.metrics_port, int) and 0 < self.metrics_port < 65536),
+            "--metrics-port",
+            self.metrics_port,
+            "use a TCP port in 1..65535 (leave it out to serve no metrics)",
+        )
+        _check(
+            bool(self.metrics_host.strip()),
+            "--metrics-host",
+            self.metrics_host,
+            "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
         )
 
     def worker_settings(self, control_dir: str) -> WorkerSettings:

@@ -159,6 +159,17 @@ def progress_file(local_rank: int) -> str:
     return f"progress-{local_rank}.json"
 
 
+def events_file(local_rank: int) -> str:
+    """Name of the file a worker appends some of its events to, one JSON object a line:
+    those in ``FORWARDED_EVENTS``, which the supervisor's metrics follow (it reads the file's
+    new complete lines every tick; a torn last line is read once it is complete)."""
+    return f"events-{local_rank}.jsonl"
+
+
+# The worker events the supervisor's metrics are made from (supervisor/metrics.py).
+FORWARDED_EVENTS = ("snapshot.saved", "snapshot.restored", "train.progress")
+
+
 # --- worker exit codes with a meaning for the supervisor ----------------------------------
 # The worker saved the final snapshot because *its own* node is being preempted.
 EXIT_PREEMPTED = 0

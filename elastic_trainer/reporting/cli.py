@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError
@@ -58,12 +58,17 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def one_line_errors(command: Callable[[Sequence[str]], int], argv: Sequence[str] | None) -> int:
+    """Run an ops command: bad input is one ``elastic-train: error:`` line and its exit code."""
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return command(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return one_line_errors(run, argv)
 
 
 if __name__ == "__main__":

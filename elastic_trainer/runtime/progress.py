@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_trainer import protocol
@@ -32,6 +35,120 @@ class ProgressFile:
         with open(self._tmp, "w", encoding="utf-8") as handle:
             handle.write(json.dumps(body))
         os.replace(self._tmp, self.path)
+
+
+class EventForwarder(logging.Handler):
+    """Appends this worker's ``protocol.FORWARDED_EVENTS`` to ``events-<local_rank>.jsonl``
+    in the control directory, where the supervisor's metrics read them.
+
+    A logging handler on the root logger: it sees every structlog event of the process, from
+    any thread (the snapshot writer's too), with the fields the log line gets. One
+    ``O_APPEND`` write per line, opened per event: they are rare (rate-limited progress,
+    snapshots), and a worker killed mid-write leaves at most one torn last line, which the
+    reader skips until a newline ends it.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = record.msg
+        if not (isinstance(event, dict) and event.get("event") in protocol.FORWARDED_EVENTS):
+            return
+        try:
+            line = json.dumps(event, default=str) + "\n"
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:  # the attempt's folder is gone: no supervisor is reading it any more
+            pass
+
+    @classmethod
+    def install(cls, control_dir: str | None, local_rank: int) -> EventForwarder | None:
+        """Forward from now on (replacing an earlier forwarder of this process)."""
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if isinstance(handler, cls):
+                root.removeHandler(handler)
+        if not control_dir:
+            return None
+        forwarder = cls(os.path.join(control_dir, protocol.events_file(local_rank)))
+        root.addHandler(forwarder)
+        return forwarder
+
+    def uninstall(self) -> None:
+        logging.getLogger().removeHandler(self)
+
+
+# Names a script's figures cannot take: train.progress's own fields and the log's
+RESERVED_FIGURES = frozenset(
+    {"step", "epoch", "samples_per_s", "eta_s", "event", "level", "timestamp", "rank"}
+)
+
+
+def figures_of(figures: Mapping[str, Any]) -> dict[str, float]:
+    """A script's figures as plain floats (0-d tensors and numpy scalars too); ValueError
+    names the first that is not a number or takes a reserved name."""
+    out: dict[str, float] = {}
+    for name, value in figures.items():
+        if name in RESERVED_FIGURES:
+            raise ValueError(f"log_metrics({name}=...): {name!r} is set by the session; rename it")
+        item = getattr(value, "item", None)
+        number = item() if callable(item) else value
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(
+                f"log_metrics({name}={value!r}): not a number; pass a float (e.g. loss.item())"
+            )
+        out[name] = float(number)
+    return out
+
+
+class MetricsReporter:
+    """Rate-limits a script's figures into ``train.progress`` fields: at most one report per
+    ``every_s`` (the first call reports at once), with the steps per second since the last
+    report and, when the run has a step budget, the time left. Pure: the clock comes in."""
+
+    def __init__(self, *, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._last: tuple[float, int] | None = None  # (time, step) of the last report
+
+    def report(
+        self,
+        figures: Mapping[str, float],
+        *,
+        step: int,
+        epoch: int,
+        max_steps: int | None = None,
+        samples_per_step: int | None = None,
+    ) -> dict[str, Any] | None:
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self.every_s:
+            return None
+        rate = self._steps_per_s(now, step)
+        self._last = (now, step)
+        eta = None
+        if rate and max_steps is not None:
+            eta = round(max(0, max_steps - step) / rate, 1)
+        samples = round(rate * samples_per_step, 2) if rate and samples_per_step else None
+        return {
+            "loss": None,
+            "lr": None,
+            **figures,
+            "step": step,
+            "epoch": epoch,
+            "samples_per_s": samples,
+            "eta_s": eta,
+        }
+
+    def _steps_per_s(self, now: float, step: int) -> float | None:
+        if self._last is None or now <= self._last[0] or step <= self._last[1]:
+            return None
+        rate = (step - self._last[1]) / (now - self._last[0])
+        return rate if math.isfinite(rate) else None
 
 
 def stop_exit_code(reason: str | None) -> int | None:

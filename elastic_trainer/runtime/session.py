@@ -28,8 +28,11 @@ from elastic_trainer.runtime.progress import (
     STOP_PEER_PREEMPTED,
     STOP_PREEMPTED,
     STOP_RESTARTING,
+    EventForwarder,
+    MetricsReporter,
     ProgressFile,
     StopSignals,
+    figures_of,
     stop_exit_code,
 )
 from elastic_trainer.runtime.sampler import ElasticSampler
@@ -52,6 +55,9 @@ class TrainingSession:
     supervisor sets (``WorkerContext``); the operator's flags win over ``snapshot_every`` and
     ``keep`` given here (``protocol.WorkerSettings``).
     """
+
+    # seconds between two train.progress events of log_metrics (the built-in job's default)
+    METRICS_EVERY_S = 10.0
 
     def __init__(
         self,
@@ -83,6 +89,9 @@ class TrainingSession:
         keep = self._setting("snapshot_keep", keep)
         self._snapshots = self._open_snapshots(url, keep) if url else None
         self._progress = ProgressFile(self.context.progress_path)
+        # snapshot/progress events for the supervisor's metrics (protocol.events_file)
+        self._forwarder = EventForwarder.install(self.context.control_dir, self.context.local_rank)
+        self._reporter = MetricsReporter(every_s=self.METRICS_EVERY_S)
         self._signals = StopSignals()  # SIGTERM/SIGUSR1 to the worker = this node stops
         self._signals.install()
         self._audit = self._open_audit(audit_dir)
@@ -309,6 +318,28 @@ class TrainingSession:
         if D.rank() == 0 or received is not None:
             emit("session.stopping", step=self.step, reason=reason, signal=received)
         self._save(blocking=True, deadline_s=self._final_deadline())
+
+    # --- the script's own figures -----------------------------------------------------------
+    def log_metrics(self, **figures: Any) -> None:
+        """The script's figures (``loss=loss.item()``, any name) in a ``train.progress`` event
+        of this step: rank 0, at most one per ``METRICS_EVERY_S`` (call it every step).
+        ``elastic-train report`` plots ``loss``. ConfigError: not a number, or reserved."""
+        try:
+            values = figures_of(figures)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if D.rank() != 0:
+            return
+        global_batch = self.sampler.global_batch_size if self.sampler is not None else None
+        report = self._reporter.report(
+            values,
+            step=self.step,
+            epoch=self.epoch,
+            max_steps=self.max_steps,
+            samples_per_step=global_batch,
+        )
+        if report is not None:
+            emit("train.progress", **report)
 
     # --- snapshots ------------------------------------------------------------------------
     def _snapshot_state(self) -> dict[str, Any]:

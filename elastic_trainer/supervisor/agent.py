@@ -57,7 +57,14 @@ class ElasticTrainAgent(LocalElasticAgent):
     """Executes ``decisions``: observes, asks, acts, emits. Decides nothing itself."""
 
     def __init__(
-        self, *, spec: Any, logs_specs: Any, cfg: RunConfig, stop: StopRequest, control_root: str
+        self,
+        *,
+        spec: Any,
+        logs_specs: Any,
+        cfg: RunConfig,
+        stop: StopRequest,
+        control_root: str,
+        metrics: Any = None,  # metrics_server.SupervisorMetrics with --metrics-port
     ) -> None:
         super().__init__(
             spec,
@@ -77,6 +84,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             procs=self._procs,
             hang_timeout=cfg.hang_timeout,
             resources_interval=cfg.resources_interval,
+            metrics=metrics,
         )
         self.ledger = self._observer.ledger
         self._attempt = 0

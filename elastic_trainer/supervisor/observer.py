@@ -2,20 +2,26 @@
 
 Each monitor tick the agent asks the observer once: it reads the workers' progress files,
 feeds the ledger (``recovery.completed``) and the hang watchdog, and every
-``resources_interval`` samples the process trees' RSS and CPU (``worker.resources``). The
-agent keeps the decisions; this module keeps the bookkeeping that is only observation.
+``resources_interval`` samples the process trees' RSS and CPU (``worker.resources``). With
+``--metrics-port`` it also feeds the metrics (``metrics_server.py``): the progress reports,
+the goodput so far and the events workers forwarded (``tail.py``). The agent keeps the
+decisions; this module keeps the bookkeeping that is only observation.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_trainer.events import emit
 from elastic_trainer.supervisor.ledger import Ledger
 from elastic_trainer.supervisor.procs import ProcessTracker, Resources
+from elastic_trainer.supervisor.tail import WorkerEventTail
 from elastic_trainer.supervisor.watchdog import HangVerdict, HangWatchdog, read_progress
+
+if TYPE_CHECKING:
+    from elastic_trainer.supervisor.metrics_server import SupervisorMetrics
 
 # psutil's first CPU reading of a process is 0: the first resources event comes after a while
 _FIRST_RESOURCES_AFTER_S = 5.0
@@ -25,9 +31,17 @@ class GroupObserver:
     """Progress, hangs and resources of the current attempt's workers on this node."""
 
     def __init__(
-        self, *, procs: ProcessTracker, hang_timeout: float, resources_interval: float
+        self,
+        *,
+        procs: ProcessTracker,
+        hang_timeout: float,
+        resources_interval: float,
+        metrics: SupervisorMetrics | None = None,
     ) -> None:
         self.ledger = Ledger()
+        self._metrics = metrics
+        self._tail: WorkerEventTail | None = None
+        self._born = time.monotonic()
         self._procs = procs
         self._watchdog = HangWatchdog(timeout_s=hang_timeout)
         self._interval = resources_interval
@@ -39,6 +53,9 @@ class GroupObserver:
         self._watchdog.reset()
         self.ledger.start_attempt()
         self._next_resources = now + min(_FIRST_RESOURCES_AFTER_S, self._interval)
+        self._tail = None  # the new attempt's folder is read from its start
+        if self._metrics is not None:
+            self._metrics.attempt_started()
 
     def observe(
         self,
@@ -57,9 +74,24 @@ class GroupObserver:
         if now >= self._next_resources:
             self._next_resources = now + self._interval
             self._emit_resources(global_rank)
+            self._feed_goodput(now)
         else:
             self._procs.refresh()
+        self._feed_metrics(control_dir, local_world_size, reports)
         return self._watchdog.observe(reports, now)
+
+    def _feed_metrics(self, control_dir: str, local_world_size: int, reports: Any) -> None:
+        if self._metrics is None:
+            return
+        if self._tail is None:
+            self._tail = WorkerEventTail(control_dir, range(local_world_size))
+        for event in self._tail.read():
+            self._metrics.event(event)
+        self._metrics.progress(reports)
+
+    def _feed_goodput(self, now: float) -> None:
+        if self._metrics is not None:
+            self._metrics.goodput(self.ledger.goodput(now - self._born))
 
     def _emit_resources(self, global_rank: Callable[[int], int]) -> None:
         self._procs.refresh()

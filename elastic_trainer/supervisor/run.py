@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from elastic_trainer import protocol, stderr_router
 from elastic_trainer.config import RunConfig
@@ -54,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         preflight(cfg)
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
+        serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
     except signals.StopRequested:
         signals.restore(previous)
         return protocol.SUPERVISOR_EXIT_PREEMPTED
@@ -68,10 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if resolve_format(cfg.log_format) == "json":  # type: ignore[arg-type]
         router = stderr_router.install(static_fields)
     try:
-        return Supervisor(cfg).run()
+        return Supervisor(cfg, serving=serving).run()
     finally:
         if router is not None:
             router.close()
+
+
+def _start_metrics(cfg: RunConfig) -> Any:
+    from elastic_trainer.supervisor import metrics_server
+
+    return metrics_server.start(cfg.metrics_host, cfg.metrics_port)
 
 
 # ---- checks before any worker starts ----------------------------------------------------
@@ -188,8 +196,9 @@ def _route_torch_logs() -> None:
 
 # ---- the run ------------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, serving: Any = None) -> None:
         self.cfg = cfg
+        self.serving = serving  # metrics_server.Serving, started by main (None: started here)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -207,10 +216,16 @@ class Supervisor:
         stop = signals.process_stop()
         signals.install(stop)
         procs.guard_node()
-        emit("supervisor.started", **cfg.summary())
-        status, code, restarts, goodput, error = self._run_agent(stop)
+        with self.serving or _start_metrics(cfg) as metrics:
+            return self._supervise(stop, metrics, started)
+
+    def _supervise(self, stop: object, metrics: object, started: float) -> int:
+        from elastic_trainer.supervisor import procs
+
+        emit("supervisor.started", **self.cfg.summary())
+        status, code, restarts, goodput, error = self._run_agent(stop, metrics)
         procs.reap_strays(keep=set())
-        if error and resolve_format(cfg.log_format) == "console":  # type: ignore[arg-type]
+        if error and resolve_format(self.cfg.log_format) == "console":  # type: ignore[arg-type]
             # why this node cannot go on, for a person; JSON mode has it in job.finished.error
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         emit(
@@ -225,7 +240,9 @@ class Supervisor:
         )
         return code
 
-    def _run_agent(self, stop: object) -> tuple[str, int, int, float | None, str | None]:
+    def _run_agent(
+        self, stop: object, metrics: object = None
+    ) -> tuple[str, int, int, float | None, str | None]:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.rendezvous.api import (
             RendezvousClosedError,
@@ -273,6 +290,7 @@ class Supervisor:
             cfg=cfg,
             stop=stop,  # type: ignore[arg-type]
             control_root=control_root,
+            metrics=metrics,
         )
         try:
             outcome = agent.supervise()
