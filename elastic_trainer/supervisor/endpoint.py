@@ -47,8 +47,8 @@ RETRY_MAX_WAIT_S = 5.0
 _PROBE_KEY = "elastic-train/probe"
 
 
-# No attempt starts past the deadline (tenacity >= 8.3); older: the last wait may overrun it.
-_STOP_BEFORE = getattr(tenacity, "stop_before_delay", tenacity.stop_after_delay)
+# No attempt starts past the deadline.
+_STOP_BEFORE = tenacity.stop_before_delay
 
 
 class EndpointError(ConfigError):
@@ -206,7 +206,7 @@ def connect(host: str, port: int, *, deadline_s: float, read_timeout_s: float) -
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(_Transient),
         stop=_STOP_BEFORE(deadline_s),
-        wait=tenacity.wait_exponential_jitter(initial=0.5, max=RETRY_MAX_WAIT_S),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=RETRY_MAX_WAIT_S),
         before_sleep=warn_once,
         reraise=True,
     )
