@@ -124,4 +124,42 @@ def _local_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     return out
 
 
-PHASES: dict[str, Phase] = {"fsdp_save": fsdp_save, "fsdp_load": fsdp_load}
+def ddp_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # replicated: identical on every rank
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+
+
+def ddp_save(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    model = ddp_model()
+    snap = _snapshotter(tmp, {**args, "sharded": True})
+    snap.save(1, {"model": model}, blocking=True)
+    snap.close()
+    if rank == 0:
+        torch.save(model.state_dict(), Path(tmp, "expected-ddp.pt"))
+    return {"committed": snap.last_committed_step}
+
+
+def ddp_load(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    model = ddp_model(seed=1)
+    snap = _snapshotter(tmp, args)
+    loaded = snap.load(into={"model": model})
+    if rank == world - 1:
+        torch.save(model.state_dict(), Path(tmp, f"loaded-ddp-{args['tag']}.pt"))
+    snap.close()
+    return {"step": loaded.info.step if loaded is not None else None}
+
+
+def fsdp_kill(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Save step 2, then step 4 with one rank SIGKILLed at a fault point of its save."""
+    if rank == args["kill_rank"]:
+        os.environ["SNAPSHOTS_KILL_AT"] = args["kill_at"]
+    return fsdp_save(rank, world, tmp, {**args, "steps": [2, 4]})
+
+
+PHASES: dict[str, Phase] = {
+    "fsdp_save": fsdp_save,
+    "fsdp_load": fsdp_load,
+    "fsdp_kill": fsdp_kill,
+    "ddp_save": ddp_save,
+    "ddp_load": ddp_load,
+}

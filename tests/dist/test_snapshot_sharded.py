@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from snapshots import SnapshotStore, sharding
+from snapshots import SnapshotStore, layout, sharding
 from tests.dist import sharded_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -21,9 +21,7 @@ def run_phase(tmp: Path, phase: str, world: int, **args: Any) -> list[dict[str, 
     mp.spawn(
         sharded_workers.spawn_phase, args=(world, str(tmp), phase, args), nprocs=world, join=True
     )
-    return [
-        json.loads((tmp / f"result-{phase}-{tag}-{r}.json").read_text()) for r in range(world)
-    ]
+    return [json.loads((tmp / f"result-{phase}-{tag}-{r}.json").read_text()) for r in range(world)]
 
 
 def _load(path: Path) -> Any:
@@ -56,3 +54,56 @@ def test_fsdp_same_world_size_is_bit_identical(tmp_path: Path) -> None:
     saved = run_phase(tmp_path, "fsdp_save", 2)
     loaded = run_phase(tmp_path, "fsdp_load", 2)
     assert [r["local"] for r in loaded] == [r["local"] for r in saved]
+
+
+def test_ddp_ranks_each_write_a_share_and_load_at_another_world_size(tmp_path: Path) -> None:
+    run_phase(tmp_path, "ddp_save", 2)
+    shards = sorted((tmp_path / "snaps" / layout.step_dir(1)).glob("shard-*.bin"))
+    sizes = [p.stat().st_size for p in shards]
+    assert len(sizes) == 2 and min(sizes) >= 0.4 * sum(sizes)  # about half each
+    loaded = run_phase(tmp_path, "ddp_load", 3)
+    assert {r["step"] for r in loaded} == {1}
+    torch.testing.assert_close(
+        _load(tmp_path / "loaded-ddp-w3.pt"), _load(tmp_path / "expected-ddp.pt"), rtol=0, atol=0
+    )
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "delete":
+        path.unlink()
+        return
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[len(data) // 2 :]
+    path.write_bytes(bytes(data))
+
+
+def test_one_damaged_shard_file_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
+    run_phase(tmp_path, "fsdp_save", 2, steps=[2, 4])
+    folder = tmp_path / "snaps" / layout.step_dir(4)
+    shard = next(folder.glob("shard-00001.*.bin"))
+    pristine = shard.read_bytes()
+    for how in ("flip", "truncate", "delete"):
+        _damage(shard, how)
+        verdict = SnapshotStore(str(tmp_path / "snaps"), create=False).verify(4)
+        assert not verdict.ok and shard.name in " ".join(verdict.problems)
+        loaded = run_phase(tmp_path, "fsdp_load", 2, tag=how)
+        assert [r["step"] for r in loaded] == [2, 2], how
+        assert_state_equal(_load(tmp_path / f"loaded-{how}.pt"), _load(tmp_path / "expected-2.pt"))
+        shard.write_bytes(pristine)
+
+
+@pytest.mark.parametrize(("kill_rank", "kill_at"), [(1, "mid_file:2"), (0, "before_manifest:2")])
+def test_sigkill_of_one_rank_mid_save_commits_nothing(
+    tmp_path: Path, kill_rank: int, kill_at: str
+) -> None:
+    with pytest.raises(mp.ProcessExitedException):
+        run_phase(tmp_path, "fsdp_kill", 2, kill_rank=kill_rank, kill_at=kill_at)
+    store = SnapshotStore(str(tmp_path / "snaps"), create=False)
+    assert store.committed_steps() == [2]
+    loaded = store.load()  # one process, full tensors: the previous snapshot, whole
+    assert loaded.info.step == 2
+    expected = _load(tmp_path / "expected-2.pt")
+    assert_state_equal(loaded.state["model"], expected["model"])
