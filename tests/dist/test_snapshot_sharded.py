@@ -11,7 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from snapshots import SnapshotStore, layout, sharding
+from snapshots.cli import main
 from tests.dist import sharded_workers
+from tests.tamper import damage
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,6 +45,9 @@ def test_fsdp_saved_at_2_loads_at_3_and_at_1_with_equal_full_state(tmp_path: Pat
     info = store.latest()
     assert info is not None and info.format_version == 2 and info.world_size == 2
     expected = _load(tmp_path / "expected-2.pt")
+    assert main(["export", str(tmp_path / "snaps"), "-o", str(tmp_path / "full.pt")]) == 0
+    exported = _load(tmp_path / "full.pt")  # one process, no process group
+    assert_state_equal({k: exported[k] for k in expected}, expected)
     for world in (3, 1):
         loaded = run_phase(tmp_path, "fsdp_load", world)
         assert {r["step"] for r in loaded} == {2}
@@ -68,16 +73,6 @@ def test_ddp_ranks_each_write_a_share_and_load_at_another_world_size(tmp_path: P
     )
 
 
-def _damage(path: Path, how: str) -> None:
-    if how == "delete":
-        path.unlink()
-        return
-    data = bytearray(path.read_bytes())
-    if how == "flip":
-        data[len(data) // 2] ^= 0xFF
-    else:
-        del data[len(data) // 2 :]
-    path.write_bytes(bytes(data))
 
 
 def test_one_damaged_shard_file_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
@@ -86,7 +81,7 @@ def test_one_damaged_shard_file_makes_every_rank_fall_back_together(tmp_path: Pa
     shard = next(folder.glob("shard-00001.*.bin"))
     pristine = shard.read_bytes()
     for how in ("flip", "truncate", "delete"):
-        _damage(shard, how)
+        damage(shard, how)
         verdict = SnapshotStore(str(tmp_path / "snaps"), create=False).verify(4)
         assert not verdict.ok and shard.name in " ".join(verdict.problems)
         loaded = run_phase(tmp_path, "fsdp_load", 2, tag=how)

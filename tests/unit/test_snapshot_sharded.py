@@ -12,7 +12,7 @@ import torch
 from snapshots import NoValidSnapshotError, SnapshotCorruptError, SnapshotStore, layout, sharding
 from snapshots.distributed import DistributedSnapshotter
 from snapshots.manifest import checksum, from_json, to_json
-from tests.tamper import EXPLOITS, resign
+from tests.tamper import EXPLOITS, damage, resign
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -139,25 +139,13 @@ def test_a_pickle_as_the_shard_table_is_refused_unexecuted(tmp_path: Path) -> No
     assert not sentinel.exists()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_verify_names_a_damaged_shard_file(tmp_path: Path, damage: str) -> None:
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_verify_names_a_damaged_shard_file(tmp_path: Path, how: str) -> None:
     _save(str(tmp_path))
     shard = next((tmp_path / layout.step_dir(1)).glob("shard-*.bin"))
-    _damage(shard, damage)
+    damage(shard, how)
     result = SnapshotStore(str(tmp_path), create=False).verify(1)
     assert not result.ok and shard.name in " ".join(result.problems)
-
-
-def _damage(path: Path, how: str) -> None:
-    if how == "delete":
-        path.unlink()
-        return
-    data = bytearray(path.read_bytes())
-    if how == "flip":
-        data[len(data) // 2] ^= 0xFF
-    else:
-        del data[len(data) // 2 :]
-    path.write_bytes(bytes(data))
 
 
 def test_deep_verify_passes_a_good_sharded_snapshot(tmp_path: Path) -> None:
@@ -167,3 +155,28 @@ def test_deep_verify_passes_a_good_sharded_snapshot(tmp_path: Path) -> None:
 
     catalog = Catalog(open_storage(str(tmp_path)), str(tmp_path))
     assert catalog.verify(1, deep=True).ok
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_export_writes_full_tensors_loadable_weights_only(tmp_path: Path, sharded: bool) -> None:
+    from snapshots.cli import main
+
+    model, _ = _model_and_optimizer(0)
+    snap = DistributedSnapshotter(SnapshotStore(str(tmp_path / "s")), sharded=sharded)
+    snap.save(3, {"model": model, "extra": {"n": 3}}, blocking=True)
+    snap.close()
+    out = tmp_path / "full.pt"
+    assert main(["export", str(tmp_path / "s"), "-o", str(out)]) == 0
+    exported = torch.load(out, weights_only=True)
+    torch.testing.assert_close(dict(exported["model"]), model.state_dict(), rtol=0, atol=0)
+    assert exported["extra"] == {"n": 3}
+
+
+def test_export_of_a_missing_step_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from snapshots.cli import main
+
+    _save(str(tmp_path / "s"))
+    assert main(["export", str(tmp_path / "s"), "--step", "9", "-o", str(tmp_path / "x")]) == 2
+    assert "no committed snapshot of step 9" in capsys.readouterr().err
