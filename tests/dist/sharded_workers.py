@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
 from snapshots import RNGState, SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
 
@@ -35,7 +36,13 @@ def spawn_phase(rank: int, world: int, tmp: str, phase: str, args: dict[str, Any
             json.dumps(result)
         )
     finally:
+        dist.barrier()  # leave together: a peer closing its sockets first can abort gloo
         dist.destroy_process_group()
+    # Done: leave without interpreter finalization. gloo's threads (this group's, the
+    # snapshotter's own, FSDP's mesh) can still be releasing work objects, and CPython's
+    # finalization then aborts the process (SIGABRT, pytorch #190489): the bootstrap that real
+    # workers run under does the same (elastic_trainer.supervisor.bootstrap).
+    exit_without_finalizing(0)
 
 
 def fsdp_model(world: int, *, seed: int = 0) -> torch.nn.Module:

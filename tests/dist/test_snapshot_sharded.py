@@ -73,8 +73,6 @@ def test_ddp_ranks_each_write_a_share_and_load_at_another_world_size(tmp_path: P
     )
 
 
-
-
 def test_one_damaged_shard_file_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
     run_phase(tmp_path, "fsdp_save", 2, steps=[2, 4])
     folder = tmp_path / "snaps" / layout.step_dir(4)
