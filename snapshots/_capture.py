@@ -7,14 +7,16 @@ copy is done: the only place an overlapped save makes training wait.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from snapshots import _commit, layout
+from snapshots import _commit, _sharded_commit, layout
+from snapshots.errors import UnsafeStateError
 from snapshots.serialization import Stager
 
 
@@ -37,6 +39,8 @@ class Capturer:
         per_rank: Sequence[Any] | None,
         started: float,
         overlap: torch.optim.Optimizer | None = None,
+        shards: Callable[[], _sharded_commit.ShardPart] | None = None,
+        token: str | None = None,
     ) -> _commit.SaveJob:
         if overlap is not None:
             self._hook_optimizer(overlap)
@@ -55,8 +59,9 @@ class Capturer:
             entries=entries,
             per_rank=ranks,
             stall_ms=(time.perf_counter() - started) * 1000,
-            token=layout.new_token(),
+            token=token or layout.new_token(),
             overlapped=overlap is not None,
+            shards=shards() if shards is not None else None,
         )
 
     def finish_deferred(self, job: _commit.SaveJob) -> None:
@@ -81,3 +86,12 @@ class Capturer:
         begun = time.perf_counter()
         self.copy_done.wait()
         self.last_hook_wait_ms = (time.perf_counter() - begun) * 1000
+
+
+def json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    meta = dict(metadata or {})
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise UnsafeStateError(f"snapshot metadata must be JSON-serialisable: {exc}") from exc
+    return meta

@@ -7,11 +7,17 @@ each as ``snapshot.corrupt``.
 
 from __future__ import annotations
 
-from snapshots import _reader, layout
+from typing import TYPE_CHECKING
+
+from snapshots import _reader, _shard_reader, layout
 from snapshots.errors import NoValidSnapshotError, SnapshotCorruptError, SnapshotNotFoundError
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SnapshotInfo, VerifyResult
+from snapshots.manifest import Manifest
 from snapshots.storage import Storage
+
+if TYPE_CHECKING:
+    from snapshots._shards import TemplateFn
 
 
 class Catalog:
@@ -62,7 +68,7 @@ class Catalog:
             return VerifyResult(step=step, ok=False, problems=[_manifest_problem(exc)])
         problems, data = _reader.check_files(self._storage, step, manifest, manifest.files)
         if deep and not problems:
-            problems = _load_problems(step, data)
+            problems = _load_problems(step, manifest, data)
         info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
         return VerifyResult(step=step, ok=not problems, problems=problems, info=info)
 
@@ -79,19 +85,22 @@ class Catalog:
             raise self._none_valid(problems)
         return None
 
-    def load_newest(self, rank: int | None) -> LoadedSnapshot:
+    def load_newest(self, rank: int | None, templates: TemplateFn | None = None) -> LoadedSnapshot:
         committed, _ = self.committed()
         if not committed:
             raise SnapshotNotFoundError(f"no committed snapshot at {self.url}")
         problems = []
         for step in committed:
             try:
-                return self.load_step(step, rank)
+                return self.load_step(step, rank, templates)
             except SnapshotCorruptError as exc:
                 problems.append(self._report_corrupt(step, str(exc)))
         raise self._none_valid(problems)
 
-    def load_step(self, step: int, rank: int | None) -> LoadedSnapshot:
+    def load_step(
+        self, step: int, rank: int | None, templates: TemplateFn | None = None
+    ) -> LoadedSnapshot:
+        """``templates``: for a sharded snapshot, the local shards to read (``_shards``)."""
         from snapshots.serialization import deserialize  # torch: only when loading
 
         try:
@@ -103,6 +112,8 @@ class Catalog:
         entry_files = manifest.entry_files()
         rank_files = manifest.rank_files()
         wanted = list(entry_files.values())
+        table = manifest.table_file()
+        wanted += [table] if table is not None else []
         if rank is not None:
             wanted += [rank_files[rank]] if rank in rank_files else []
         else:
@@ -112,6 +123,10 @@ class Catalog:
             k: deserialize(data[f.name], what=f"step {step} file {f.name}")
             for k, f in entry_files.items()
         }
+        if table is not None:
+            state = _shard_reader.assemble(
+                self._storage, step, manifest, data[table.name], state, templates
+            )
         per_rank = {
             r: deserialize(data[f.name], what=f"step {step} file {f.name}")
             for r, f in rank_files.items()
@@ -136,12 +151,16 @@ class Catalog:
         )
 
 
-def _load_problems(step: int, data: dict[str, bytes]) -> list[str]:
-    """What the weights-only loader refuses among verified bytes (imports torch)."""
+def _load_problems(step: int, manifest: Manifest, data: dict[str, bytes]) -> list[str]:
+    """What the weights-only loader refuses among verified bytes (imports torch); for a
+    sharded snapshot also the table and every chunk's checksum (shard bytes are raw)."""
     from snapshots.serialization import deserialize
 
-    problems = []
+    problems = _shard_reader.chunk_problems(manifest, data)
+    pickled = {f.name for f in manifest.files if f.key is not None or f.rank is not None}
     for name, blob in data.items():
+        if name not in pickled:
+            continue
         try:
             deserialize(blob, what=f"step {step} file {name}")
         except SnapshotCorruptError as exc:

@@ -28,13 +28,13 @@ older snapshots. What "verified" means depends on the verification mode (``"auto
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from snapshots import _catalog, _faults, _reader, layout
+from snapshots import _catalog, _faults, _reader, _sharded_commit, layout
 from snapshots.errors import (
     SnapshotCorruptError,
     SnapshotError,
@@ -42,7 +42,7 @@ from snapshots.errors import (
     SnapshotSaveError,
 )
 from snapshots.info import SnapshotInfo
-from snapshots.manifest import FileEntry, Manifest, checksum, now_iso, to_json
+from snapshots.manifest import FORMAT_VERSION, FileEntry, Manifest, checksum, now_iso, to_json
 from snapshots.serialization import serialize
 from snapshots.storage import RetryingStorage
 
@@ -60,6 +60,8 @@ class SaveJob:
     stall_ms: float
     token: str
     overlapped: bool = False
+    # A sharded save (format 2): this rank's part; every rank's writer runs the commit.
+    shards: _sharded_commit.ShardPart | None = None
     # Set when the caller stopped waiting (its deadline passed): the save stops before its
     # next write and never commits, so an exiting process is not held by it.
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -91,8 +93,26 @@ class Committer:
             return "listing" if self._storage.object_store else "full"
         return self._verify
 
+    @property
+    def storage(self) -> RetryingStorage:
+        return self._storage
+
     def commit(self, job: SaveJob) -> SnapshotInfo:
-        """Write the job's files and manifest, then verify the commit before anyone prunes."""
+        """Write the job's files and manifest, then verify the commit before anyone prunes.
+        A sharded job: every rank writes its shards, rank 0 commits (``_sharded_commit``)."""
+        if job.shards is not None:
+            return _sharded_commit.commit(self, job, job.shards)
+        return self.commit_files(job)
+
+    def commit_files(
+        self,
+        job: SaveJob,
+        *,
+        extra: Sequence[FileEntry] = (),
+        format_version: int = FORMAT_VERSION,
+    ) -> SnapshotInfo:
+        """``extra``: files already written (other ranks' shards, the shard table), listed
+        in the manifest beside this job's own."""
         self._guard()
         if _reader.has_manifest(self._storage, job.step):
             raise SnapshotExistsError(
@@ -104,7 +124,8 @@ class Committer:
         _faults.hit("before_data")
         listing = self.mode() == "listing"
         written = self._write_files(job, etags=listing)
-        manifest = _manifest_for(job, [entry for entry, _ in written])
+        files = [entry for entry, _ in written] + list(extra)
+        manifest = _manifest_for(job, files, format_version)
         _faults.hit("before_manifest")
         _stop_if_cancelled(job)
         self._guard()
@@ -202,7 +223,7 @@ class Committer:
             pass  # storage is failing; retention cleans the orphan later
 
 
-def _manifest_for(job: SaveJob, files: list[FileEntry]) -> Manifest:
+def _manifest_for(job: SaveJob, files: list[FileEntry], format_version: int) -> Manifest:
     return Manifest(
         step=job.step,
         epoch=job.epoch,
@@ -211,6 +232,7 @@ def _manifest_for(job: SaveJob, files: list[FileEntry]) -> Manifest:
         created_at=now_iso(),
         files=tuple(files),
         metadata=job.metadata,
+        format_version=format_version,
     )
 
 

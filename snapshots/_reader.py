@@ -44,6 +44,12 @@ def check_files(
     return _check_contents(storage, step, manifest, wanted)
 
 
+def check_sizes(storage: Storage, step: int, files: Iterable[FileEntry]) -> list[str]:
+    """From one listing: every file present at the manifest's size (nothing is read)."""
+    listed = _listing(storage, step)
+    return [p for f in files if (p := _size_problem(f, _listed_size(listed, f)))]
+
+
 def check_written(
     storage: Storage, step: int, manifest: Manifest, expected_etags: Mapping[str, str]
 ) -> list[str]:

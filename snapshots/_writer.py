@@ -110,3 +110,11 @@ def _quietly(fn: Callable[[], None]) -> None:
     # reported; a storage failure here also marks storage as down (StorageHealth).
     with contextlib.suppress(Exception):
         fn()
+
+
+def previous_failure(exc: SnapshotSaveError, handle: SaveHandle | None) -> SnapshotSaveError:
+    error = SnapshotSaveError(
+        f"an earlier asynchronous save failed: {exc}", step=exc.step, handle=handle
+    )
+    error.__cause__ = exc
+    return error

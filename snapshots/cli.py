@@ -61,6 +61,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[url], help="check sizes and checksums")
     p.add_argument("--step", type=int, default=None, help="default: every committed snapshot")
     p.add_argument("--deep", action="store_true", help="also deserialise (weights_only)")
+    p = sub.add_parser("export", parents=[url], help="one plain state dict of full tensors")
+    p.add_argument("--step", type=int, default=None, help="default: the newest verified one")
+    p.add_argument("-o", "--output", required=True, help="file to write (torch.save format)")
     p = sub.add_parser("prune", parents=[url], help="delete all but the newest K")
     p.add_argument("--keep", type=_positive, required=True, help="newest snapshots to keep")
     p.add_argument("--keep-every", type=_positive, default=None, help="also keep every M-th step")
@@ -282,7 +285,23 @@ def _newest_loadable(
     return deep.step if deep is not None else None
 
 
-COMMANDS = {"list": _cmd_list, "show": _cmd_show, "verify": _cmd_verify, "prune": _cmd_prune}
+def _cmd_export(catalog: Catalog, args: argparse.Namespace) -> int:
+    from snapshots import _export  # torch: only to export
+
+    _require_some(catalog)
+    step = _newest_verified(catalog) if args.step is None else _require_step(catalog, args.step)
+    count = _export.export(catalog, step, args.output)
+    print(f"exported step {step} ({count} tensors, full) to {args.output}")
+    return EXIT_OK
+
+
+COMMANDS = {
+    "list": _cmd_list,
+    "show": _cmd_show,
+    "verify": _cmd_verify,
+    "prune": _cmd_prune,
+    "export": _cmd_export,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,12 +10,21 @@ thread on the training group crash gloo ("collective mismatch"). So:
   together (each loads it from the shared storage with its own per-rank entry, None if its
   rank >= the saved world size), agree on the outcome with one all-gather, and move on to
   the next older step together if any rank failed.
-Per-rank files are named ``rank-<5 digits>.<token>.pt`` in the step folder, which leaves room
-for sharded state (one file per rank) later.
+Per-rank files are named ``rank-<5 digits>.<token>.pt`` in the step folder.
+
+Sharded saves (``sharded=True``, or by default whenever the state holds an FSDP2 model):
+every rank writes its own shards (``snapshots.sharding`` describes the format). In the
+training thread, one all-gather carries each rank's skip reason (the ranks skip together or
+not at all), its DCP write plan, its per-rank state and rank 0's token and committed step;
+every rank then works out the same deduplicated plan, stages its share (the only wait), and
+its writer thread writes and commits over the snapshot's own gloo group
+(``snapshots._sharded_commit``). Loading needs nothing new here: every rank reads only the
+chunks overlapping its current shards, and any rank's failure makes all fall back together.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,9 +41,20 @@ _NONE = -1  # no committed step, in a broadcast
 
 
 class DistributedSnapshotter:
-    def __init__(self, store: SnapshotStore, group: Any = None) -> None:
+    # Seconds a sharded commit's collectives on the snapshot group may wait for a rank (a
+    # dead rank is usually noticed at once: gloo sees its connection close).
+    commit_timeout_s: float = 900.0
+
+    def __init__(
+        self, store: SnapshotStore, group: Any = None, *, sharded: bool | None = None
+    ) -> None:
+        """``sharded``: every rank writes (True), rank 0 alone writes replicated state
+        (False), or sharded exactly when the state holds a DTensor (FSDP2) model (None)."""
         self.store = store
         self.group = group
+        self.sharded = sharded
+        self._snapshot_group: Any = None
+        self._stager: Any = None
         # Without a process group (a single process) it acts as rank 0 of 1, no collectives.
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self._dist else 0
@@ -55,13 +75,17 @@ class DistributedSnapshotter:
     ) -> SaveHandle | None:
         """Collective. ``state`` is replicated (only rank 0's is written); ``per_rank`` is this
         rank's own state. ``overlap_with``: see ``SnapshotStore.save`` (used on rank 0).
-        Returns rank 0's SaveHandle, None on other ranks."""
+        Returns rank 0's SaveHandle, None on other ranks (sharded: every rank's handle)."""
+        if self._is_sharded(state):
+            return self._save_sharded(
+                step, state, per_rank=per_rank, epoch=epoch, metadata=metadata, blocking=blocking
+            )
         if self.rank == 0 and self.store.when_busy == "wait":
             # rank 0 would wait inside store.save anyway; waiting first lets the broadcast
             # below carry the previous save's outcome (its error still surfaces once, later).
             self.store._settle_pending()
         self._agree_on_committed()
-        mine = {k: (v.state_dict() if is_stateful(v) else v) for k, v in (per_rank or {}).items()}
+        mine = _mine(per_rank)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         if self._dist:
             dist.gather_object(mine, gathered, group=self.group, group_dst=0)
@@ -80,11 +104,79 @@ class DistributedSnapshotter:
             overlap_with=overlap_with,
         )
 
+    def _is_sharded(self, state: Mapping[str, Any]) -> bool:
+        if self.sharded is not None:
+            return self.sharded
+        from snapshots._sharded_state import has_dtensors
+
+        return has_dtensors(state)
+
+    def _save_sharded(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        per_rank: Mapping[str, Any] | None,
+        epoch: int,
+        metadata: Mapping[str, Any] | None,
+        blocking: bool | None,
+    ) -> SaveHandle | None:
+        from snapshots import _sharded_state, _shards
+        from snapshots._sharded_commit import ShardPart
+
+        blocking = (not self.store.async_save) if blocking is None else blocking
+        skeletons, tensors = _sharded_state.split_state(state)
+        planner, plan = _shards.local_plan(tensors)
+        reason = None if blocking else self.store.why_skip()
+        answers = self._all_gather((reason, plan, self._rank0_facts(), _mine(per_rank)))
+        token, committed = answers[0][2]
+        self.last_committed_step = committed
+        reasons = [a[0] for a in answers if a[0] is not None]
+        if reasons:
+            if self.rank == 0:
+                emit("snapshot.skipped", step=step, reason=reasons[0])
+            return SaveHandle(step, skipped_reason=reasons[0])
+        mine = _shards.my_items(planner, [a[1] for a in answers], self.rank)
+        stager = self._stager = self._stager or _shards.ShardStager()
+        group = self._group_for_commits()
+
+        def part() -> ShardPart:  # runs inside the store's capture: counted as stall
+            chunks = stager.stage(planner, mine, tensors)
+            return ShardPart(rank=self.rank, world_size=self.world_size, chunks=chunks, group=group)
+
+        return self.store.save(
+            step, skeletons, epoch=epoch, world_size=self.world_size, metadata=metadata,
+            blocking=blocking, per_rank=[a[3] for a in answers] if self.rank == 0 else None,
+            shards=part, token=token,
+        )  # fmt: skip
+
+    def _rank0_facts(self) -> tuple[str, int | None] | None:
+        if self.rank != 0:
+            return None
+        info = self.store.last_committed
+        return layout.new_token(), (info.step if info is not None else None)
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        if not self._dist:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _group_for_commits(self) -> Any:
+        """The snapshot's own gloo group, made once (a collective, on the training thread)."""
+        if self._dist and self._snapshot_group is None:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+            self._snapshot_group = dist.new_group(
+                ranks, backend="gloo", timeout=dt.timedelta(seconds=self.commit_timeout_s)
+            )
+        return self._snapshot_group
+
     def wait(self) -> int | None:
         """Collective. Flush rank 0's save; every rank learns the last committed step.
         Rank 0 re-raises a save failure after the broadcast, so no rank is left waiting."""
         error: SnapshotError | None = None
-        if self.rank == 0:
+        if self.rank == 0 or self._snapshot_group is not None:  # sharded: every rank writes
             try:
                 self.store.wait()
             except SnapshotError as exc:
@@ -99,7 +191,7 @@ class DistributedSnapshotter:
         try:
             self.wait()
         finally:
-            if self.rank == 0:
+            if self.rank == 0 or self._snapshot_group is not None:
                 self.store.close()
 
     def _agree_on_committed(self) -> None:
@@ -202,3 +294,7 @@ class DistributedSnapshotter:
         if step not in committed:
             return ("invalid", f"no committed snapshot of step {step} at {self.store.url}")
         return [step]
+
+
+def _mine(per_rank: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in (per_rank or {}).items()}

@@ -2,7 +2,9 @@
 
     <root>/step-000000001200/manifest.json          commit marker, written last
     <root>/step-000000001200/<entry>.<token>.pt     one file per top-level state entry
-    <root>/step-000000001200/rank-00001.<token>.pt  per-rank state (and, later, shards)
+    <root>/step-000000001200/rank-00001.<token>.pt  per-rank state
+    <root>/step-000000001200/shard-00001.<token>.bin, shards.<token>.json   sharded
+                                                    snapshots (``snapshots.sharding``)
     <root>/step-.../.tmp-<name>-<pid>-<rand>        a local write in progress (never read)
 
 The random ``token`` makes every save's data file names unique, so two writers of one step
@@ -25,7 +27,8 @@ _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
 # A safe file name: no separators, no leading dot, nothing that could leave the folder.
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
-_DATA_FILE = re.compile(rf"^[A-Za-z0-9_-]+\.([0-9a-f]{{8}}){re.escape(DATA_SUFFIX)}$")
+# Data (.pt), shard (.bin) and shard-table (.json) files of one save share its token.
+_DATA_FILE = re.compile(r"^[A-Za-z0-9_-]+\.([0-9a-f]{8})\.(pt|bin|json)$")
 
 
 def step_dir(step: int) -> str:

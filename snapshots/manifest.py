@@ -18,7 +18,10 @@ from snapshots import layout
 from snapshots.errors import SnapshotCorruptError
 
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+# 2: a sharded snapshot (``snapshots.sharding``): shard files and a shard table beside the
+# entry (skeleton) and per-rank files. Format 1 snapshots keep loading.
+SHARDED_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
 # sha256 runs at ~1.5 GB/s here with SHA-NI (blake2b ~0.8 GB/s), and hashlib releases the GIL
 # on large buffers, so checksumming in the writer thread barely slows training.
 CHECKSUM_ALGORITHM = "sha256"
@@ -39,13 +42,16 @@ def checksum(data: bytes | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> s
 
 @dataclass(frozen=True, kw_only=True)
 class FileEntry:
-    """One data file of a snapshot. ``key`` names a state entry; ``rank`` a per-rank file."""
+    """One data file of a snapshot. ``key`` names a state entry; ``rank`` a per-rank file;
+    ``shard`` the rank that wrote a shard file; ``table`` marks the shard table (format 2)."""
 
     name: str
     size: int
     checksum: str
     key: str | None = None
     rank: int | None = None
+    shard: int | None = None
+    table: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +76,12 @@ class Manifest:
     def rank_files(self) -> dict[int, FileEntry]:
         return {f.rank: f for f in self.files if f.rank is not None}
 
+    def shard_files(self) -> dict[int, FileEntry]:
+        return {f.shard: f for f in self.files if f.shard is not None}
+
+    def table_file(self) -> FileEntry | None:
+        return next((f for f in self.files if f.table), None)
+
 
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -77,9 +89,19 @@ def now_iso() -> str:
 
 def to_json(manifest: Manifest) -> bytes:
     body = asdict(manifest)
-    body["files"] = [asdict(f) for f in manifest.files]
+    body["files"] = [_file_json(f) for f in manifest.files]
     body["metadata"] = dict(manifest.metadata)
     return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
+
+
+def _file_json(f: FileEntry) -> dict[str, Any]:
+    body = asdict(f)
+    # Format 1 manifests stay byte-for-byte what format-1 readers know.
+    if f.shard is None:
+        del body["shard"]
+    if not f.table:
+        del body["table"]
+    return body
 
 
 def from_json(data: bytes, *, expected_step: int | None = None) -> Manifest:
@@ -146,21 +168,27 @@ def _build(body: dict[str, Any]) -> Manifest:
         world_size=_count(body, "world_size"),
         torch_version=_typed(body, "torch_version", str),
         created_at=_typed(body, "created_at", str),
-        files=_files(body["files"], algorithm),
+        files=_files(body["files"], algorithm, body["format_version"]),
         metadata=metadata,
         checksum_algorithm=algorithm,
         format_version=body["format_version"],
     )
 
 
-def _files(raw: Any, algorithm: str) -> tuple[FileEntry, ...]:
+def _files(raw: Any, algorithm: str, version: int) -> tuple[FileEntry, ...]:
     if not isinstance(raw, list):
         raise TypeError("files must be a list")
     files = tuple(_file(item, algorithm) for item in raw)
     if not any(f.key is not None for f in files):
         # A snapshot with no entry restores nothing: load would fail after verify passed.
         raise ValueError("files lists no entry file (a snapshot holds at least one entry)")
-    for field_name in ("name", "key", "rank"):
+    sharded = any(f.shard is not None or f.table for f in files)
+    if sharded != (version == SHARDED_VERSION) or (sharded and sum(f.table for f in files) != 1):
+        raise ValueError(
+            f"format_version {version} does not match its files (shard files and exactly one "
+            "shard table belong to format 2, and only there)"
+        )
+    for field_name in ("name", "key", "rank", "shard"):
         values = [getattr(f, field_name) for f in files if getattr(f, field_name) is not None]
         if len(set(values)) != len(values):
             raise ValueError(f"files lists the same {field_name} twice")
@@ -175,19 +203,24 @@ def _file(item: Any, algorithm: str) -> FileEntry:
         # Checked before anything touches storage: a name like '../x' or '/etc/passwd' would
         # make a reader open a file outside the snapshot's own folder.
         raise SnapshotCorruptError(f"manifest file name {name[:80]!r} escapes the snapshot folder")
-    key, rank = item.get("key"), item.get("rank")
+    key, rank, shard = item.get("key"), item.get("rank"), item.get("shard")
+    table = item.get("table", False)
     if key is not None and not isinstance(key, str):
         raise TypeError(f"file {name!r}: key must be a string")
-    if rank is not None:
-        rank = _count(item, "rank")
-    if (key is None) == (rank is None):
-        raise ValueError(f"file {name!r} must name exactly one of key and rank")
+    if not isinstance(table, bool):
+        raise TypeError(f"file {name!r}: table must be true or false")
+    rank = _count(item, "rank") if rank is not None else None
+    shard = _count(item, "shard") if shard is not None else None
+    if sum(v is not None for v in (key, rank, shard)) + table != 1:
+        raise ValueError(f"file {name!r} must name exactly one of key, rank, shard and table")
     return FileEntry(
         name=name,
         size=_count(item, "size"),
         checksum=_digest(item, algorithm),
         key=key,
         rank=rank,
+        shard=shard,
+        table=table,
     )
 
 

@@ -1,9 +1,7 @@
 """The narrow storage protocol the store is written against, and its implementations.
 
 Paths are ``str`` relative to the store's root, '/'-separated (pathlib mangles ``gs://``).
-- ``LocalStorage``: temp file in the target folder, fsync, ``os.replace`` (or ``os.link``
-  for an exclusive create), fsync the folder. fsspec transactions are not used: they stage
-  in the system temp dir, so their final move is a copy, not an atomic rename.
+- ``LocalStorage`` (``snapshots._local_storage``): atomic, durable local writes.
 - ``FsspecStorage``: any other fsspec URL. One object per file, written in one call;
   never renamed. Exclusive create (S3 ``If-None-Match: *``) where the backend has it.
 - ``RetryingStorage``: retries transient errors with exponential backoff (tenacity) within
@@ -12,10 +10,11 @@ Paths are ``str`` relative to the store's root, '/'-separated (pathlib mangles `
   except FileNotFoundError/FileExistsError into StorageError. ``single_attempt()``: the
   same without retries, for best-effort clean-up.
 
-Two optional extras beyond the five protocol methods, read with ``getattr`` so that any
+Optional extras beyond the five protocol methods, read with ``getattr`` so that any
 Storage (a test's wrapper included) works without them: ``object_store`` (True: reads cost
-network traffic, so post-write verification may use listings) and ``etag_of(data)`` (the
-ETag the backend's listing will show for ``data`` written by ``write``, or None).
+network traffic, so post-write verification may use listings), ``etag_of(data)`` (the
+ETag the backend's listing will show for ``data`` written by ``write``, or None) and
+``read_range`` (``snapshots._storage_base``).
 """
 
 from __future__ import annotations
@@ -24,23 +23,17 @@ import contextlib
 import errno
 import hashlib
 import inspect
-import os
 import re
-import shutil
-import stat
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import tenacity
 
-from snapshots import _faults, layout
-from snapshots.errors import (
-    FileTooLargeError,
-    NotRegularFileError,
-    SnapshotCorruptError,
-    StorageError,
-)
+from snapshots import _faults
+from snapshots._local_storage import LocalStorage, kill_point
+from snapshots._storage_base import Entry, Storage, read_range, within
+from snapshots.errors import SnapshotCorruptError, StorageError
 from snapshots.events import emit
 from snapshots.health import StorageHealth
 from snapshots.retry import RetryPolicy, is_transient, s3_options
@@ -75,177 +68,6 @@ def backend_fix(scheme: str) -> str:
 def redact_url(text: str) -> str:
     """Remove credentials (user:password@, secret query parameters) from a URL."""
     return _SECRET_QUERY.sub(r"\g<key>=***", _URL_USERINFO.sub(r"\g<scheme>***@", text))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Entry:
-    name: str  # base name
-    is_dir: bool
-    size: int | None = None
-    mtime: float | None = None
-    etag: str | None = None  # the backend's entity tag, quotes stripped (S3: a content MD5)
-
-
-@runtime_checkable
-class Storage(Protocol):
-    url: str  # for messages and events: redacted
-
-    def check(self, *, create: bool = True) -> None: ...
-    def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None: ...
-    def read(self, path: str) -> bytes: ...  # may take limit=N (see RetryingStorage.read)
-    def list(self, path: str = "") -> list[Entry]: ...
-    def delete(self, path: str) -> None: ...
-
-
-def _kill_point(path: str) -> str:
-    return "mid_manifest" if path.endswith(layout.MANIFEST_NAME) else "mid_file"
-
-
-class LocalStorage:
-    """A local (or network-mounted POSIX) folder, with durable atomic file writes."""
-
-    def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(os.path.expanduser(root))
-        self.url = self.root
-
-    def _abs(self, path: str) -> str:
-        return os.path.join(self.root, *[p for p in path.split("/") if p])
-
-    def check(self, *, create: bool = True) -> None:
-        if create:
-            self._makedirs(self.root)
-        elif not os.path.isdir(self.root):
-            raise FileNotFoundError(errno.ENOENT, "no such folder", self.root)
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "folder is not writable", self.root)
-
-    def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
-        target = self._abs(path)
-        folder = os.path.dirname(target)
-        self._makedirs(folder)
-        tmp = os.path.join(folder, layout.temp_name(os.path.basename(target), os.getpid()))
-        try:
-            self._write_temp(tmp, data, _kill_point(path))
-            if exclusive:
-                # link() fails with EEXIST instead of replacing: an atomic "create if absent".
-                os.link(tmp, target)
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, target)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        _fsync_dir(folder)
-
-    @staticmethod
-    def _write_temp(tmp: str, data: bytes, point: str) -> None:
-        view = memoryview(data).cast("B")
-        half = len(view) // 2
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(fd, view[:half])
-            _faults.hit(point)
-            _write_all(fd, view[half:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _makedirs(self, folder: str) -> None:
-        if os.path.isdir(folder):
-            return
-        parent = os.path.dirname(folder)
-        if parent != folder:
-            self._makedirs(parent)
-        try:
-            os.mkdir(folder)
-        except FileExistsError:
-            return
-        _fsync_dir(parent)  # make the new folder's entry durable before files appear in it
-
-    def read(self, path: str, *, limit: int | None = None) -> bytes:
-        """A regular file's bytes; at most ``limit`` of them (more: FileTooLargeError).
-
-        Opened without following a symlink and without blocking (a FIFO), then checked with
-        fstat on the open descriptor, so nothing can swap the file between check and read.
-        """
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        target = self._abs(path)
-        try:
-            fd = os.open(target, flags | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise NotRegularFileError(f"{path} is not a regular file ({exc.strerror})") from exc
-            raise
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise NotRegularFileError(f"{path} is not a regular file")
-        with os.fdopen(fd, "rb") as fh:
-            cap = st.st_size if limit is None else min(st.st_size, limit)
-            data = fh.read(cap + 1)  # one byte more than allowed proves "too large"
-        return _within(path, data, cap if limit is None else limit)
-
-    def list(self, path: str = "") -> list[Entry]:
-        folder = self._abs(path)
-        try:
-            items = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return [_local_entry(item) for item in items]
-
-    def delete(self, path: str) -> None:
-        target = self._abs(path)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target, ignore_errors=False, onerror=_ignore_missing)
-        else:
-            _unlink_quietly(target)
-
-
-def _within(path: str, data: bytes, limit: int) -> bytes:
-    if len(data) > limit:
-        raise FileTooLargeError(f"{path} holds more than the {limit} bytes expected")
-    return data
-
-
-def _local_entry(item: os.DirEntry[str]) -> Entry:
-    try:
-        st = item.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return Entry(name=item.name, is_dir=False)
-    is_dir = item.is_dir(follow_symlinks=False)
-    return Entry(
-        name=item.name, is_dir=is_dir, size=None if is_dir else st.st_size, mtime=st.st_mtime
-    )
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # platforms without directory fds (Windows) have no directory fsync
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _ignore_missing(func: Any, path: str, exc_info: Any) -> None:
-    if not isinstance(exc_info[1], FileNotFoundError):
-        raise exc_info[1]
 
 
 class FsspecStorage:
@@ -289,7 +111,7 @@ class FsspecStorage:
 
     def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         target = self._abs(path)
-        _faults.hit(_kill_point(path))  # an object PUT is all-or-nothing; a crash here = none
+        _faults.hit(kill_point(path))  # an object PUT is all-or-nothing; a crash here = none
         if not exclusive:
             self.fs.pipe_file(target, data)
             return
@@ -312,7 +134,10 @@ class FsspecStorage:
         if limit is None:
             return self.fs.cat_file(self._abs(path))
         # A ranged read: a replaced object may be arbitrarily large.
-        return _within(path, self.fs.cat_file(self._abs(path), start=0, end=limit + 1), limit)
+        return within(path, self.fs.cat_file(self._abs(path), start=0, end=limit + 1), limit)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return self.fs.cat_file(self._abs(path), start=start, end=start + length)
 
     def list(self, path: str = "") -> list[Entry]:
         folder = self._abs(path)
@@ -398,6 +223,9 @@ class RetryingStorage:
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         return self._call("read", path, lambda: read_limited(self.inner, path, limit))
 
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return self._call("read", path, lambda: read_range(self.inner, path, start, length))
+
     def list(self, path: str = "") -> list[Entry]:
         return self._call("list", path, lambda: self.inner.list(path))
 
@@ -447,6 +275,20 @@ class RetryingStorage:
         return f"{self.url}/{path}" if path else self.url
 
 
+def check_reachable(storage: RetryingStorage, url: str, create: bool) -> None:
+    """Fail with one line naming the fix when the store's root cannot be used."""
+    try:
+        storage.check(create=create)
+    except (StorageError, OSError) as exc:
+        cause = exc.__cause__ or exc
+        access = "writable" if create else "readable"
+        raise StorageError(
+            f"cannot use snapshot storage {redact_url(url)}: {redact_url(str(cause))}; "
+            f"check that the folder or bucket exists and is {access}, and that the "
+            "endpoint, credentials (storage_options) and network are right"
+        ) from exc
+
+
 def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
     """``read`` with a limit where the storage takes one; wrappers written against the
     five-method protocol (tests, user code) are read whole and checked after."""
@@ -454,7 +296,7 @@ def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
         return storage.read(path)
     if "limit" in inspect.signature(storage.read).parameters:
         return storage.read(path, limit=limit)  # type: ignore[call-arg]
-    return _within(path, storage.read(path), limit)
+    return within(path, storage.read(path), limit)
 
 
 def open_storage(
@@ -484,3 +326,6 @@ def open_storage(
         if scheme in S3_PROTOCOLS:
             inner.fs.retries = 1  # type: ignore[attr-defined]  # s3fs's own retry loop: off
     return RetryingStorage(inner, policy)
+
+
+__all__ = ["Entry", "LocalStorage", "Storage", "read_range"]

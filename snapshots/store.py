@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +47,7 @@ from snapshots import (
     _commit,
     _deadline,
     _housekeeping,
+    _sharded_commit,
     _writer,
     layout,
     ownership,
@@ -55,16 +55,12 @@ from snapshots import (
 from snapshots.errors import (
     SnapshotError,
     SnapshotSaveError,
-    StorageError,
-    UnsafeStateError,
 )
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SaveHandle, SnapshotInfo, VerifyResult
 from snapshots.ownership import Owner
 from snapshots.retry import RetryPolicy
-from snapshots.rng import RNGState
-from snapshots.serialization import is_stateful
-from snapshots.storage import RetryingStorage, open_storage, redact_url
+from snapshots.storage import RetryingStorage, check_reachable, open_storage, redact_url
 
 WhenBusy = Literal["wait", "skip"]
 
@@ -117,7 +113,7 @@ class SnapshotStore:
             retry=(retry or RetryPolicy()).with_timeout(storage_timeout),
         )
         self.url = self._storage.url
-        self._check_reachable(url, create)
+        check_reachable(self._storage, url, create)
         if owner is not None:
             ownership.claim(self._storage, self.url, owner)
         self._catalog = _catalog.Catalog(self._storage, self.url)
@@ -145,18 +141,6 @@ class SnapshotStore:
         if self.owner is not None:
             ownership.ensure_mine(self._storage, self.url, self.owner)
 
-    def _check_reachable(self, url: str, create: bool) -> None:
-        try:
-            self._storage.check(create=create)
-        except (StorageError, OSError) as exc:
-            cause = exc.__cause__ or exc
-            access = "writable" if create else "readable"
-            raise StorageError(
-                f"cannot use snapshot storage {redact_url(url)}: {redact_url(str(cause))}; "
-                f"check that the folder or bucket exists and is {access}, and that the "
-                "endpoint, credentials (storage_options) and network are right"
-            ) from exc
-
     # ------------------------------------------------------------------ save
     def save(
         self,
@@ -170,6 +154,8 @@ class SnapshotStore:
         per_rank: Sequence[Any] | None = None,
         overlap_with: torch.optim.Optimizer | None = None,
         deadline_s: float | None = None,
+        shards: Callable[[], _sharded_commit.ShardPart] | None = None,
+        token: str | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` at ``step``. Blocks for the in-memory copy only, unless blocking.
 
@@ -186,20 +172,21 @@ class SnapshotStore:
         if self._closed:
             raise SnapshotError(f"snapshot store {self.url} is closed")
         layout.step_dir(step)  # validates the step
-        meta = _json_metadata(metadata)
+        meta = _capture.json_metadata(metadata)
         blocking = (not self.async_save) if blocking is None else blocking
         started = time.perf_counter()
 
         def capture(overlap: torch.optim.Optimizer | None = None) -> _commit.SaveJob:
             return self._capturer.capture(
                 step, state, epoch=epoch, world_size=world_size, meta=meta,
-                per_rank=per_rank, started=started, overlap=overlap,
+                per_rank=per_rank, started=started, overlap=overlap, shards=shards,
+                token=token,
             )  # fmt: skip
 
         if blocking:
             with self.deadline(deadline_s):
                 return self._save_blocking(step, capture, started)
-        reason = self._why_skip()
+        reason = self._why_skip() if shards is None else None
         if reason is not None:
             emit("snapshot.skipped", step=step, reason=reason)
             return SaveHandle(step, skipped_reason=reason)
@@ -209,8 +196,14 @@ class SnapshotStore:
         previous = self._writer.take_unreported()
         handle = self._submit(job)
         if previous is not None:
-            raise _previous_failure(previous, handle)
+            raise _writer.previous_failure(previous, handle)
         return handle
+
+    def why_skip(self) -> str | None:
+        """Why an asynchronous save must not start now (None: it may). Waits for the save
+        in flight (``when_busy="wait"``) unless storage is down. For DistributedSnapshotter,
+        whose ranks agree on it before a sharded save."""
+        return self._why_skip()
 
     def _why_skip(self) -> str | None:
         """Why an asynchronous save must not start now (None: start it). Never waits for a
@@ -247,7 +240,7 @@ class SnapshotStore:
         if exc is not None:
             raise exc from exc.__cause__  # this save's own failure, raised here, once
         if previous is not None:
-            raise _previous_failure(previous, handle)
+            raise _writer.previous_failure(previous, handle)
         return handle
 
     def _submit(self, job: _commit.SaveJob, *, stall_started: float | None = None) -> SaveHandle:
@@ -285,7 +278,7 @@ class SnapshotStore:
             raise self._past_deadline(self._pending_step(), "it was still")
         previous = self._writer.take_unreported()
         if previous is not None:
-            raise _previous_failure(previous, None)
+            raise _writer.previous_failure(previous, None)
         if handle is None or handle.skipped or handle.exception() is not None:
             return None  # a failure seen here was already reported through its handle
         return handle.result()
@@ -316,6 +309,10 @@ class SnapshotStore:
         stall_ms = (
             job.stall_ms if stall_started is None else (time.perf_counter() - stall_started) * 1000
         )
+        if self.last_committed is None or info.step >= self.last_committed.step:
+            self.last_committed = info
+        if job.shards is not None and job.shards.rank != 0:
+            return info  # a sharded save is reported, and retention run, by rank 0 only
         emit(
             "snapshot.saved",
             step=job.step,
@@ -325,8 +322,6 @@ class SnapshotStore:
             stall_ms=round(stall_ms, 3),
             write_ms=round(write_ms, 3),
         )
-        if self.last_committed is None or info.step >= self.last_committed.step:
-            self.last_committed = info
         self._prune_after_save(job.step)  # reached only once the new snapshot verified
         return info
 
@@ -389,11 +384,16 @@ class SnapshotStore:
 
         ``into`` restores Stateful objects in place (RNG states last). ``rank`` loads only that
         rank's per-rank entry into ``rank_state``; without it ``per_rank`` holds all of them.
+        Sharded snapshots: the FSDP2 entries of ``into`` get only their local shards read
+        (at any world size); every other tensor is read whole.
         """
+        from snapshots import _sharded_state  # torch.distributed.checkpoint: only to load
+
+        templates = _sharded_state.templates_for(into)
         if step is None:
-            loaded = self._catalog.load_newest(rank)
+            loaded = self._catalog.load_newest(rank, templates)
         else:
-            loaded = self._catalog.load_step(step, rank)
+            loaded = self._catalog.load_step(step, rank, templates)
         if into is not None:
             restore_into(into, loaded.state, step=loaded.info.step)
         return loaded
@@ -420,33 +420,11 @@ class SnapshotStore:
 
 
 def restore_into(into: Mapping[str, Any], state: Mapping[str, Any], *, step: int) -> None:
-    """load_state_dict for every Stateful in ``into``; RNG states last (loading may draw)."""
-    targets = [(k, v) for k, v in into.items() if is_stateful(v)]
-    targets.sort(key=lambda kv: isinstance(kv[1], RNGState))
-    for key, target in targets:
-        if key not in state:
-            raise SnapshotError(
-                f"snapshot of step {step} has no entry {key!r} (it has {sorted(state)}); "
-                "restore only entries that were saved"
-            )
-        target.load_state_dict(state[key])
+    """load_state_dict for every Stateful in ``into`` (FSDP2 models and optimizers through
+    ``set_state_dict``); RNG states last (loading may draw)."""
+    from snapshots import _sharded_state
 
-
-def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    meta = dict(metadata or {})
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as exc:
-        raise UnsafeStateError(f"snapshot metadata must be JSON-serialisable: {exc}") from exc
-    return meta
-
-
-def _previous_failure(exc: SnapshotSaveError, handle: SaveHandle | None) -> SnapshotSaveError:
-    error = SnapshotSaveError(
-        f"an earlier asynchronous save failed: {exc}", step=exc.step, handle=handle
-    )
-    error.__cause__ = exc
-    return error
+    _sharded_state.restore(into, state, step=step)
 
 
 def _close_at_exit(ref: weakref.ReferenceType[SnapshotStore]) -> None:

@@ -54,3 +54,16 @@ EXPLOITS: dict[str, Callable[[Path], bytes]] = {
     "torch archive": evil_bytes,
     "raw pickle": raw_pickle,
 }
+
+
+def damage(path: Path, how: str) -> None:
+    """Damage a file the ways storage does: ``flip`` a byte, ``truncate`` it, ``delete`` it."""
+    if how == "delete":
+        path.unlink()
+        return
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[len(data) // 2 :]
+    path.write_bytes(bytes(data))

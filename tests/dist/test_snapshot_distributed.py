@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from structlog.testing import capture_logs
 
 from snapshots import NoValidSnapshotError, RNGState, SnapshotStore, layout

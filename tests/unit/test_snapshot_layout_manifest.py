@@ -8,7 +8,14 @@ import json
 import pytest
 
 from snapshots import SnapshotCorruptError, layout
-from snapshots.manifest import FORMAT_VERSION, FileEntry, Manifest, from_json, to_json
+from snapshots.manifest import (
+    FORMAT_VERSION,
+    SUPPORTED_VERSIONS,
+    FileEntry,
+    Manifest,
+    from_json,
+    to_json,
+)
 
 
 def _manifest(**changes: object) -> Manifest:
@@ -76,7 +83,7 @@ def test_file_names_escaping_the_folder_are_rejected(name: str) -> None:
 
 def test_future_version_is_rejected_with_the_fix() -> None:
     body = json.loads(to_json(_manifest()))
-    body["format_version"] = FORMAT_VERSION + 1
+    body["format_version"] = max(SUPPORTED_VERSIONS) + 1
     with pytest.raises(SnapshotCorruptError, match="upgrade"):
         from_json(json.dumps(body).encode())
 

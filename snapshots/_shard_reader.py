@@ -1,0 +1,77 @@
+"""Reading sharded snapshots (format 2): the table, cheap checks first, then the chunks.
+
+The manifest's checksum covers the shard table; each shard file is checked against the
+manifest's size from one listing before any chunk is read (a truncated or deleted file is
+named at once), and every chunk read is checked against its own sha256 before its bytes are
+viewed as a tensor. A rank reads only the chunks it needs, so it does not hash whole files
+it reads a part of: the unit of verification on load is the chunk, the bytes actually
+used. ``verify`` (and ``snapshots verify``) checks every whole file against the manifest.
+
+Nothing here imports torch until chunks are read: the read-only tools use the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from snapshots import _reader, sharding
+from snapshots.errors import SnapshotCorruptError
+from snapshots.manifest import Manifest
+from snapshots.sharding import ShardTable
+from snapshots.storage import Storage
+
+if TYPE_CHECKING:
+    from snapshots._shards import TemplateFn
+
+
+def parse_table(manifest: Manifest, data: bytes) -> ShardTable:
+    table = sharding.from_json(data)
+    shard_names = {f.name for f in manifest.shard_files().values()}
+    for name, record in table.tensors.items():
+        for chunk in record.chunks:
+            if chunk.file not in shard_names:
+                raise SnapshotCorruptError(
+                    f"shard table puts tensor {name[:120]} in {chunk.file}, which the "
+                    "manifest does not list"
+                )
+    return table
+
+
+def assemble(
+    storage: Storage,
+    step: int,
+    manifest: Manifest,
+    table_bytes: bytes,
+    skeleton: Mapping[str, Any],
+    templates: TemplateFn | None,
+) -> dict[str, Any]:
+    """The loaded state: skeletons with their tensors (local shards where templated)."""
+    from snapshots import _shards  # torch: only when loading
+
+    table = parse_table(manifest, table_bytes)
+    problems = _reader.check_sizes(storage, step, manifest.shard_files().values())
+    if problems:
+        raise SnapshotCorruptError("; ".join(problems))
+    return _shards.assemble(storage, step, table, skeleton, templates)
+
+
+def chunk_problems(manifest: Manifest, data: Mapping[str, bytes]) -> list[str]:
+    """Deep verification of verified whole files: the table parses and matches the manifest,
+    and every chunk's bytes pass their own checksum."""
+    table_file = manifest.table_file()
+    if table_file is None or table_file.name not in data:
+        return []
+    try:
+        table = parse_table(manifest, data[table_file.name])
+    except SnapshotCorruptError as exc:
+        return [f"file {table_file.name}: {exc}"]
+    problems = []
+    for name, chunks in table.files().items():
+        blob = data.get(name, b"")
+        for fqn, chunk in chunks:
+            part = blob[chunk.byte_offset : chunk.byte_offset + chunk.nbytes]
+            if len(part) != chunk.nbytes or hashlib.sha256(part).hexdigest() != chunk.sha256:
+                problems.append(f"file {name}: the chunk of tensor {fqn[:120]} is damaged")
+    return problems

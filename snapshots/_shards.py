@@ -1,0 +1,262 @@
+"""Tensors <-> shard files, with torch.distributed.checkpoint's planners doing the geometry.
+
+Save: ``DefaultSavePlanner`` turns each rank's flat ``{fqn: tensor or DTensor}`` into write
+items (a DTensor's local shard with its global offsets; a plain tensor whole); its global
+plan (``create_global_plan``, computed identically on every rank from the all-gathered local
+plans) deduplicates replicated items, giving each to the rank with the fewest bytes planned
+so far, so each rank writes about 1/W of the replicated bytes. Each rank stages its items'
+tensors into reused buffers (the only part the training loop waits for) and writes them as
+one raw file; every chunk gets its own sha256.
+
+Load: ``DefaultLoadPlanner`` is given templates (this rank's current DTensors, or full empty
+tensors) and a DCP ``Metadata`` built in memory from our JSON table (DCP's pickled
+``.metadata`` file is never written nor read), and returns read items: which box of which
+stored chunk goes where in which local tensor. We range-read each needed chunk once, check
+its sha256, view it with ``torch.frombuffer`` (no unpickling), and copy the boxes in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from snapshots import layout, sharding
+from snapshots._storage_base import Storage, read_range
+from snapshots.errors import SnapshotCorruptError
+from snapshots.manifest import FileEntry, checksum
+from snapshots.sharding import Chunk, ShardTable, TensorRecord
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagedChunk:
+    """One chunk this rank writes: a staged copy and where it sits in the global tensor."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    placements: str | None
+    tensor: torch.Tensor  # contiguous CPU staging buffer
+
+
+def local_plan(tensors: Mapping[str, torch.Tensor]) -> tuple[DefaultSavePlanner, SavePlan]:
+    """This rank's write items for its flat tensors (to be all-gathered)."""
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner.set_up_planner(dict(tensors), is_coordinator=False)
+    return planner, planner.create_local_plan()
+
+
+def my_items(planner: DefaultSavePlanner, all_plans: list[SavePlan], rank: int) -> SavePlan:
+    """This rank's share after deduplication; the same answer on every rank."""
+    global_plans, _ = planner.create_global_plan(all_plans)
+    return global_plans[rank]
+
+
+class ShardStager:
+    """Copies this rank's planned chunks into buffers reused across saves."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def stage(
+        self, planner: DefaultSavePlanner, plan: SavePlan, tensors: Mapping[str, torch.Tensor]
+    ) -> list[StagedChunk]:
+        staged = []
+        with torch.no_grad():
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                    continue  # we pass tensors only; plain values live in the skeleton
+                source = planner.resolve_data(item)
+                if not isinstance(source, torch.Tensor):  # tensors only were planned
+                    continue
+                offsets = tuple(item.tensor_data.chunk.offsets)
+                staged.append(
+                    StagedChunk(
+                        fqn=item.index.fqn,
+                        dtype=str(source.dtype),
+                        shape=tuple(item.tensor_data.size),
+                        offsets=offsets,
+                        placements=_placements(tensors[item.index.fqn]),
+                        tensor=self._copy(item.index.fqn, offsets, source),
+                    )
+                )
+        return staged
+
+    def _copy(self, name: str, offsets: tuple[int, ...], source: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get((name, offsets))
+        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
+            buf = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            self._buffers[(name, offsets)] = buf
+        buf.copy_(source)
+        return buf
+
+
+def _placements(tensor: torch.Tensor) -> str | None:
+    if isinstance(tensor, DTensor):
+        return f"{tuple(tensor.placements)} on mesh {tuple(tensor.device_mesh.shape)}"
+    return None
+
+
+def encode(chunks: list[StagedChunk], name: str, *, shard: int) -> tuple[bytes, FileEntry, dict]:
+    """One rank's shard file: its chunks' raw bytes, back to back. Returns the bytes, the
+    manifest entry, and the table records ``{fqn: TensorRecord}`` of its chunks."""
+    parts, records, at = [], {}, 0
+    for c in chunks:
+        raw = _raw(c.tensor)
+        parts.append(raw)
+        chunk = Chunk(
+            file=name,
+            offsets=c.offsets,
+            sizes=tuple(c.tensor.shape),
+            byte_offset=at,
+            nbytes=len(raw),
+            sha256=hashlib.sha256(raw).hexdigest(),
+        )
+        at += len(raw)
+        records[c.fqn] = TensorRecord(
+            dtype=c.dtype, shape=c.shape, chunks=(chunk,), placements=c.placements
+        )
+    data = b"".join(parts)
+    entry = FileEntry(name=name, size=len(data), checksum=checksum(data), shard=shard)
+    return data, entry, records
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def merge(world_size: int, reports: list[Mapping[str, TensorRecord]]) -> ShardTable:
+    """Rank 0: one table from every rank's records (chunks in rank order)."""
+    tensors: dict[str, TensorRecord] = {}
+    for records in reports:
+        for name, record in records.items():
+            known = tensors.get(name)
+            if known is None:
+                tensors[name] = record
+            else:
+                merged = (*known.chunks, *record.chunks)
+                tensors[name] = TensorRecord(
+                    dtype=known.dtype, shape=known.shape, chunks=merged, placements=known.placements
+                )
+    return ShardTable(world_size=world_size, tensors=tensors)
+
+
+# ---------------------------------------------------------------- load
+def dtype_of(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise SnapshotCorruptError(f"shard table names an unknown dtype {name[:40]!r}")
+    return value
+
+
+def full_templates(table: ShardTable, names: list[str]) -> dict[str, torch.Tensor]:
+    """Empty full tensors to read whole tensors into (export, replicated state)."""
+    out = {}
+    for name in names:
+        record = _record(table, name)
+        out[name] = torch.empty(record.shape, dtype=dtype_of(record.dtype))
+    return out
+
+
+def _record(table: ShardTable, name: str) -> TensorRecord:
+    record = table.tensors.get(name)
+    if record is None:
+        raise SnapshotCorruptError(f"skeleton names tensor {name[:120]} not in the shard table")
+    return record
+
+
+def to_dcp_metadata(table: ShardTable, names: list[str]) -> Metadata:
+    """DCP's Metadata for ``names``, built from our table (never from a pickle)."""
+    entries = {}
+    for name in names:
+        record = _record(table, name)
+        entries[name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype_of(record.dtype)),
+            size=torch.Size(record.shape),
+            chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                for c in record.chunks
+            ],
+        )
+    return Metadata(state_dict_metadata=entries)
+
+
+def read_into(
+    storage: Storage, step: int, table: ShardTable, templates: Mapping[str, torch.Tensor]
+) -> None:
+    """Fill ``templates`` (local shards or full tensors) from the chunks overlapping them.
+    Every chunk's sha256 is checked before its bytes are viewed as a tensor."""
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner.set_up_planner(dict(templates), to_dcp_metadata(table, list(templates)), False)
+    by_chunk: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for item in planner.create_local_plan().items:
+        key = (item.storage_index.fqn, tuple(item.storage_index.offset))
+        by_chunk.setdefault(key, []).append(item)
+    chunks = {(n, c.offsets): (r, c) for n, r in table.tensors.items() for c in r.chunks}
+    with torch.no_grad():
+        for key, items in by_chunk.items():
+            record, chunk = chunks[key]
+            source = _load_chunk(storage, step, record, chunk)
+            for item in items:
+                box = _narrow(source, item.storage_offsets, item.lengths)
+                dest = planner.resolve_tensor(item).detach()
+                dest.copy_(box)
+                planner.commit_tensor(item, dest)
+
+
+def _load_chunk(storage: Storage, step: int, record: TensorRecord, chunk: Chunk) -> torch.Tensor:
+    path = f"{layout.step_dir(step)}/{chunk.file}"
+    data = read_range(storage, path, chunk.byte_offset, chunk.nbytes)
+    if hashlib.sha256(data).hexdigest() != chunk.sha256:
+        raise SnapshotCorruptError(
+            f"file {chunk.file}: the chunk at byte {chunk.byte_offset} fails its sha256 "
+            "checksum (damaged)"
+        )
+    dtype = dtype_of(record.dtype)
+    count = 1
+    for size in chunk.sizes:
+        count *= size
+    if count * torch.empty((), dtype=dtype).element_size() != len(data):
+        raise SnapshotCorruptError(f"file {chunk.file}: a chunk's length does not match its box")
+    if not data:
+        return torch.empty(chunk.sizes, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(chunk.sizes)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+TemplateFn = Callable[[ShardTable, Mapping[str, Any]], dict[str, torch.Tensor]]
+
+
+def assemble(
+    storage: Storage,
+    step: int,
+    table: ShardTable,
+    skeleton: Mapping[str, Any],
+    templates: TemplateFn | None = None,
+) -> dict[str, Any]:
+    """The state of a sharded snapshot: each skeleton with its tensors read in.
+    ``templates(table, skeleton)`` gives local shards to fill (default: full tensors)."""
+    chosen = templates(table, skeleton) if templates is not None else {}
+    wanted = [n for sk in skeleton.values() for n in sharding.markers(sk)]
+    chosen.update(full_templates(table, [n for n in wanted if n not in chosen]))
+    read_into(storage, step, table, chosen)
+    return {k: sharding.fill(v, chosen) for k, v in skeleton.items()}

@@ -1,0 +1,278 @@
+"""Pure: the layout of a sharded snapshot and its JSON shard table.
+
+A sharded snapshot (manifest ``format_version`` 2) is written by every rank at once::
+
+    step-000000001200/manifest.json                 commit marker, written last by rank 0
+    step-000000001200/shards.<token>.json           the shard table (this module), rank 0
+    step-000000001200/shard-00003.<token>.bin       rank 3's tensor bytes: raw, never pickled
+    step-000000001200/000-model.<token>.pt          the *skeleton* of each top-level entry
+    step-000000001200/rank-00003.<token>.pt         per-rank state (RNG), as in format 1
+
+The skeleton is the entry's state tree with every tensor replaced by a marker
+``{"__snapshots_tensor__": fqn}`` (plain values, read back with the weights-only loader after
+their checksum). Every tensor lives in the shard files as *chunks*: a box of the global
+tensor (``offsets`` and ``sizes`` per dimension) stored as its raw little-endian bytes at
+``byte_offset`` of one shard file, with its own sha256. A tensor's ``fqn`` is the JSON text of
+its path in the state tree (``["model", "layer.weight"]``), which keeps int and str keys apart.
+
+The shard table lists, for every tensor, its global shape, dtype, the placements it had when
+saved (informational: resharding needs only the chunks) and its chunks. It is JSON: nothing
+read from a snapshot is ever unpickled except skeleton and per-rank files, through
+``torch.load(weights_only=True)`` after their checksum; tensor bytes are not unpickled at all
+(``torch.frombuffer`` over bytes whose sha256 was checked). We do not use DCP's
+``FileSystemReader`` or its ``.metadata`` file (a pickle): DCP's ``Metadata`` is built in
+memory from this table (``to_dcp_metadata``) and handed to its load planner, which works out
+which chunks overlap which local shards.
+
+Commit: every rank writes its shard file in the background, then reports it (name, size,
+sha256, chunk records) to rank 0 over the snapshot's own gloo group; rank 0 writes the
+skeleton, the table, and the manifest last, listing every rank's file. A rank that failed or
+died means no manifest: never some ranks' shards without the others'.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from snapshots import layout
+from snapshots.errors import SnapshotCorruptError
+
+TABLE_FORMAT = 1
+TENSOR_MARKER = "__snapshots_tensor__"
+SHARD_SUFFIX = ".bin"
+TABLE_PREFIX = "shards"
+# A shard table is a few hundred bytes per chunk; bounds the read of a damaged one.
+MAX_TABLE_BYTES = 256 * 2**20
+_DTYPE = re.compile(r"^torch\.[a-z0-9_]+$")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """One box of a tensor, stored raw in ``file`` at ``byte_offset`` (``nbytes`` long)."""
+
+    file: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRecord:
+    dtype: str  # "torch.float32"
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    placements: str | None = None  # the DTensor's placements when saved, for people
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardTable:
+    world_size: int
+    tensors: Mapping[str, TensorRecord]
+    byteorder: str = "little"
+    format: int = TABLE_FORMAT
+
+    def files(self) -> dict[str, list[tuple[str, Chunk]]]:
+        """Shard file name -> its chunks (fqn, chunk), for show/verify."""
+        out: dict[str, list[tuple[str, Chunk]]] = {}
+        for fqn, record in self.tensors.items():
+            for chunk in record.chunks:
+                out.setdefault(chunk.file, []).append((fqn, chunk))
+        return out
+
+
+def fqn(path: Sequence[Any]) -> str:
+    return json.dumps(list(path), separators=(",", ":"))
+
+
+def shard_file_name(rank: int, token: str) -> str:
+    return f"shard-{rank:05d}.{token}{SHARD_SUFFIX}"
+
+
+def table_file_name(token: str) -> str:
+    return f"{TABLE_PREFIX}.{token}.json"
+
+
+def is_marker(value: Any) -> bool:
+    return isinstance(value, dict) and len(value) == 1 and TENSOR_MARKER in value
+
+
+# ---------------------------------------------------------------- JSON form
+def to_json(table: ShardTable) -> bytes:
+    body = {
+        "format": table.format,
+        "world_size": table.world_size,
+        "byteorder": table.byteorder,
+        "tensors": {k: _record_json(r) for k, r in sorted(table.tensors.items())},
+    }
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def _record_json(record: TensorRecord) -> dict[str, Any]:
+    return {
+        "dtype": record.dtype,
+        "shape": list(record.shape),
+        "placements": record.placements,
+        "chunks": [
+            {
+                "file": c.file,
+                "offsets": list(c.offsets),
+                "sizes": list(c.sizes),
+                "byte_offset": c.byte_offset,
+                "nbytes": c.nbytes,
+                "sha256": c.sha256,
+            }
+            for c in record.chunks
+        ],
+    }
+
+
+def from_json(data: bytes) -> ShardTable:
+    """Parse and validate; every problem is a SnapshotCorruptError naming it."""
+    try:
+        body = json.loads(data.decode("utf-8"))
+        table = _table(body)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise SnapshotCorruptError(f"shard table is malformed: {str(exc)[:200]}") from exc
+    if table.byteorder != "little" or sys.byteorder != "little":
+        raise SnapshotCorruptError(
+            f"shard table byte order {table.byteorder!r}: only little-endian is supported"
+        )
+    return table
+
+
+def _table(body: Any) -> ShardTable:
+    if not isinstance(body, dict) or body.get("format") != TABLE_FORMAT:
+        raise ValueError(f"not a shard table of format {TABLE_FORMAT}")
+    tensors = body["tensors"]
+    if not isinstance(tensors, dict):
+        raise TypeError("tensors must be an object")
+    return ShardTable(
+        world_size=_int(body["world_size"]),
+        byteorder=str(body["byteorder"]),
+        tensors={str(k): _record(k, v) for k, v in tensors.items()},
+    )
+
+
+def _record(name: str, raw: Any) -> TensorRecord:
+    dtype = raw["dtype"]
+    if not isinstance(dtype, str) or not _DTYPE.match(dtype):
+        raise ValueError(f"tensor {name[:80]}: dtype {str(dtype)[:40]!r} is not a torch dtype")
+    shape = _ints(raw["shape"])
+    chunks = tuple(_chunk(c, len(shape)) for c in raw["chunks"])
+    placements = raw.get("placements")
+    if placements is not None and not isinstance(placements, str):
+        raise TypeError(f"tensor {name[:80]}: placements must be a string")
+    return TensorRecord(dtype=dtype, shape=shape, chunks=chunks, placements=placements)
+
+
+def _chunk(raw: Any, ndim: int) -> Chunk:
+    name = raw["file"]
+    if not isinstance(name, str) or not layout.is_safe_file_name(name):
+        raise ValueError(f"chunk file {str(name)[:80]!r} escapes the snapshot folder")
+    offsets, sizes = _ints(raw["offsets"]), _ints(raw["sizes"])
+    if len(offsets) != ndim or len(sizes) != ndim:
+        raise ValueError(f"chunk in {name} has {len(offsets)} offsets for {ndim} dimensions")
+    sha = raw["sha256"]
+    if not isinstance(sha, str) or not _HEX.match(sha):
+        raise ValueError(f"chunk in {name}: sha256 is not a hex digest")
+    return Chunk(
+        file=name,
+        offsets=offsets,
+        sizes=sizes,
+        byte_offset=_int(raw["byte_offset"]),
+        nbytes=_int(raw["nbytes"]),
+        sha256=sha,
+    )
+
+
+def _ints(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, list):
+        raise TypeError("expected a list of integers")
+    return tuple(_int(v) for v in raw)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        raise ValueError(f"expected a non-negative integer, got {str(value)[:40]}")
+    return value
+
+
+# ---------------------------------------------------------------- trees
+def split(tree: Any, path: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
+    """The skeleton of ``tree`` (tensors replaced by markers) and its tensors by fqn."""
+    tensors: dict[str, Any] = {}
+    return _split(tree, path, tensors, _is_tensor), tensors
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch  # only when trees are split: the read-only tools never come here
+
+    return isinstance(value, torch.Tensor)
+
+
+def _split(obj: Any, path: tuple[Any, ...], out: dict[str, Any], is_tensor: Any) -> Any:
+    if is_tensor(obj):
+        name = fqn(path)
+        out[name] = obj
+        return {TENSOR_MARKER: name}
+    if isinstance(obj, Mapping):
+        mapped = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            mapped[k] = _split(v, (*path, k), out, is_tensor)
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            mapped._metadata = metadata  # nn.Module versions (BatchNorm needs them)
+        return mapped
+    if type(obj) in (list, tuple):
+        return type(obj)(_split(v, (*path, i), out, is_tensor) for i, v in enumerate(obj))
+    return obj
+
+
+def fill(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
+    """The skeleton with each marker replaced by ``tensors[fqn]`` (SnapshotCorruptError if a
+    marker names a tensor the table does not hold)."""
+    if is_marker(skeleton):
+        name = skeleton[TENSOR_MARKER]
+        if name not in tensors:
+            raise SnapshotCorruptError(f"skeleton names tensor {str(name)[:120]} not in the table")
+        return tensors[name]
+    if isinstance(skeleton, Mapping):
+        out = type(skeleton)() if type(skeleton) is not dict else {}
+        for k, v in skeleton.items():
+            out[k] = fill(v, tensors)
+        metadata = getattr(skeleton, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata
+        return out
+    if type(skeleton) in (list, tuple):
+        return type(skeleton)(fill(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def markers(skeleton: Any) -> list[str]:
+    """Every fqn a skeleton refers to, in tree order."""
+    found: list[str] = []
+    fill(skeleton, _Recorder(found))
+    return found
+
+
+class _Recorder(dict):  # type: ignore[type-arg]
+    """A mapping that holds every key and records the ones asked for."""
+
+    def __init__(self, found: list[str]) -> None:
+        super().__init__()
+        self._found = found
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> None:
+        self._found.append(key)
