@@ -1,5 +1,9 @@
 """``elastic-train status RUN``: what an on-call engineer asks first, from a run's event log.
 
+``elastic-train status --rdzv-endpoint HOST:PORT --job-id ID`` asks the live rendezvous store
+instead, read-only and bounded (it never joins, writes nothing): the round, whether it is
+complete or closed, the nodes in it with their ranks and heartbeat ages, nodes waiting.
+
 Is it running, on which nodes, at what world size and step; when was the last snapshot; how
 often did it restart and why; what failed last. RUN is the supervisor's ``--log-file`` or a
 run folder of ``events*.jsonl`` (as for ``elastic-train report``). ``--json`` prints the same
@@ -17,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastic_trainer.cliparse import OneLineParser
+from elastic_trainer.errors import ConfigError
 from elastic_trainer.reporting.cli import one_line_errors
 from elastic_trainer.reporting.events import load_event_log
 from elastic_trainer.reporting.summary import (
@@ -146,13 +151,24 @@ def format_status(status: RunStatus, *, source: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("run", metavar="RUN", help="event log file, or a run folder of events*.jsonl")
+    p.add_argument(
+        "run", metavar="RUN", nargs="?", help="event log file, or a run folder of events*.jsonl"
+    )
+    p.add_argument("--rdzv-endpoint", help="ask the live store at HOST:PORT instead of a log")
+    p.add_argument("--job-id", default="elastic-train", help="the job's id (with --rdzv-endpoint)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the store")
     p.add_argument("--json", action="store_true", help="print the status as one JSON object")
     return p
 
 
 def run(argv: Sequence[str], *, now: float | None = None) -> int:
     args = build_parser().parse_args(list(argv))
+    if (args.run is None) == (args.rdzv_endpoint is None):
+        raise ConfigError("give a RUN (event log or run folder) or --rdzv-endpoint HOST:PORT")
+    if args.rdzv_endpoint is not None:
+        from elastic_trainer.live_status import print_live_status
+
+        return print_live_status(args.rdzv_endpoint, args.job_id, args.timeout, as_json=args.json)
     log = load_event_log(args.run)
     status = status_of(log.events, now=time.time() if now is None else now)
     if args.json:

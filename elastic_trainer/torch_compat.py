@@ -121,6 +121,55 @@ def worker_popens(agent: Any) -> dict[int, subprocess.Popen]:
     return {lr: handler.proc for lr, handler in pcontext.subprocess_handlers.items()}
 
 
+# --- torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py --------------------
+# The c10d backend keeps a job's whole rendezvous state under one store key, base64 of a
+# pickled _RendezvousState. ``elastic-train status --rdzv-endpoint`` reads it without joining
+# (and without C10dRendezvousBackend, whose constructor writes the key). The pickle comes from
+# the job's own store, but we still unpickle only the few classes a state is made of.
+RENDEZVOUS_KEY_PREFIX = "torch.rendezvous."
+RENDEZVOUS_EMPTY = b"Y2FuaW1hZGFt"  # C10dRendezvousBackend._NULL_SENTINEL: no state yet
+_STATE_CLASSES = {
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"),
+    ("datetime", "timezone"),
+    ("datetime", "timedelta"),
+    ("builtins", "set"),
+}
+
+
+def rendezvous_key(run_id: str) -> str:
+    return RENDEZVOUS_KEY_PREFIX + run_id
+
+
+def decode_rendezvous_state(encoded: bytes) -> Any:
+    """A stored rendezvous state (round, complete, closed, participants {node: rank},
+    wait_list, last_heartbeats {node: datetime}); None for the backend's empty sentinel.
+    Raises ValueError for anything else (never loads another class)."""
+    import base64
+    import binascii
+    import io
+    import pickle
+
+    if encoded == RENDEZVOUS_EMPTY:  # written by the backend before the first round
+        return None
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not a c10d rendezvous state: {exc}") from None
+
+    class _StateOnly(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) not in _STATE_CLASSES:
+                raise pickle.UnpicklingError(f"{module}.{name} is not part of a rendezvous state")
+            return super().find_class(module, name)
+
+    try:
+        return _StateOnly(io.BytesIO(raw)).load()
+    except Exception as exc:
+        raise ValueError(f"not a c10d rendezvous state: {exc}") from None
+
+
 # --- torch/distributed/elastic/rendezvous/utils.py --------------------------------------
 def matches_machine_hostname(host: str) -> bool:
     """torch's own test of whether HOST is this machine (it decides who hosts the store)."""
@@ -151,10 +200,21 @@ def checks() -> dict[str, Callable[[], bool]]:
         },
         **{f"LocalElasticAgent.{h}()": _has(LocalElasticAgent, h) for h in AGENT_HOOKS},
         **{f"LocalElasticAgent.{a}": _agent_attr(a) for a in AGENT_ATTRIBUTES},
+        "C10dRendezvousBackend key 'torch.rendezvous.<run_id>'": _key_format,
         "rendezvous.utils._matches_machine_hostname": lambda: callable(
             getattr(utils, "_matches_machine_hostname", None)
         ),
     }
+
+
+def _key_format() -> bool:
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    backend = c10d_rendezvous_backend.C10dRendezvousBackend
+    empty = getattr(backend, "_NULL_SENTINEL", "").encode()
+    return (
+        RENDEZVOUS_KEY_PREFIX in backend.__init__.__code__.co_consts and empty == RENDEZVOUS_EMPTY
+    )
 
 
 def _timeout_slots() -> set[str]:

@@ -65,7 +65,7 @@ def test_the_command_reads_a_log_and_prints_json(tmp_path, capsys) -> None:
     ("argv", "message"),
     [
         (["status", "/no/such.jsonl"], "no such event log '/no/such.jsonl'"),
-        (["status"], "the following arguments are required: RUN"),
+        (["status"], "give a RUN (event log or run folder) or --rdzv-endpoint HOST:PORT"),
     ],
 )
 def test_bad_input_is_one_line_with_the_prefix(argv, message, capsys) -> None:
