@@ -141,9 +141,11 @@ class Network:
                "bridge_slave", "isolated", "off")  # fmt: skip
 
     # --- teardown -----------------------------------------------------------------------
-    def pids(self) -> list[int]:
+    def pids(self, *, nodes_only: bool = False) -> list[int]:
+        """Processes in our namespaces (``nodes_only``: the nodes', not the store's)."""
         found: list[int] = []
-        for ns in self._namespaces:
+        names = [n.ns for n in self.nodes.values()] if nodes_only else self._namespaces
+        for ns in names:
             out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
             found += [int(p) for p in out.stdout.split()]
         return found

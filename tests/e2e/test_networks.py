@@ -126,7 +126,12 @@ def assert_clean_finish(net: Network, audit: Path, steps: int) -> None:
     """Every step was trained (a restart repeats steps, never skips one); no process is left
     in any of the test's namespaces."""
     assert {s for s, *_ in audit_rows(audit)} == set(range(1, steps + 1))
-    assert wait_for(lambda: not net.pids(), 20, "the namespaces to empty", step=0.2) is True
+    assert nodes_empty(net)
+
+
+def nodes_empty(net: Network) -> bool:
+    """No process left in any node's namespace (the store serves on until teardown)."""
+    return wait_for(lambda: not net.pids(nodes_only=True), 20, "the nodes to empty", step=0.2)
 
 
 def test_partitioned_node_is_dropped_and_rejoins_when_healed(net, tmp_path, worker_env, agents):
@@ -203,7 +208,7 @@ def test_two_nodes_cut_from_each_other_only(net, tmp_path, worker_env, agents):
     trained = last_step(tmp_path / "audit")
     saved = json.loads((tmp_path / "snap" / "snap.json").read_text())["step"]
     assert trained - 5 <= saved <= trained  # nothing lost beyond the snapshot interval
-    assert wait_for(lambda: not net.pids(), 20, "the namespaces to empty", step=0.2) is True
+    assert nodes_empty(net)
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no `unshare` (util-linux)")
@@ -238,4 +243,4 @@ def test_torchrun_static_command_line_by_ip(net, tmp_path, worker_env, agents):
     seen = json.loads(out.read_text())
     assert (seen["WORLD_SIZE"], seen["MASTER_ADDR"]) == ("2", n0.addr)
     assert sum(len(x.events("worker.failed")) for x in agents) >= 1
-    assert wait_for(lambda: not net.pids(), 20, "the namespaces to empty", step=0.2) is True
+    assert nodes_empty(net)
