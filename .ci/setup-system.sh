@@ -3,6 +3,8 @@
 #   the shellcheck linter, for deploy/**/*.sh and this script
 #   systemd, which provides systemd-analyze, which verifies deploy/systemd/*.service
 #   slurm-wlm, with slurmctld + slurmd for the optional localhost Slurm test
+#   iproute2 (ip), for the network-namespace tests (tests/e2e/test_networks.py)
+#   util-linux (unshare), for the node whose hostname does not resolve
 #     (set ELASTIC_TRAIN_SKIP_SLURM=1 to leave it out)
 # Idempotent and quiet: when every tool is already there it returns without touching apt.
 # Runs as root without sudo (containers, CI) and uses sudo otherwise.
@@ -11,6 +13,8 @@ set -euo pipefail
 packages=()
 command -v shellcheck >/dev/null 2>&1 || packages+=(shellcheck)
 command -v systemd-analyze >/dev/null 2>&1 || packages+=(systemd)
+command -v ip >/dev/null 2>&1 || packages+=(iproute2)
+command -v unshare >/dev/null 2>&1 || packages+=(util-linux)
 if [[ "${ELASTIC_TRAIN_SKIP_SLURM:-0}" != 1 ]]; then
     { command -v slurmctld && command -v slurmd; } >/dev/null 2>&1 || packages+=(slurm-wlm)
 fi

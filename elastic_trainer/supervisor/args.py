@@ -338,6 +338,12 @@ def _static_rendezvous(
     return static
 
 
+def _static_addr(static: torchrun_flags.StaticRendezvous | None) -> str | None:
+    """Node rank 0 of torchrun's static mode is --master-addr by definition: advertise it
+    (workers' MASTER_ADDR, as torchrun) rather than a hostname that may not resolve to it."""
+    return static.host if static is not None and static.hosts_store else None
+
+
 _NO_ENV = {"help", "version", "module"}
 
 
@@ -389,7 +395,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
             rdzv_host=host,
             rdzv_port=port,
             is_host=is_host,
-            local_addr=_pick(ns.local_addr, env, "PET_LOCAL_ADDR") or None,
+            local_addr=_pick(ns.local_addr, env, "PET_LOCAL_ADDR") or _static_addr(static),
             job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
             rdzv=tuning,
             **_optional_fields(ns, env),

@@ -114,9 +114,27 @@ def start_agent(
 ) -> Agent:
     """``endpoint=False``: no --rdzv-endpoint (the command line brings its own, e.g. torchrun's
     --master-addr/--master-port); ``port`` is then unused."""
+    rdzv = ["--rdzv-endpoint", f"127.0.0.1:{port}"] if endpoint else []
+    return spawn_agent(tmp, name, [*rdzv, "--rdzv-conf", rdzv_conf, *argv], env,
+                       job_id=job_id, new_session=new_session)  # fmt: skip
+
+
+def spawn_agent(
+    tmp: Path,
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    job_id: str = "e2e",
+    new_session: bool = False,
+    wrap: list[str] | None = None,
+) -> Agent:
+    """An agent with JSON events in ``tmp/NAME.jsonl``; ``argv`` is everything after the
+    logging flags. ``wrap`` prefixes the command (``ip netns exec NS``: exec, same pid)."""
     log_file = tmp / f"{name}.jsonl"
     stderr_file = tmp / f"{name}.stderr"
     cmd = [
+        *(wrap or []),
         sys.executable,
         "-m",
         "elastic_trainer",
@@ -128,17 +146,13 @@ def start_agent(
         name,
         "--job-id",
         job_id,
-        *(["--rdzv-endpoint", f"127.0.0.1:{port}"] if endpoint else []),
-        "--rdzv-conf",
-        rdzv_conf,
         *argv,
     ]
     with open(stderr_file, "wb") as err:
         proc = subprocess.Popen(
             cmd, env=env, stdout=err, stderr=subprocess.STDOUT, start_new_session=new_session
         )
-    agent = Agent(name=name, proc=proc, log_file=log_file, stderr_file=stderr_file)
-    return agent
+    return Agent(name=name, proc=proc, log_file=log_file, stderr_file=stderr_file)
 
 
 def descendants_alive(pids: list[int]) -> list[int]:
