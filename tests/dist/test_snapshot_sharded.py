@@ -100,3 +100,15 @@ def test_sigkill_of_one_rank_mid_save_commits_nothing(
     assert loaded.info.step == 2
     expected = _load(tmp_path / "expected-2.pt")
     assert_state_equal(loaded.state["model"], expected["model"])
+
+
+def test_blocking_save_past_its_deadline_is_given_up_on_every_rank_together(
+    tmp_path: Path,
+) -> None:
+    # Before: rank 0 gave up before copying while rank 1 started; rank 1's writer then waited
+    # in the commit's gather until commit_timeout_s (30 s here; 900 s by default).
+    ranks = run_phase(tmp_path, "fsdp_deadline", 2, deadline_s=1.0, commit_timeout_s=30.0)
+    assert all(r["raised"] for r in ranks), ranks
+    assert all(r["seconds"] < 20 for r in ranks), ranks  # did not hang
+    assert [r["committed"] for r in ranks] == [2, 2]
+    assert SnapshotStore(str(tmp_path / "snaps"), create=False).committed_steps() == [2]
