@@ -16,21 +16,13 @@ from snapshots import SnapshotCorruptError, SnapshotStore, layout
 from snapshots.distributed import DistributedSnapshotter
 from snapshots.storage import open_storage, read_range
 from tests.dist.test_snapshot_sharded import assert_state_equal, run_phase
+from tests.unit.test_snapshot_sharded import _model_and_optimizer
 
 from .conftest import Backend, make_bucket
 
 
 def _store(b: Backend, **kwargs: object) -> SnapshotStore:
     return SnapshotStore(b.url, storage_options=b.storage_options, **kwargs)  # type: ignore[arg-type]
-
-
-def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(5, 6)).sum().backward()
-    optimizer.step()
-    return model, optimizer
 
 
 class TestReadRange:
@@ -53,12 +45,12 @@ class TestReadRange:
 
 class TestShardedStore:
     def test_save_then_load_restores_every_tensor(self, backend: Backend) -> None:
-        model, optimizer = _trained(0)
+        model, optimizer = _model_and_optimizer(0)
         snap = DistributedSnapshotter(_store(backend, keep=None), sharded=True)
         snap.save(3, {"model": model, "optimizer": optimizer, "n": 7}, blocking=True)
         snap.close()
         assert _store(backend, create=False).latest().format_version == 2  # type: ignore[union-attr]
-        fresh_model, fresh_opt = _trained(1)
+        fresh_model, fresh_opt = _model_and_optimizer(1)
         loaded = DistributedSnapshotter(_store(backend, create=False)).load(
             into={"model": fresh_model, "optimizer": fresh_opt}
         )
@@ -71,7 +63,7 @@ class TestShardedStore:
     def test_damaged_shard_file_is_named_by_verify_and_load_falls_back(
         self, backend: Backend
     ) -> None:
-        model, optimizer = _trained(0)
+        model, optimizer = _model_and_optimizer(0)
         snap = DistributedSnapshotter(_store(backend, keep=None), sharded=True)
         for step in (1, 2):
             snap.save(step, {"model": model, "optimizer": optimizer}, blocking=True)
@@ -85,7 +77,7 @@ class TestShardedStore:
         store = _store(backend, create=False)
         verdict = store.verify(2)
         assert not verdict.ok and shard in " ".join(verdict.problems)
-        loaded = DistributedSnapshotter(store).load(into={"model": _trained(1)[0]})
+        loaded = DistributedSnapshotter(store).load(into={"model": _model_and_optimizer(1)[0]})
         assert loaded is not None and loaded.info.step == 1
 
 
