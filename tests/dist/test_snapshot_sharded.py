@@ -38,12 +38,21 @@ def assert_state_equal(actual: Any, expected: Any) -> None:
     torch.testing.assert_close(tensors_a, tensors_e, rtol=0, atol=0)
 
 
-def test_fsdp_saved_at_2_loads_at_3_and_at_1_with_equal_full_state(tmp_path: Path) -> None:
+def test_fsdp_saved_at_2_loads_at_3_and_at_1_with_equal_full_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     saved = run_phase(tmp_path, "fsdp_save", 2)
     assert [r["committed"] for r in saved] == [2, 2]
     store = SnapshotStore(str(tmp_path / "snaps"), create=False)
     info = store.latest()
     assert info is not None and info.format_version == 2 and info.world_size == 2
+    assert main(["show", str(tmp_path / "snaps")]) == 0
+    ranks = json.loads(capsys.readouterr().out)["sharded"]["ranks"]
+    files = sorted((tmp_path / "snaps" / layout.step_dir(2)).glob("shard-*.bin"))
+    assert [(r["rank"], r["file"], r["bytes"]) for r in ranks] == [
+        (rank, f.name, f.stat().st_size) for rank, f in enumerate(files)
+    ]
+    assert all(r["chunks"] > 0 and r["tensors"] > 0 for r in ranks)  # each holds its shards
     expected = _load(tmp_path / "expected-2.pt")
     assert main(["export", str(tmp_path / "snaps"), "-o", str(tmp_path / "full.pt")]) == 0
     exported = _load(tmp_path / "full.pt")  # one process, no process group
