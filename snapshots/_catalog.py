@@ -7,9 +7,9 @@ each as ``snapshot.corrupt``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from snapshots import _reader, _shard_reader, layout
+from snapshots import _reader, _shard_reader, layout, sharding
 from snapshots.errors import NoValidSnapshotError, SnapshotCorruptError, SnapshotNotFoundError
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SnapshotInfo, VerifyResult
@@ -71,6 +71,17 @@ class Catalog:
             problems = _load_problems(step, manifest, data)
         info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
         return VerifyResult(step=step, ok=not problems, problems=problems, info=info)
+
+    def shard_summary(self, step: int) -> dict[str, Any] | None:
+        """A sharded snapshot's files per rank and its shard table in figures (``snapshots
+        show``); None for a format-1 snapshot. SnapshotCorruptError: the table is damaged."""
+        manifest = _reader.read_manifest(self._storage, step)
+        table = manifest.table_file()
+        if table is None:
+            return None
+        data = _reader.verified_bytes(self._storage, step, manifest, [table])
+        files = {f.name: (f.shard, f.size) for f in manifest.files if f.shard is not None}
+        return sharding.summary(sharding.from_json(data[table.name]), files)
 
     def latest(self, *, deep: bool = False) -> SnapshotInfo | None:
         """The newest committed and verified snapshot; None only when nothing is committed."""

@@ -212,7 +212,10 @@ def _cmd_show(catalog: Catalog, args: argparse.Namespace) -> int:
     _require_some(catalog)
     step = _newest_verified(catalog) if args.step is None else _require_step(catalog, args.step)
     result = catalog.verify(step)
-    print(json.dumps(_row(result, catalog.step_url(step), True), indent=1))
+    body = _row(result, catalog.step_url(step), True)
+    if result.ok and result.info is not None and result.info.format_version >= 2:
+        body["sharded"] = catalog.shard_summary(step)  # verified: the table is intact
+    print(json.dumps(body, indent=1))
     return EXIT_OK if result.ok else EXIT_DAMAGED
 
 

@@ -15,11 +15,13 @@ Per-rank files are named ``rank-<5 digits>.<token>.pt`` in the step folder.
 Sharded saves (``sharded=True``, or by default whenever the state holds an FSDP2 model):
 every rank writes its own shards (``snapshots.sharding`` describes the format). In the
 training thread, one all-gather carries each rank's skip reason (the ranks skip together or
-not at all), its DCP write plan, its per-rank state and rank 0's token and committed step;
-every rank then works out the same deduplicated plan, stages its share (the only wait), and
-its writer thread writes and commits over the snapshot's own gloo group
-(``snapshots._sharded_commit``). Loading needs nothing new here: every rank reads only the
-chunks overlapping its current shards, and any rank's failure makes all fall back together.
+not at all; a blocking save: whether its deadline passed while the save in flight still
+ran, and then every rank gives up together), its DCP write plan, its per-rank state and
+rank 0's token and committed step; every rank then works out the same deduplicated plan,
+stages its share (the only wait), and its writer thread writes and commits over the
+snapshot's own gloo group (``snapshots._sharded_commit``). Loading needs nothing new here:
+every rank reads only the chunks overlapping its current shards, and any rank's failure
+makes all fall back together.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from snapshots import layout
-from snapshots.errors import NoValidSnapshotError, SnapshotError
+from snapshots.errors import NoValidSnapshotError, SnapshotError, SnapshotSaveError
 from snapshots.events import emit
 from snapshots.info import LoadedSnapshot, SaveHandle
 from snapshots.serialization import is_stateful
@@ -127,11 +129,13 @@ class DistributedSnapshotter:
         blocking = (not self.store.async_save) if blocking is None else blocking
         skeletons, tensors = _sharded_state.split_state(state)
         planner, plan = _shards.local_plan(tensors)
-        reason = None if blocking else self.store.why_skip()
+        reason = self._why_not_now(step, blocking)
         answers = self._all_gather((reason, plan, self._rank0_facts(), _mine(per_rank)))
         token, committed = answers[0][2]
         self.last_committed_step = committed
         reasons = [a[0] for a in answers if a[0] is not None]
+        if reasons and blocking:  # every rank gives up together, none is left in a collective
+            raise SnapshotSaveError(_gave_up(step, answers), step=step)
         if reasons:
             if self.rank == 0:
                 emit("snapshot.skipped", step=step, reason=reasons[0])
@@ -149,6 +153,15 @@ class DistributedSnapshotter:
             blocking=blocking, per_rank=[a[3] for a in answers] if self.rank == 0 else None,
             shards=part, token=token,
         )  # fmt: skip
+
+    def _why_not_now(self, step: int, blocking: bool) -> str | None:
+        """Why this rank cannot start the save now: storage down or busy (asynchronous: the
+        ranks skip together), or the deadline passed while the save in flight still ran
+        (blocking: the ranks give up together)."""
+        if not blocking:
+            return self.store.why_skip()
+        late = self.store.flush_before_blocking(step)
+        return None if late is None else str(late)
 
     def _rank0_facts(self) -> tuple[str, int | None] | None:
         if self.rank != 0:
@@ -294,6 +307,11 @@ class DistributedSnapshotter:
         if step not in committed:
             return ("invalid", f"no committed snapshot of step {step} at {self.store.url}")
         return [step]
+
+
+def _gave_up(step: int, answers: list[Any]) -> str:
+    why = "; ".join(f"rank {r}: {a[0]}" for r, a in enumerate(answers) if a[0] is not None)
+    return f"the blocking save of step {step} was given up on every rank ({why})"[:1000]
 
 
 def _mine(per_rank: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -205,6 +205,32 @@ def _int(value: Any) -> int:
     return value
 
 
+# ---------------------------------------------------------------- summary
+def summary(table: ShardTable, files: Mapping[str, tuple[int, int]]) -> dict[str, Any]:
+    """For ``snapshots show``: ``files`` is each shard file's (rank, size) from the manifest;
+    per rank, its file, bytes, and the chunks and tensors the table puts in it."""
+    by_file = table.files()
+    ranks = []
+    for name, (rank, size) in sorted(files.items(), key=lambda item: item[1][0]):
+        chunks = by_file.get(name, [])
+        ranks.append(
+            {
+                "rank": rank,
+                "file": name,
+                "bytes": size,
+                "chunks": len(chunks),
+                "tensors": len({fqn for fqn, _ in chunks}),
+            }
+        )
+    return {
+        "world_size": table.world_size,
+        "tensors": len(table.tensors),
+        "chunks": sum(len(r.chunks) for r in table.tensors.values()),
+        "bytes": sum(r["bytes"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
 # ---------------------------------------------------------------- trees
 def split(tree: Any, path: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
     """The skeleton of ``tree`` (tensors replaced by markers) and its tensors by fqn."""

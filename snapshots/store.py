@@ -229,8 +229,9 @@ class SnapshotStore:
         self, step: int, capture: Callable[[], _commit.SaveJob], started: float
     ) -> SaveHandle:
         """Runs on the writer thread, so that the caller can stop waiting at its deadline."""
-        if not self._writer.settle(until=self._deadline.end()):
-            raise self._past_deadline(step, f"the save of step {self._pending_step()} is still")
+        late = self.flush_before_blocking(step)
+        if late is not None:
+            raise late
         job = capture()
         previous = self._writer.take_unreported()
         handle = self._submit(job, stall_started=started)
@@ -242,6 +243,16 @@ class SnapshotStore:
         if previous is not None:
             raise _writer.previous_failure(previous, handle)
         return handle
+
+    def flush_before_blocking(self, step: int) -> SnapshotSaveError | None:
+        """A blocking save's first part: wait for the save in flight until the deadline.
+        The error naming the deadline (the save in flight cancelled) when it passed first.
+        DistributedSnapshotter's ranks share this answer before a sharded blocking save, so
+        that they all start it or all give up (never one rank's writer left in the commit's
+        collectives, waiting for a rank that gave up before copying)."""
+        if self._writer.settle(until=self._deadline.end()):
+            return None
+        return self._past_deadline(step, f"the save of step {self._pending_step()} is still")
 
     def _submit(self, job: _commit.SaveJob, *, stall_started: float | None = None) -> SaveHandle:
         self._job = job

@@ -42,6 +42,7 @@ class JobConfig:
     lr: float = DEFAULT_LR
     warmup_epochs: float = 1.0
     amp: bool = False
+    fsdp: bool = False
     seed: int = 0
     sample_log: str | None = None
     num_workers: int = 0
@@ -118,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--amp", action="store_true", help="bf16 on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (one unit per residual block or stage, then the root)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-log", metavar="DIR", help="write the sampler's audit log here")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")

@@ -7,6 +7,7 @@ training script on the public worker API. The lines that make it restartable are
     python -m elastic_trainer.jobs.default --epochs 1            # one process, no launcher
     elastic-train --min-nodes 1 --max-nodes 4                    # the same job, supervised
     elastic-train --nproc-per-node 2 -- --model mobilenet_v3_small --amp
+    elastic-train --nproc-per-node 2 -- --fsdp     # FSDP2: sharded model, sharded snapshots
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from elastic_trainer.errors import ConfigError, ElasticTrainError
 from elastic_trainer.events import emit
-from elastic_trainer.jobs import recipe
+from elastic_trainer.jobs import fsdp, recipe
 from elastic_trainer.jobs.config import JobConfig, parse_args
 from elastic_trainer.jobs.data import IMAGE_SIZE, Datasets, build_datasets
 from elastic_trainer.jobs.display import Progress
@@ -44,7 +46,7 @@ class Trainer:
     cfg: JobConfig
     data: Datasets
     model: nn.Module  # the plain module: snapshots stay loadable at any world size
-    forward: nn.Module  # the DDP wrapper when world size > 1, else the model itself
+    forward: nn.Module  # the DDP wrapper when world size > 1, else the model (also FSDP's)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: recipe.Precision
@@ -71,14 +73,10 @@ def build(cfg: JobConfig, device: torch.device) -> Trainer:
     model = build_model(cfg.model, num_classes=data.num_classes, cifar_stem=cfg.cifar_stem)
     check_input_size(model, cfg.model, IMAGE_SIZE)
     model.to(device)
-    optimizer = recipe.build_optimizer(model, cfg.lr)
+    optimizer, scheduler = _optimization(cfg, model, len(data.train))
     steps_per_epoch = recipe.steps_for(len(data.train), cfg.global_batch_size)
-    scheduler = recipe.build_scheduler(
-        optimizer,
-        warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
-        total_steps=cfg.epochs * steps_per_epoch,
-    )
-    precision = recipe.Precision.choose(device, cfg.amp)
+    # --fsdp: FSDP's own mixed-precision policy on CUDA (jobs.fsdp), no autocast nor scaler
+    precision = recipe.Precision.choose(device, cfg.amp and not cfg.fsdp)
     return Trainer(
         cfg=cfg,
         data=data,
@@ -92,6 +90,30 @@ def build(cfg: JobConfig, device: torch.device) -> Trainer:
         device=device,
         total_steps=cfg.epochs * steps_per_epoch,
     )
+
+
+def _optimization(
+    cfg: JobConfig, model: nn.Module, train_samples: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = recipe.build_optimizer(model, cfg.lr)
+    steps_per_epoch = recipe.steps_for(train_samples, cfg.global_batch_size)
+    scheduler = recipe.build_scheduler(
+        optimizer,
+        warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+        total_steps=cfg.epochs * steps_per_epoch,
+    )
+    return optimizer, scheduler
+
+
+def _distribute(t: Trainer, ctx: Any) -> None:
+    """DDP when world size > 1; with --fsdp, FSDP2 at every world size (the optimizer is
+    made again over the sharded parameters). Collective."""
+    if t.cfg.fsdp and dist.is_initialized():
+        fsdp.shard(t.model, t.device, amp=t.cfg.amp)
+        t.optimizer, t.scheduler = _optimization(t.cfg, t.model, len(t.data.train))
+    elif ctx.world_size > 1:
+        device_ids = [ctx.device] if ctx.device.type == "cuda" else None
+        t.forward = nn.parallel.DistributedDataParallel(t.model, device_ids=device_ids)
 
 
 def _check_batch_fits(cfg: JobConfig, train_samples: int) -> None:
@@ -136,10 +158,17 @@ def train_epoch(t: Trainer, session: Any, loader: DataLoader, progress: Progress
 
 def evaluate_and_export(t: Trainer, session: Any, rank: int) -> None:
     """Collective: every rank evaluates its shard; rank 0 reports and exports."""
+    sharded = fsdp.is_sharded(t.model)
     result = evaluate(
-        t.model, t.data.val, precision=t.precision, device=t.device, num_workers=t.cfg.num_workers
+        t.model,
+        t.data.val,
+        precision=t.precision,
+        device=t.device,
+        num_workers=t.cfg.num_workers,
+        lockstep=sharded,
     )
     t.best.last_evaluated_step = session.step
+    weights = fsdp.full_weights(t.model) if sharded else None  # collective
     if rank != 0:
         return
     emit(
@@ -154,7 +183,12 @@ def evaluate_and_export(t: Trainer, session: Any, rank: int) -> None:
     if directory is None:
         return
     path = export_if_best(
-        t.model, t.best, directory=directory, step=session.step, accuracy=result.accuracy
+        t.model,
+        t.best,
+        directory=directory,
+        step=session.step,
+        accuracy=result.accuracy,
+        weights=weights,
     )
     if path is not None:
         emit(
@@ -171,9 +205,7 @@ def run(cfg: JobConfig) -> int:
     ctx = WorkerContext.from_env()
     t = build(cfg, ctx.device)  # before the process group: bad flags fail fast
     init_worker(ctx)
-    if ctx.world_size > 1:
-        device_ids = [ctx.device] if ctx.device.type == "cuda" else None
-        t.forward = nn.parallel.DistributedDataParallel(t.model, device_ids=device_ids)
+    _distribute(t, ctx)
     # elastic: a constant global batch whatever the world size (gradient accumulation)
     # drop_last: every step is a full global batch (BatchNorm never sees a 1-sample batch)
     sampler = ElasticSampler(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -38,14 +39,17 @@ def evaluate(
     precision: Precision,
     device: torch.device,
     num_workers: int = 0,
+    lockstep: bool = False,
 ) -> Evaluation:
-    """Loss and accuracy over the whole ``dataset``, each rank taking its shard."""
+    """Loss and accuracy over the whole ``dataset``, each rank taking its shard.
+    ``lockstep``: every rank runs the same number of forwards (FSDP)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     loader = DataLoader(
         rank_shard(dataset, rank, world), batch_size=EVAL_BATCH, num_workers=num_workers
     )
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    batches = 0
     with eval_mode(model):
         for images, labels in loader:
             images, labels = images.to(device), labels.to(device)
@@ -54,10 +58,20 @@ def evaluate(
             totals[0] += nn.functional.cross_entropy(logits, labels, reduction="sum")
             totals[1] += (logits.argmax(dim=1) == labels).sum()
             totals[2] += labels.numel()
+            batches += 1
+        if lockstep and batches:
+            # FSDP all-gathers parameters in every forward: every rank must run as many
+            # forwards as the rank with the largest shard (extra ones are not counted)
+            for _ in range(_most_batches(len(dataset), world) - batches):  # type: ignore[arg-type]
+                model(images)
     if world > 1:
         dist.all_reduce(totals)
     count = max(1.0, totals[2].item())
     return Evaluation(totals[0].item() / count, totals[1].item() / count, int(totals[2].item()))
+
+
+def _most_batches(samples: int, world: int) -> int:
+    return math.ceil(math.ceil(samples / world) / EVAL_BATCH)
 
 
 def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,13 +87,20 @@ def _filesystem(directory: str) -> tuple[Any, str]:
 
 
 def export_if_best(
-    model: nn.Module, best: BestModels, *, directory: str, step: int, accuracy: float
+    model: nn.Module,
+    best: BestModels,
+    *,
+    directory: str,
+    step: int,
+    accuracy: float,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> str | None:
     """Write the model if it is among the best ``best.keep``, then delete every other export.
 
     Written under a temporary name and renamed, so a reader never sees half a file. The sweep
-    also removes exports of steps that a restart rolled back. Returns the exported path (a
-    path or URL in ``directory``), or None.
+    also removes exports of steps that a restart rolled back. ``weights``: what to write
+    instead of the model's own state dict (an FSDP model's gathered weights). Returns the
+    exported path (a path or URL in ``directory``), or None.
     """
     target = directory.rstrip("/") + "/" + export_name(step, accuracy)
     keep, _ = best.offer(step=step, accuracy=accuracy, path=target)
@@ -89,7 +110,7 @@ def export_if_best(
         path = root.rstrip("/") + "/" + export_name(step, accuracy)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         with fs.open(tmp, "wb") as handle:
-            torch.save(plain_weights(model), handle)
+            torch.save(weights if weights is not None else plain_weights(model), handle)
         fs.mv(tmp, path)
     wanted = {e["path"].rstrip("/").rsplit("/", 1)[-1] for e in best.entries}
     for path in fs.glob(root.rstrip("/") + "/" + EXPORT_GLOB):

@@ -7,7 +7,8 @@ world keeps its own RNG.
 
 Storage outages: periodic saves are skipped (``snapshot.skipped``) while storage is down,
 never waited for; a blocking (final) save takes ``deadline_s`` and raises SnapshotSaveError
-on every rank once it passes (rank 0 decides, the others learn it at the closing broadcast).
+on every rank once it passes (rank 0 decides, the others learn it at the closing broadcast;
+a sharded save: the ranks agree before starting it, so none is left in its commit).
 """
 
 from __future__ import annotations

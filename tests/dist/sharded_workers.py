@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
-from snapshots import RNGState, SnapshotStore
+from snapshots import RNGState, SnapshotSaveError, SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
 
 Phase = Callable[[int, int, str, dict[str, Any]], dict[str, Any]]
@@ -163,7 +165,46 @@ def fsdp_kill(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str
     return fsdp_save(rank, world, tmp, {**args, "steps": [2, 4]})
 
 
+def fsdp_deadline(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Step 2 saved in the background, then a blocking save of step 4 with a short deadline
+    while rank 0's writer is still busy with step 2 (held in its retention pass, as by a
+    slow storage listing): rank 0 gives up before copying, the other ranks could start."""
+    model = fsdp_model(world)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    snap = _snapshotter(tmp, args)
+    snap.commit_timeout_s = args["commit_timeout_s"]
+    state = {"model": model, "optimizer": optimizer}
+    release = threading.Event()
+    if rank == 0:
+        prune = snap.store._prune_after_save
+
+        def held(step: int) -> None:
+            release.wait()
+            prune(step)
+
+        snap.store._prune_after_save = held  # type: ignore[method-assign]
+    train(model, optimizer, 2, rank)
+    handle = snap.save(2, state)
+    if rank != 0 and handle is not None:
+        handle.result()  # committed: this rank's writer is idle, rank 0's is not
+    began = time.monotonic()
+    raised = None
+    try:
+        with snap.store.deadline(args["deadline_s"]):
+            snap.save(4, state, blocking=True)
+    except SnapshotSaveError as exc:
+        raised = str(exc)
+    release.set()
+    snap.close()
+    return {
+        "raised": raised,
+        "seconds": time.monotonic() - began,
+        "committed": snap.last_committed_step,
+    }
+
+
 PHASES: dict[str, Phase] = {
+    "fsdp_deadline": fsdp_deadline,
     "fsdp_save": fsdp_save,
     "fsdp_load": fsdp_load,
     "fsdp_kill": fsdp_kill,

@@ -38,12 +38,21 @@ def assert_state_equal(actual: Any, expected: Any) -> None:
     torch.testing.assert_close(tensors_a, tensors_e, rtol=0, atol=0)
 
 
-def test_fsdp_saved_at_2_loads_at_3_and_at_1_with_equal_full_state(tmp_path: Path) -> None:
+def test_fsdp_saved_at_2_loads_at_3_and_at_1_with_equal_full_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     saved = run_phase(tmp_path, "fsdp_save", 2)
     assert [r["committed"] for r in saved] == [2, 2]
     store = SnapshotStore(str(tmp_path / "snaps"), create=False)
     info = store.latest()
     assert info is not None and info.format_version == 2 and info.world_size == 2
+    assert main(["show", str(tmp_path / "snaps")]) == 0
+    ranks = json.loads(capsys.readouterr().out)["sharded"]["ranks"]
+    files = sorted((tmp_path / "snaps" / layout.step_dir(2)).glob("shard-*.bin"))
+    assert [(r["rank"], r["file"], r["bytes"]) for r in ranks] == [
+        (rank, f.name, f.stat().st_size) for rank, f in enumerate(files)
+    ]
+    assert all(r["chunks"] > 0 and r["tensors"] > 0 for r in ranks)  # each holds its shards
     expected = _load(tmp_path / "expected-2.pt")
     assert main(["export", str(tmp_path / "snaps"), "-o", str(tmp_path / "full.pt")]) == 0
     exported = _load(tmp_path / "full.pt")  # one process, no process group
@@ -100,3 +109,15 @@ def test_sigkill_of_one_rank_mid_save_commits_nothing(
     assert loaded.info.step == 2
     expected = _load(tmp_path / "expected-2.pt")
     assert_state_equal(loaded.state["model"], expected["model"])
+
+
+def test_blocking_save_past_its_deadline_is_given_up_on_every_rank_together(
+    tmp_path: Path,
+) -> None:
+    # Before: rank 0 gave up before copying while rank 1 started; rank 1's writer then waited
+    # in the commit's gather until commit_timeout_s (30 s here; 900 s by default).
+    ranks = run_phase(tmp_path, "fsdp_deadline", 2, deadline_s=1.0, commit_timeout_s=30.0)
+    assert all(r["raised"] for r in ranks), ranks
+    assert all(r["seconds"] < 20 for r in ranks), ranks  # did not hang
+    assert [r["committed"] for r in ranks] == [2, 2]
+    assert SnapshotStore(str(tmp_path / "snaps"), create=False).committed_steps() == [2]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from snapshots import NoValidSnapshotError, SnapshotCorruptError, SnapshotStore, layout, sharding
+from snapshots.cli import main
 from snapshots.distributed import DistributedSnapshotter
 from snapshots.manifest import checksum, from_json, to_json
 from tests.tamper import EXPLOITS, damage, resign
@@ -159,7 +160,6 @@ def test_deep_verify_passes_a_good_sharded_snapshot(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sharded", [True, False])
 def test_export_writes_full_tensors_loadable_weights_only(tmp_path: Path, sharded: bool) -> None:
-    from snapshots.cli import main
 
     model, _ = _model_and_optimizer(0)
     snap = DistributedSnapshotter(SnapshotStore(str(tmp_path / "s")), sharded=sharded)
@@ -175,8 +175,54 @@ def test_export_writes_full_tensors_loadable_weights_only(tmp_path: Path, sharde
 def test_export_of_a_missing_step_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from snapshots.cli import main
 
     _save(str(tmp_path / "s"))
     assert main(["export", str(tmp_path / "s"), "--step", "9", "-o", str(tmp_path / "x")]) == 2
     assert "no committed snapshot of step 9" in capsys.readouterr().err
+
+
+def test_show_summarises_a_sharded_snapshot_per_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, _ = _save(str(tmp_path))
+    assert main(["show", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)["sharded"]
+    shard = next((tmp_path / layout.step_dir(1)).glob("shard-*.bin"))
+    tensors = len(model.state_dict()) + 2 * len(list(model.parameters()))  # + Adam's moments
+    assert summary["world_size"] == 1 and summary["tensors"] >= tensors
+    assert summary["ranks"] == [
+        {
+            "rank": 0,
+            "file": shard.name,
+            "bytes": shard.stat().st_size,
+            "chunks": summary["chunks"],
+            "tensors": summary["tensors"],
+        }
+    ]
+
+
+def test_summary_counts_each_ranks_chunks_and_tensors() -> None:
+    def chunk(file: str, at: int) -> sharding.Chunk:
+        return sharding.Chunk(
+            file=file, offsets=(at,), sizes=(2,), byte_offset=0, nbytes=8, sha256="0" * 64
+        )
+
+    split = sharding.TensorRecord(
+        dtype="torch.float32", shape=(4,), chunks=(chunk("a.bin", 0), chunk("b.bin", 2))
+    )
+    whole = sharding.TensorRecord(dtype="torch.float32", shape=(2,), chunks=(chunk("b.bin", 0),))
+    table = sharding.ShardTable(world_size=2, tensors={"x": split, "y": whole})
+    summary = sharding.summary(table, {"b.bin": (1, 16), "a.bin": (0, 8)})
+    assert (summary["tensors"], summary["chunks"], summary["bytes"]) == (2, 3, 24)
+    assert [(r["rank"], r["file"], r["chunks"], r["tensors"]) for r in summary["ranks"]] == [
+        (0, "a.bin", 1, 1),
+        (1, "b.bin", 2, 2),
+    ]
+
+
+def test_show_of_a_format_1_snapshot_has_no_shard_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    SnapshotStore(str(tmp_path), async_save=False).save(1, {"w": torch.ones(2)})
+    assert main(["show", str(tmp_path)]) == 0
+    assert "sharded" not in json.loads(capsys.readouterr().out)
