@@ -169,6 +169,34 @@ def shut_down_connections(host: str, port: int) -> int:
     return count
 
 
+def bound_silent_connections(host: str, port: int, *, timeout_s: float) -> int:
+    """Bound how long our connections to the store may stay silent: ``TCP_USER_TIMEOUT``
+    (data unacknowledged that long: the kernel aborts the connection) plus keep-alive probes
+    (an idle one is checked too). A store cut off without a reset (a partition) then fails the
+    blocked call with ETIMEDOUT within seconds instead of TCP's ~15 minute retransmission
+    limit, and the calls blocked behind it (torch's heartbeat lock) return. Linux; a no-op
+    elsewhere. Returns how many connections were bounded."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return 0
+    idle = max(1, int(timeout_s / 3))
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout_s * 1000)),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+    ]
+    targets = _addresses(host, port)
+    count = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.fd >= 0 and (_plain(conn.raddr.ip), conn.raddr.port) in targets:
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fd)) as sock:
+                for level, name, value in options:  # the dup shares the one socket's options
+                    sock.setsockopt(level, name, value)
+                count += 1
+    return count
+
+
 def _addresses(host: str, port: int) -> set[tuple[str, int]]:
     with contextlib.suppress(OSError):
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

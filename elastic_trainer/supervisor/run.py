@@ -34,6 +34,10 @@ from elastic_trainer.supervisor import preflight as entrypoint_preflight
 # failures we report as events; errors still show. Set before torch loads; workers inherit it.
 # TORCH_CPP_LOG_LEVEL=WARNING brings them back (as output.stderr events in JSON mode).
 _CPP_LOG_LEVEL = "ERROR"
+# How long a connection to a store on another host may stay silent (unacknowledged data, or
+# idle keep-alive probes unanswered) before the kernel aborts it: a node cut off from its
+# store notices within this, instead of TCP's ~15 minutes (endpoint.bound_silent_connections).
+STORE_SILENCE_LIMIT_S = 10.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,7 +256,11 @@ class Supervisor:
 
         from elastic_trainer.supervisor import agent as agent_mod
         from elastic_trainer.supervisor import workerenv
-        from elastic_trainer.supervisor.endpoint import EndpointError, StoreUnreachable
+        from elastic_trainer.supervisor.endpoint import (
+            EndpointError,
+            StoreUnreachable,
+            bound_silent_connections,
+        )
         from elastic_trainer.supervisor.rendezvous import create_handler
         from elastic_trainer.supervisor.signals import StopRequested
 
@@ -262,6 +270,10 @@ class Supervisor:
             if stop.requested:  # type: ignore[attr-defined]
                 raise StopRequested("stop")
             handler = create_handler(cfg, serve=hosts_store(cfg))
+            if not hosts_store(cfg):  # a partition must not block us past its bound
+                bound_silent_connections(
+                    cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
+                )
         except StopRequested:
             return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None, None
         except EndpointError as exc:  # bad input found only now (the port was taken, ...)

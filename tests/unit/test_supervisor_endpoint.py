@@ -114,3 +114,24 @@ def test_a_stop_signal_ends_a_blocked_handshake(silent_port):
     assert time.monotonic() - began < endpoint.HANDSHAKE_TIMEOUT_S  # not the full bound
     # the C++ client blocked in its read was released: no thread left behind
     assert not [t for t in threading.enumerate() if t.name == "c10d-handshake"]
+
+
+def test_store_connections_get_a_silence_limit() -> None:
+    """A partition sends no reset: without a limit a blocked store call waits for TCP's
+    ~15 minute retransmission timeout (found on a real namespaced network)."""
+    import socket as socket_module
+
+    from elastic_trainer.supervisor.endpoint import bound_silent_connections
+
+    if not hasattr(socket_module, "TCP_USER_TIMEOUT"):
+        pytest.skip("TCP_USER_TIMEOUT is Linux-only")
+    with socket_module.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket_module.create_connection(("127.0.0.1", port)) as client:
+            assert bound_silent_connections("127.0.0.1", port, timeout_s=9.0) == 1
+            level, name = socket_module.IPPROTO_TCP, socket_module.TCP_USER_TIMEOUT
+            assert client.getsockopt(level, name) == 9000
+            keepalive = client.getsockopt(socket_module.SOL_SOCKET, socket_module.SO_KEEPALIVE)
+            assert keepalive == 1
