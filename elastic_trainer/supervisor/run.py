@@ -285,6 +285,7 @@ class Supervisor:
             return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         finally:
             stop.interruptible = False  # type: ignore[attr-defined]
+        workerenv.point_gloo_at(cfg.local_addr, os.environ)  # the workers inherit it
         control_root = workerenv.make_control_root(cfg)
         spec = WorkerSpec(
             role=cfg.torchrun.role,

@@ -21,6 +21,27 @@ def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
     cfg.worker_settings(control_dir).apply_to(os.environ)
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that carries ``address`` on this machine, if any."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addrs):
+            return name
+    return None
+
+
+def point_gloo_at(local_addr: str | None, environ: dict[str, str] | Any) -> None:
+    """gloo picks its interface from the hostname, which can resolve to loopback or not at
+    all (pods, namespaces): with ``--local-addr`` it uses that address's interface instead.
+    A GLOO_SOCKET_IFNAME the operator set is kept."""
+    if not local_addr or environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interface = interface_of(local_addr)
+    if interface is not None:
+        environ["GLOO_SOCKET_IFNAME"] = interface
+
+
 def worker_entrypoint(cfg: RunConfig) -> str:
     """The program each worker runs: Python, or the executable itself (``--no-python``)."""
     entry = cfg.entrypoint

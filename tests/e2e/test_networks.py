@@ -211,7 +211,9 @@ def test_two_nodes_cut_from_each_other_only(net, tmp_path, worker_env, agents):
 def test_node_whose_hostname_does_not_resolve_works_with_local_addr(
     net, tmp_path, worker_env, agents
 ):
-    env = node_env(worker_env)
+    # no GLOO_SOCKET_IFNAME here: with --local-addr the supervisor picks that address's
+    # interface for gloo (workerenv.point_gloo_at); the name would give gloo nothing
+    env = env_with(worker_env)
     endpoint = start_store(net, tmp_path, env)
     argv = elastic_argv(tmp_path, endpoint, 30)
     argv[argv.index("--max-nodes") + 1] = "2"

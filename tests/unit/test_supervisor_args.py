@@ -358,3 +358,17 @@ def test_job_flags_before_the_separator_get_a_hint(capsys) -> None:
     assert main(["--epochs", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "unrecognized arguments: --epochs" in err and "go after `--`" in err
+
+
+def test_gloo_uses_the_interface_of_local_addr_unless_the_operator_chose() -> None:
+    from elastic_trainer.supervisor.workerenv import point_gloo_at
+
+    environ: dict[str, str] = {}
+    point_gloo_at("127.0.0.1", environ)
+    assert environ == {"GLOO_SOCKET_IFNAME": "lo"}
+    chosen = {"GLOO_SOCKET_IFNAME": "eth1"}
+    point_gloo_at("127.0.0.1", chosen)
+    assert chosen == {"GLOO_SOCKET_IFNAME": "eth1"}
+    nowhere: dict[str, str] = {}
+    point_gloo_at("192.0.2.77", nowhere)  # not an address of this machine: left to gloo
+    assert nowhere == {}
