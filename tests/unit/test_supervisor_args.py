@@ -201,9 +201,9 @@ def test_bad_builtin_job_flags_are_one_line_and_exit_2_before_workers(
 
 
 def test_local_addr_flag_and_pet_variable() -> None:
-    assert args.parse(["--local-addr", "10.0.0.5", "x.py"]).local_addr == "10.0.0.5"
-    assert args.parse(["--local_addr=10.0.0.6", "x.py"]).local_addr == "10.0.0.6"
-    assert args.parse(["x.py"], env={"PET_LOCAL_ADDR": "10.0.0.7"}).local_addr == "10.0.0.7"
+    assert args.parse(["--local-addr", "127.0.0.15", "x.py"]).local_addr == "127.0.0.15"
+    assert args.parse(["--local_addr=127.0.0.16", "x.py"]).local_addr == "127.0.0.16"
+    assert args.parse(["x.py"], env={"PET_LOCAL_ADDR": "127.0.0.17"}).local_addr == "127.0.0.17"
     assert args.parse(["x.py"], env={}).local_addr is None
 
 
@@ -370,5 +370,5 @@ def test_gloo_uses_the_interface_of_local_addr_unless_the_operator_chose() -> No
     point_gloo_at("127.0.0.1", chosen)
     assert chosen == {"GLOO_SOCKET_IFNAME": "eth1"}
     nowhere: dict[str, str] = {}
-    point_gloo_at("192.0.2.77", nowhere)  # not an address of this machine: left to gloo
+    point_gloo_at("127.0.0.77", nowhere)  # on no interface of this machine: left to gloo
     assert nowhere == {}

@@ -101,22 +101,22 @@ def test_torchrun_defaults_are_always_accepted() -> None:
 @pytest.mark.parametrize(("node_rank", "hosts"), [("0", True), ("1", False)])
 def test_static_mode_is_a_fixed_size_c10d_rendezvous_hosted_by_node_rank_0(node_rank, hosts):
     cfg = args.parse(
-        ["--nnodes", "2", "--node-rank", node_rank, "--master-addr", "10.0.0.1",
+        ["--nnodes", "2", "--node-rank", node_rank, "--master-addr", "127.0.0.21",
          "--master-port", "1234", "x.py"],
         env={},
     )  # fmt: skip
-    assert (cfg.rdzv_host, cfg.rdzv_port, cfg.is_host) == ("10.0.0.1", 1234, hosts)
+    assert (cfg.rdzv_host, cfg.rdzv_port, cfg.is_host) == ("127.0.0.21", 1234, hosts)
     assert (cfg.min_nodes, cfg.max_nodes) == (2, 2)
-    assert cfg.local_addr == ("10.0.0.1" if hosts else None)  # MASTER_ADDR, as torchrun's
+    assert cfg.local_addr == ("127.0.0.21" if hosts else None)  # MASTER_ADDR, as torchrun's
 
 
 def test_static_mode_local_addr_flag_wins_over_master_addr() -> None:
     cfg = args.parse(
-        ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--local-addr",
-         "10.0.0.9", "x.py"],
+        ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.21", "--local-addr",
+         "127.0.0.29", "x.py"],
         env={},
     )  # fmt: skip
-    assert cfg.local_addr == "10.0.0.9"
+    assert cfg.local_addr == "127.0.0.29"
 
 
 def test_static_mode_defaults_and_pet_variables_as_torchrun() -> None:
