@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import structlog
+import structlog.stdlib
 
 from snapshots import _housekeeping, retention
 from snapshots._catalog import Catalog
@@ -101,10 +102,15 @@ def _fail(exc: BaseException, code: int) -> int:
 
 
 def _log_to_stderr() -> None:
-    # stdout carries the answer (maybe JSON); events go to stderr unless already configured.
-    if not structlog.is_configured():
-        # Resolve sys.stderr per logger, not once: it may be swapped (tests, redirects).
-        structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
+    """stdout carries the answer (maybe JSON): events go to stderr. Only the logger factory
+    changes, and not when events already go through stdlib logging (a program that set that
+    up chose its streams). "Configured" is not enough to skip: structlog's own default
+    factory, which a configuration may keep (capture_logs restores it), prints to stdout."""
+    factory = structlog.get_config().get("logger_factory")
+    if isinstance(factory, structlog.stdlib.LoggerFactory):
+        return
+    # Resolve sys.stderr per logger, not once: it may be swapped (tests, redirects).
+    structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
 
 
 def _open(url: str, options_text: str | None, *, write: bool) -> Catalog:

@@ -131,3 +131,31 @@ def test_list_shows_the_verified_state(url: str, capsys: pytest.CaptureFixture[s
     assert body[1]["problems"] and bad.name in body[1]["problems"][0]
     assert main(["list", url, "--json", "--no-verify"]) == 0
     assert [r["verified"] for r in json.loads(capsys.readouterr().out)] == [None] * 3
+
+
+def test_events_never_reach_stdout_even_after_capture_logs(tmp_path, capsys) -> None:
+    """Regression: after any capture_logs() structlog counts as configured with its default
+    factory, which prints to stdout; the CLI kept that, so `show` on a store whose newest
+    snapshot is damaged printed its snapshot.corrupt event into the JSON answer."""
+    import json
+
+    import structlog
+    import torch
+    from structlog.testing import capture_logs
+
+    from snapshots import SnapshotStore, layout
+    from snapshots.cli import main
+
+    store = SnapshotStore(str(tmp_path), async_save=False, keep=None)
+    for step in (1, 2):
+        store.save(step, {"w": torch.ones(2) * step})
+    data = next(p for p in (tmp_path / layout.step_dir(2)).iterdir() if p.suffix == ".pt")
+    data.write_bytes(data.read_bytes()[:-3])  # truncated: show falls back to step 1
+    with capture_logs():
+        pass
+    assert structlog.is_configured()
+    capsys.readouterr()
+    assert main(["show", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["step"] == 1
+    assert "snapshot.corrupt" in err

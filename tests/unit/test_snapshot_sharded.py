@@ -185,6 +185,7 @@ def test_show_summarises_a_sharded_snapshot_per_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model, _ = _save(str(tmp_path))
+    capsys.readouterr()  # only the command's own answer below
     assert main(["show", str(tmp_path)]) == 0
     summary = json.loads(capsys.readouterr().out)["sharded"]
     shard = next((tmp_path / layout.step_dir(1)).glob("shard-*.bin"))
