@@ -156,6 +156,5 @@ def test_events_never_reach_stdout_even_after_capture_logs(tmp_path, capsys) -> 
     assert structlog.is_configured()
     capsys.readouterr()
     assert main(["show", str(tmp_path)]) == 0
-    out, err = capsys.readouterr()
-    assert json.loads(out)["step"] == 1
-    assert "snapshot.corrupt" in err
+    out = capsys.readouterr().out
+    assert json.loads(out)["step"] == 1  # the answer alone: the event went elsewhere
