@@ -127,7 +127,9 @@ def test_a_frozen_node_is_dropped_by_its_silence_and_the_job_goes_on(tmp_path, w
     the frozen node finds itself out and rejoins or exits cleanly."""
     audit = tmp_path / "audit"
     port, env = free_port(), env_with(worker_env)
-    argv = ["--min-nodes", "1", "--max-nodes", "2", "--collective-timeout", "600", PROTO,
+    # 40 s: the survivor must re-form by the heartbeat check (peer.silent, ~5 s), never by this;
+    # it bounds the thawed node when the survivor finishes (store gone) before it can rejoin
+    argv = ["--min-nodes", "1", "--max-nodes", "2", "--collective-timeout", "40", PROTO,
             "--steps", "150", "--step-time", "0.1", "--audit", str(audit)]  # fmt: skip
     a = start_agent(tmp_path, "a", argv, env, port=port)
     agents.append(a)
@@ -143,6 +145,6 @@ def test_a_frozen_node_is_dropped_by_its_silence_and_the_job_goes_on(tmp_path, w
     wait_for(lambda: _world_sizes(audit)[-1:] == [1], 60, "steps at world size 1")
     b.signal_tree(signal.SIGCONT)
     assert a.wait(180) == 0
-    assert b.wait(60) in (0, 1)  # rejoined and finished, or told it is out: never hangs
+    assert b.wait(120) in (0, 1)  # rejoined and finished, or out with the store: never hangs
     assert a.events("job.finished")[-1]["restarts"] == 0  # a lost node is free
     assert max(s for s, _, _ in read_audit(audit)) == 150
