@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from elastic_trainer.events import FailureCause, RestartReason
+
 Event = dict[str, Any]
 
 
@@ -73,14 +75,15 @@ def restart_causes(events: list[Event], node: str | None = None) -> list[str]:
         if name != "worker.failed" and node is not None and node_of(event) != node:
             continue
         if name == "worker.failed":
-            last_failure = str(event.get("cause") or "error")
+            last_failure = str(event.get("cause") or FailureCause.ERROR.value)
         elif name == "group.restarting":
-            reason = str(event.get("reason") or "failure")
-            causes.append(last_failure if last_failure and reason != "membership" else reason)
-            pending_membership = len(causes) - 1 if reason == "membership" else None
+            reason = str(event.get("reason") or RestartReason.FAILURE.value)
+            membership = reason == RestartReason.MEMBERSHIP.value
+            causes.append(last_failure if last_failure and not membership else reason)
+            pending_membership = len(causes) - 1 if membership else None
             last_failure = None
         elif name == "membership.changed" and pending_membership is not None:
-            causes[pending_membership] = str(event.get("reason") or "membership")
+            causes[pending_membership] = str(event.get("reason") or RestartReason.MEMBERSHIP.value)
             pending_membership = None
     return causes
 
