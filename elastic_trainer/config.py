@@ -127,6 +127,7 @@ class TorchrunOptions:
     log_line_prefix_template: str | None = None
     role: str = "trainer"
     shutdown_timeout: float | None = None  # None: ours (2 s from SIGTERM to SIGKILL on restarts)
+    node_rank: int | None = None  # static mode's --node-rank: this node's group rank
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -406,7 +406,10 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
                 args=tuple(split.rest),
                 no_python=bool(torchrun_flags.value(ns, env, "no_python")),
             ),
-            torchrun=torchrun_flags.options(ns, env),
+            torchrun=dataclasses.replace(
+                torchrun_flags.options(ns, env),
+                node_rank=static.node_rank if static is not None else None,
+            ),
         )
     )
 

@@ -10,7 +10,12 @@ changes three things, each for a measured reason (shared/BASELINES.md):
   at least an interval old, so ticking at the interval itself spaces them up to 2 intervals
   apart and a live node can miss its expiry;
 - ``leave()`` takes this node out of the round *without* closing the rendezvous (torch's
-  ``shutdown()`` closes it for every node): a preempted node leaves, the others re-form.
+  ``shutdown()`` closes it for every node): a preempted node leaves, the others re-form;
+- in torchrun's static mode (``--node-rank``) the node's group rank is its node rank, as in
+  torch's static rendezvous: torch's c10d handler numbers nodes by sorting their
+  descriptors (address, pid), which a fixed-size world then renumbers here. The agents'
+  worker-rank assignment only needs the group ranks to be 0 .. nnodes-1 in some order; the
+  node torch numbered 0 still hosts the workers' store (``MASTER_ADDR``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -38,16 +44,21 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _first_last_call = timedelta(seconds=15)
     _later_last_call = timedelta(seconds=2)
     _rounds_joined = 0
+    _static_rank: int | None = None
 
     def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
         self._first_last_call = timedelta(seconds=first_last_call_s)
         self._later_last_call = timedelta(seconds=later_last_call_s)
 
+    def use_static_rank(self, node_rank: int | None) -> None:
+        """torchrun's static mode: this node is group rank ``node_rank`` in every round."""
+        self._static_rank = node_rank
+
     def next_rendezvous(self) -> Any:
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
         torch_compat.set_last_call_timeout(self, last_call)
         self._rounds_joined += 1
-        return super().next_rendezvous()
+        return with_group_rank(super().next_rendezvous(), self._static_rank)
 
     def _start_heartbeats(self) -> None:
         torch_compat.start_fast_heartbeats(self)
@@ -84,6 +95,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     @property
     def this_node(self) -> Any:
         return torch_compat.this_node(self)
+
+
+def with_group_rank(info: RendezvousInfo, rank: int | None) -> RendezvousInfo:
+    """``info`` with this node's group rank set to ``rank`` (None: torch's rank, unchanged)."""
+    if rank is None or rank == info.rank:
+        return info
+    return RendezvousInfo(info.store, rank, info.world_size, info.bootstrap_store_info)
 
 
 def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHandler:
@@ -125,4 +143,5 @@ def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHand
         first_last_call_s=tuning.first_last_call_timeout,
         later_last_call_s=tuning.last_call_timeout,
     )
+    handler.use_static_rank(cfg.torchrun.node_rank)
     return handler

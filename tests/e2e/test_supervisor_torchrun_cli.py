@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from tests.e2e.workers.harness import PLAIN_DDP, PROTO, env_with, free_port, start_agent
+from tests.e2e.workers.harness import (
+    HERE,
+    PLAIN_DDP,
+    PROTO,
+    env_with,
+    free_port,
+    start_agent,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -31,6 +39,34 @@ def test_torchrun_static_command_line_survives_a_worker_failure(tmp_path, worker
     assert sum(len(a.events("worker.failed")) for a in agents) >= 1
     sizes = {e["world_size"] for a in agents for e in a.events("rendezvous.completed")}
     assert sizes == {2}  # static: the world never changes size
+
+
+def test_static_mode_group_rank_is_the_node_rank_even_when_node_1_joins_first(
+    tmp_path, worker_env, agents
+):
+    """torchrun's static rendezvous: node --node-rank N is group rank N, its workers' global
+    ranks N*nproc + local_rank, through a restart too. Node 1 starts first and its address
+    sorts first (torch's c10d handler would number it 0)."""
+    port, out = free_port(), tmp_path / "ranks"
+    out.mkdir()
+    for rank, addr in ((1, "127.0.0.1"), (0, "127.0.0.2")):
+        argv = [
+            "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--local-addr", addr, "--nproc-per-node", "2",
+            "--max-restarts", "2", str(HERE / "static_ranks.py"), str(out),
+        ]  # fmt: skip
+        env = env_with(worker_env, NODE_TAG=f"n{rank}")
+        agents.append(start_agent(tmp_path, f"n{rank}", argv, env, port=0, endpoint=False))
+        if rank == 1:
+            wait_for(lambda: agents[0].events("supervisor.started"), 60, "node 1 started")
+    assert [a.wait(200) for a in agents] == [0, 0], agents[0].stderr_file.read_text()[-2000:]
+    assert sum(len(a.events("worker.failed")) for a in agents) >= 1  # the restart happened
+    for node in (0, 1):
+        for local in (0, 1):
+            seen = json.loads((out / f"n{node}-{local}.json").read_text())
+            assert seen["GROUP_RANK"] == str(node)
+            assert seen["RANK"] == str(seen["pg_rank"]) == str(node * 2 + local)
+            assert seen["all_ranks_once"] and seen["WORLD_SIZE"] == "4"
 
 
 def test_log_dir_and_tee_give_torchruns_per_rank_files(tmp_path, worker_env, agents):

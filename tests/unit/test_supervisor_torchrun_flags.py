@@ -108,6 +108,11 @@ def test_static_mode_is_a_fixed_size_c10d_rendezvous_hosted_by_node_rank_0(node_
     assert (cfg.rdzv_host, cfg.rdzv_port, cfg.is_host) == ("127.0.0.21", 1234, hosts)
     assert (cfg.min_nodes, cfg.max_nodes) == (2, 2)
     assert cfg.local_addr == ("127.0.0.21" if hosts else None)  # MASTER_ADDR, as torchrun's
+    assert cfg.torchrun.node_rank == int(node_rank)  # the group rank the rendezvous gives
+
+
+def test_elastic_mode_keeps_the_rendezvous_ranks() -> None:
+    assert args.parse(["--nnodes", "1:2", "x.py"], env={}).torchrun.node_rank is None
 
 
 def test_static_mode_local_addr_flag_wins_over_master_addr() -> None:
@@ -123,6 +128,7 @@ def test_static_mode_defaults_and_pet_variables_as_torchrun() -> None:
     env = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_RDZV_BACKEND": "static"}
     cfg = args.parse(["x.py"], env=env)
     assert (cfg.rdzv_host, cfg.rdzv_port, cfg.is_host) == ("127.0.0.1", 29500, False)
+    assert cfg.torchrun.node_rank == 1
 
 
 def test_logging_flags_reach_the_config_with_their_pet_variables() -> None:
