@@ -297,9 +297,11 @@ class Supervisor:
             monitor_interval=cfg.monitor_interval,
             local_addr=cfg.local_addr,
         )
+        console = resolve_format(cfg.log_format) == "console"  # type: ignore[arg-type]
+        logs = workerenv.logs_specs(cfg, control_root, console=console)
         agent = agent_mod.ElasticTrainAgent(
             spec=spec,
-            logs_specs=workerenv.logs_specs(cfg, control_root),
+            logs_specs=logs,
             cfg=cfg,
             stop=stop,  # type: ignore[arg-type]
             control_root=control_root,
@@ -316,6 +318,7 @@ class Supervisor:
             self._store_unreachable(exc)
             return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         finally:
+            workerenv.close_logs(logs)
             shutil.rmtree(control_root, ignore_errors=True)
         if outcome.status == agent_mod.STATUS_SUCCEEDED:
             # close the rendezvous so that a node arriving now exits instead of waiting

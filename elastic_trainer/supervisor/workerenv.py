@@ -56,17 +56,33 @@ def worker_args(cfg: RunConfig) -> tuple[str, ...]:
     return ("-u", "-m", BOOTSTRAP_MODULE, *cfg.entrypoint.argv())
 
 
-def logs_specs(cfg: RunConfig, control_root: str) -> Any:
-    """torch's per-rank log files, as torchrun's --log-dir/--redirects/--tee ask for them."""
+def logs_specs(cfg: RunConfig, control_root: str, *, console: bool) -> Any:
+    """torch's per-rank log files, as torchrun's --log-dir/--redirects/--tee ask for them;
+    on a ``console`` (not JSON) the streams left on it carry a ``[rank0]:`` prefix
+    (``supervisor/console.py``). Close it (``close_logs``) once the workers are gone."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
+    from elastic_trainer.supervisor.console import ConsoleLogsSpecs
+
     options = cfg.torchrun
-    return DefaultLogsSpecs(
-        log_dir=options.log_dir or os.path.join(control_root, "logs"),
-        redirects=Std.from_str(options.redirects),
-        tee=Std.from_str(options.tee),
-        local_ranks_filter=set(options.local_ranks_filter) if options.local_ranks_filter else None,
-    )
+    torch_options = {
+        "log_dir": options.log_dir or os.path.join(control_root, "logs"),
+        "redirects": Std.from_str(options.redirects),
+        "tee": Std.from_str(options.tee),
+        "local_ranks_filter": set(options.local_ranks_filter)
+        if options.local_ranks_filter
+        else None,
+    }
+    if console:
+        return ConsoleLogsSpecs(template=options.log_line_prefix_template, **torch_options)
+    return DefaultLogsSpecs(**torch_options)
+
+
+def close_logs(specs: Any) -> None:
+    """Relay the workers' last console output (a no-op for torch's own LogsSpecs)."""
+    close = getattr(specs, "close", None)
+    if close is not None:
+        close()
 
 
 def make_control_root(cfg: RunConfig) -> str:

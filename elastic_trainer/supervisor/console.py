@@ -1,0 +1,216 @@
+"""Worker output on a console, each line prefixed with its rank: ``[rank0]:loss 0.31``.
+
+What torchrun does (torch/distributed/run.py, elastic/multiprocessing/api.py, tail_log.py):
+by default a worker's stdout/stderr *are* the agent's, unchanged, so eight ranks interleave
+with nothing to tell them apart (only a traceback after ``init_process_group`` carries
+``[rankN]: ``, from torch's excepthook). ``--tee`` writes the streams to ``--log-dir`` files
+and tails them to the console as ``[${role_name}${local_rank}]:line`` (or
+``--log-line-prefix-template``); ``--local-ranks-filter`` keeps the other ranks off the
+console. Here ``--tee``/``--redirects``/``--local-ranks-filter`` are torch's own code,
+unchanged; what we add is the prefix on the streams torchrun leaves bare: in console mode
+they go through a relay that writes ``[rank${rank}]:`` (global rank; the template when one
+is given) before every line.
+
+Design: a relay thread per worker stream in the supervisor, not a tail of files (no disk,
+no polling delay) nor a wrapper in the worker (a killed worker would lose its last lines,
+and ``--no-python`` has no wrapper). The worker writes into a pipe, or into a pseudo-terminal
+when the supervisor's own stream is a terminal: then the worker still sees a TTY, so the
+built-in job's progress bar (``\\r`` updates) and colours work as before. The relay prefixes
+every ``\\r`` segment as well as every line, so the bar redraws in place as
+``\\r[rank0]: 40%|████ ...``; the pty's width is the terminal's minus the prefix. Output is
+relayed as it arrives, not held back to whole lines (the bar never ends its line), so a
+line of one rank can still land inside another's unfinished line, as on torchrun's console.
+
+JSON mode (``stderr_router``) does not use this: there every stderr line must stay one JSON
+object, so the worker streams stay the supervisor's, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import socket
+import struct
+import termios
+import threading
+import time
+from collections.abc import Mapping
+from string import Template
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import LogsDest
+
+DEFAULT_TEMPLATE = "[rank${rank}]:"
+_CONSOLE = ""  # torch's LogsDest marks "the agent's own stream, unchanged" this way
+_SEGMENTS = re.compile(rb"([\r\n])")
+_READ_SIZE = 65536
+_LOCKS = {1: threading.Lock(), 2: threading.Lock()}  # one writer at a time per console stream
+
+
+def render_prefix(
+    template: str | None, *, role: str, rank: Any, local_rank: Any, hostname: str
+) -> str:
+    """torchrun's macros: ``${role_name}``, ``${rank}``, ``${local_rank}``, ``${hostname}``."""
+    return Template(template or DEFAULT_TEMPLATE).safe_substitute(
+        role_name=role, rank=rank, local_rank=local_rank, hostname=hostname
+    )
+
+
+class Prefixer:
+    """Pure: the prefix at the start of every line and of every ``\\r`` segment.
+
+    Empty lines stay empty; a segment that already starts with the prefix (torch's excepthook
+    writes ``[rank0]: Traceback ...``) is not prefixed twice."""
+
+    def __init__(self, prefix: bytes) -> None:
+        self.prefix = prefix
+        self._at_start = True
+
+    def feed(self, data: bytes) -> bytes:
+        out = bytearray()
+        for piece in _SEGMENTS.split(data):
+            if piece in (b"\r", b"\n"):
+                out += piece
+                self._at_start = True
+            elif piece:
+                if self._at_start and not piece.startswith(self.prefix):
+                    out += self.prefix
+                out += piece
+                self._at_start = False
+        return bytes(out)
+
+
+class Relay:
+    """One worker stream -> one console stream (fd 1 or 2), prefixed, on its own thread.
+
+    ``path`` is what torch opens as the worker's stream. The relay holds a writer end itself
+    until ``close``, so the stream does not end before torch has opened it; after ``close``
+    it ends once the worker (and torch's handle) are gone too."""
+
+    def __init__(self, dest_fd: int, prefix: bytes) -> None:
+        self._dest = dest_fd
+        self._prefixer = Prefixer(prefix)
+        if _use_pty(dest_fd):
+            self._read, self._keep = os.openpty()
+            _fit_terminal(self._keep, dest_fd, len(prefix))
+            self.path = os.ttyname(self._keep)
+        else:
+            self._read, self._keep = os.pipe()
+            self.path = f"/dev/fd/{self._keep}"  # torch opens it by path, in this process
+        self._thread = threading.Thread(target=self._pump, name="console-relay", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, _READ_SIZE)
+            except OSError as exc:  # a pty reads EIO once no writer is left: its end
+                if exc.errno != errno.EIO:
+                    raise
+                data = b""
+            if not data:
+                break
+            self._forward(self._prefixer.feed(data))
+        os.close(self._read)
+
+    def _forward(self, data: bytes) -> None:
+        if self._dest < 0:
+            return  # the console is gone: keep draining, so the worker never blocks on it
+        try:
+            with _LOCKS.get(self._dest, contextlib.nullcontext()):
+                _write_all(self._dest, data)
+        except OSError:
+            self._dest = -1
+
+    def close(self, deadline: float) -> None:
+        """Stop holding the stream open; wait (up to ``deadline``) for what is left."""
+        if self._keep >= 0:
+            os.close(self._keep)
+            self._keep = -1
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _use_pty(dest_fd: int) -> bool:
+    # A session leader without a controlling terminal would acquire the pty as one when
+    # torch opens it (no O_NOCTTY there), and a hangup with it: such a process gets a pipe.
+    return os.isatty(dest_fd) and (os.getsid(0) != os.getpid() or _has_controlling_terminal())
+
+
+def _has_controlling_terminal() -> bool:
+    try:
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+    except OSError:
+        return False
+    return True
+
+
+def _fit_terminal(pty_fd: int, terminal_fd: int, prefix_len: int) -> None:
+    """No ``\\n`` -> ``\\r\\n`` rewriting, and the terminal's size less the prefix."""
+    attrs = termios.tcgetattr(pty_fd)
+    attrs[1] &= ~termios.OPOST
+    termios.tcsetattr(pty_fd, termios.TCSANOW, attrs)
+    with contextlib.suppress(OSError):
+        size = fcntl.ioctl(terminal_fd, termios.TIOCGWINSZ, b"\0" * 8)
+        rows, cols, xpix, ypix = struct.unpack("HHHH", size)
+        if cols > prefix_len:  # a terminal of unknown size (0) stays so: tqdm then guesses
+            size = struct.pack("HHHH", rows, cols - prefix_len, xpix, ypix)
+        fcntl.ioctl(pty_fd, termios.TIOCSWINSZ, size)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            time.sleep(0.01)  # a non-blocking terminal that is full: let it drain
+
+
+class ConsoleLogsSpecs(DefaultLogsSpecs):
+    """torch's ``DefaultLogsSpecs`` (files, ``--tee``, ``--local-ranks-filter`` unchanged),
+    with every stream it would leave on the console sent through a prefixing ``Relay``."""
+
+    def __init__(
+        self,
+        *,
+        template: str | None,
+        consoles: Mapping[str, int] | None = None,
+        **torch_options: Any,
+    ) -> None:
+        super().__init__(**torch_options)
+        self._template = template
+        self._consoles = dict(consoles or {"stdout": 1, "stderr": 2})
+        self._relays: list[Relay] = []
+        self._hostname = socket.gethostname()
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        self.close(timeout_s=0)  # a new attempt: the previous workers are gone (no waiting:
+        # their relays drain on their own; a restart must not wait on a straggler)
+        dest = super().reify(envs)
+        for local_rank, env in envs.items():
+            prefix = render_prefix(
+                self._template,
+                role=env.get("ROLE_NAME", ""),
+                rank=env.get("RANK", local_rank),
+                local_rank=local_rank,
+                hostname=self._hostname,
+            ).encode()
+            for paths, fd in ((dest.stdouts, self._consoles["stdout"]),
+                              (dest.stderrs, self._consoles["stderr"])):  # fmt: skip
+                if paths.get(local_rank) == _CONSOLE:
+                    relay = Relay(fd, prefix)
+                    self._relays.append(relay)
+                    paths[local_rank] = relay.path
+        return dest
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Relay what the workers wrote last; a stream still held open after ``timeout_s``
+        (an orphaned grandchild) is left to its daemon thread."""
+        deadline = time.monotonic() + timeout_s
+        for relay in self._relays:
+            relay.close(deadline)
+        self._relays.clear()

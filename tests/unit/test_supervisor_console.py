@@ -1,0 +1,128 @@
+"""Console mode: every worker line (and every ``\\r`` segment of a progress bar) carries its
+rank as torchrun's ``[rank0]:``; torch's --tee/--local-ranks-filter keep their meaning."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import struct
+import termios
+
+import pytest
+from torch.distributed.elastic.multiprocessing import Std
+
+from elastic_trainer.supervisor.console import ConsoleLogsSpecs, Prefixer, render_prefix
+
+
+def _feed(prefix: bytes, *chunks: bytes) -> bytes:
+    prefixer = Prefixer(prefix)
+    return b"".join(prefixer.feed(c) for c in chunks)
+
+
+def test_every_line_gets_the_prefix_even_split_across_reads() -> None:
+    assert _feed(b"[rank1]:", b"epoch 1\nlo", b"ss 0.3\n\nend") == (
+        b"[rank1]:epoch 1\n[rank1]:loss 0.3\n\n[rank1]:end"
+    )
+
+
+def test_carriage_return_segments_of_a_progress_bar_redraw_behind_the_prefix() -> None:
+    bar = b"\r 10%|#    |\r 20%|##   |\r\n"
+    assert _feed(b"[rank0]:", bar) == b"\r[rank0]: 10%|#    |\r[rank0]: 20%|##   |\r\n"
+
+
+def test_torchs_excepthook_prefix_is_not_doubled() -> None:
+    hook = b"[rank0]: Traceback (most recent call last):\n[rank0]:   File x\n"
+    assert _feed(b"[rank0]:", hook) == hook
+
+
+def test_prefix_template_has_torchruns_macros() -> None:
+    fields = {"role": "trainer", "rank": 5, "local_rank": 1, "hostname": "r12"}
+    assert render_prefix(None, **fields) == "[rank5]:"
+    assert render_prefix("${hostname}:${rank}: ", **fields) == "r12:5: "
+    assert render_prefix("[${role_name}${local_rank}]:", **fields) == "[trainer1]:"
+
+
+def _envs(*ranks: int) -> dict[int, dict[str, str]]:
+    return {i: {"RANK": str(r), "ROLE_NAME": "trainer", "TORCHELASTIC_RUN_ID": "t"}
+            for i, r in enumerate(ranks)}  # fmt: skip
+
+
+def _pipes():
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    return (out_r, err_r), {"stdout": out_w, "stderr": err_w}
+
+
+def _drain(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return b""
+
+
+def _read_until(fd: int, expected: bytes, timeout_s: float = 10.0) -> bytes:
+    """A terminal delivers asynchronously: read until ``expected``'s length or the bound."""
+    got = b""
+    while len(got) < len(expected) and select.select([fd], [], [], timeout_s)[0]:
+        got += os.read(fd, 65536)
+    return got
+
+
+def _write_as_worker(path: str, text: str) -> None:
+    with open(path, "w") as stream:  # what torch's SubprocessHandler does with the path
+        stream.write(text)
+
+
+def test_streams_left_on_the_console_are_relayed_with_the_global_rank(tmp_path) -> None:
+    (out_r, err_r), consoles = _pipes()
+    specs = ConsoleLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
+    dest = specs.reify(_envs(2, 3))
+    _write_as_worker(dest.stdouts[0], "hello\nworld\n")
+    _write_as_worker(dest.stderrs[1], "oops\n")
+    specs.close()
+    assert _drain(out_r) == b"[rank2]:hello\n[rank2]:world\n"
+    assert _drain(err_r) == b"[rank3]:oops\n"
+
+
+def test_local_ranks_filter_and_tee_stay_torchs(tmp_path) -> None:
+    (out_r, _), consoles = _pipes()
+    specs = ConsoleLogsSpecs(
+        template=None, consoles=consoles, log_dir=str(tmp_path),
+        tee={1: Std.OUT}, local_ranks_filter={1, 2},
+    )  # fmt: skip
+    dest = specs.reify(_envs(0, 1, 2))
+    assert dest.stdouts[0] == os.devnull  # filtered out: torch drops it
+    assert dest.stdouts[1].endswith("stdout.log") and dest.tee_stdouts[1] == dest.stdouts[1]
+    _write_as_worker(dest.stdouts[2], "kept\n")
+    specs.close()
+    assert _drain(out_r) == b"[rank2]:kept\n"
+
+
+def test_a_terminal_console_gives_the_worker_a_terminal_of_its_width(tmp_path) -> None:
+    term_master, term = os.openpty()
+    attrs = termios.tcgetattr(term)
+    attrs[1] &= ~termios.OPOST
+    termios.tcsetattr(term, termios.TCSANOW, attrs)
+    fcntl.ioctl(term, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    specs = ConsoleLogsSpecs(
+        template=None, consoles={"stdout": term, "stderr": term}, log_dir=str(tmp_path)
+    )
+    dest = specs.reify(_envs(0))
+    with open(dest.stderrs[0], "w") as stream:
+        assert stream.isatty()  # the built-in job shows its progress bar
+        size = fcntl.ioctl(stream.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        assert struct.unpack("HHHH", size)[1] == 100 - len("[rank0]:")
+        stream.write("\r 10%|#\r 20%|##\n")
+    specs.close()
+    expected = b"\r[rank0]: 10%|#\r[rank0]: 20%|##\n"
+    assert _read_until(term_master, expected) == expected
+
+
+@pytest.mark.timeout(30)
+def test_close_does_not_wait_for_a_stream_nobody_opened(tmp_path) -> None:
+    _, consoles = _pipes()
+    specs = ConsoleLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
+    specs.reify(_envs(0))
+    specs.close(timeout_s=10)  # torch never opened it (a failed start): no hang
