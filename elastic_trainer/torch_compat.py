@@ -178,6 +178,22 @@ def matches_machine_hostname(host: str) -> bool:
     return bool(_matches_machine_hostname(host))
 
 
+# --- torch/distributed/elastic/multiprocessing/api.py -------------------------------------
+# DefaultLogsSpecs.reify marks a stream it leaves on the agent's own console with "" (a local
+#   SYS_STREAM there, no public name): supervisor/console.py relays exactly those streams.
+LOGS_DEST_CONSOLE = ""
+
+
+def _console_marker() -> bool:
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    with tempfile.TemporaryDirectory() as folder:
+        dest = DefaultLogsSpecs(log_dir=folder, redirects={1: Std.ALL}).reify({0: {}, 1: {}})
+    return dest.stdouts[0] == dest.stderrs[0] == LOGS_DEST_CONSOLE != dest.stdouts[1]
+
+
 def checks() -> dict[str, Callable[[], bool]]:
     """Name -> a check that the private piece is still there with the shape we use."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -204,6 +220,7 @@ def checks() -> dict[str, Callable[[], bool]]:
         "rendezvous.utils._matches_machine_hostname": lambda: callable(
             getattr(utils, "_matches_machine_hostname", None)
         ),
+        "DefaultLogsSpecs.reify: a console stream is ''": _console_marker,
     }
 
 

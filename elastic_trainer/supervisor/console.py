@@ -44,8 +44,10 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
+from elastic_trainer import torch_compat
+
 DEFAULT_TEMPLATE = "[rank${rank}]:"
-_CONSOLE = ""  # torch's LogsDest marks "the agent's own stream, unchanged" this way
+_CONSOLE = torch_compat.LOGS_DEST_CONSOLE  # "the agent's own stream, unchanged" in LogsDest
 _SEGMENTS = re.compile(rb"([\r\n])")
 _READ_SIZE = 65536
 _LOCKS = {1: threading.Lock(), 2: threading.Lock()}  # one writer at a time per console stream
