@@ -329,7 +329,10 @@ class RunConfig:
 
     @property
     def rdzv_endpoint(self) -> str:
-        return f"{self.rdzv_host}:{self.rdzv_port}"
+        """HOST:PORT as --rdzv-endpoint takes it back: an IPv6 literal in brackets."""
+        from elastic_trainer.store_server import format_endpoint  # light; no import cycle
+
+        return format_endpoint(self.rdzv_host, self.rdzv_port)
 
     def summary(self) -> Mapping[str, Any]:
         """Fields of the ``supervisor.started`` event."""

@@ -65,6 +65,8 @@ def test_two_agents_on_ipv6_loopback_restart_and_finish(tmp_path, worker_env, ag
         (tmp_path / "go").touch()
     assert [a.wait(120) for a in agents] == [0, 0], agents[0].stderr_file.read_text()[-2000:]
     assert sum(len(a.events("worker.failed")) for a in agents) == 1
+    shown = {e["rdzv_endpoint"] for a in agents for e in a.events("supervisor.started")}
+    assert shown == {f"[::1]:{port}"}  # what --rdzv-endpoint and `status` take back
     assert all(len(a.events("workers.started")) == 2 for a in agents)  # both restarted
     nodes = {e["node"] for a in agents for e in a.events("job.finished")}
     assert nodes == {"n0", "n1"}

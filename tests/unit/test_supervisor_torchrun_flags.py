@@ -111,6 +111,16 @@ def test_static_mode_is_a_fixed_size_c10d_rendezvous_hosted_by_node_rank_0(node_
     assert cfg.torchrun.node_rank == int(node_rank)  # the group rank the rendezvous gives
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--rdzv-endpoint", "[::1]:29400"], ["--nnodes", "2", "--master-addr", "::1",
+                                          "--master-port", "29400", "--node-rank", "1"]],
+)  # fmt: skip
+def test_an_ipv6_endpoint_is_shown_as_it_is_given_back(argv) -> None:
+    cfg = args.parse([*argv, "x.py"], env={})
+    assert (cfg.rdzv_host, cfg.rdzv_endpoint) == ("::1", "[::1]:29400")
+
+
 def test_elastic_mode_keeps_the_rendezvous_ranks() -> None:
     assert args.parse(["--nnodes", "1:2", "x.py"], env={}).torchrun.node_rank is None
 
