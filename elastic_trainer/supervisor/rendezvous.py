@@ -14,8 +14,11 @@ changes three things, each for a measured reason (shared/BASELINES.md):
 - in torchrun's static mode (``--node-rank``) the node's group rank is its node rank, as in
   torch's static rendezvous: torch's c10d handler numbers nodes by sorting their
   descriptors (address, pid), which a fixed-size world then renumbers here. The agents'
-  worker-rank assignment only needs the group ranks to be 0 .. nnodes-1 in some order; the
-  node torch numbered 0 still hosts the workers' store (``MASTER_ADDR``).
+  worker-rank assignment only needs the group ranks to be 0 .. nnodes-1 in some order. The
+  workers' store (``MASTER_ADDR:MASTER_PORT``) is hosted by global rank 0, which is then on
+  node rank 0, so node rank 0 publishes its own address for it (torch's published the address
+  of the node *it* numbered 0: on separate machines the other workers would dial a host where
+  no store runs).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -58,7 +62,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
         torch_compat.set_last_call_timeout(self, last_call)
         self._rounds_joined += 1
-        return with_group_rank(super().next_rendezvous(), self._static_rank)
+        info = super().next_rendezvous()
+        return with_group_rank(info, self._static_rank, local_addr=self.this_node.addr)
 
     def _start_heartbeats(self) -> None:
         torch_compat.start_fast_heartbeats(self)
@@ -97,11 +102,20 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         return torch_compat.this_node(self)
 
 
-def with_group_rank(info: RendezvousInfo, rank: int | None) -> RendezvousInfo:
-    """``info`` with this node's group rank set to ``rank`` (None: torch's rank, unchanged)."""
-    if rank is None or rank == info.rank:
+# Under the round's own store prefix, apart from the keys torch's rank 0 already wrote.
+STATIC_MASTER_PREFIX = "elastic-train/static-master/"
+
+
+def with_group_rank(info: RendezvousInfo, rank: int | None, *, local_addr: str) -> RendezvousInfo:
+    """``info`` with this node's group rank set to ``rank`` (None: torch's rank, unchanged),
+    and the workers' store on the node that is group rank 0 (it publishes ``local_addr`` and a
+    free port; every other node blocks until it has)."""
+    if rank is None:
         return info
-    return RendezvousInfo(info.store, rank, info.world_size, info.bootstrap_store_info)
+    master = RendezvousStoreInfo.build(
+        rank, PrefixStore(STATIC_MASTER_PREFIX, info.store), local_addr
+    )
+    return RendezvousInfo(info.store, rank, info.world_size, master)
 
 
 def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHandler:

@@ -229,16 +229,19 @@ def test_node_whose_hostname_does_not_resolve_works_with_local_addr(
 
 def test_torchrun_static_command_line_by_ip(net, tmp_path, worker_env, agents):
     """torchrun --nnodes 2 --node-rank R --master-addr NODE0 --master-port P, unchanged, across
-    two namespaces: the unmodified DDP script fails once on rank 1, both restart and finish."""
+    two namespaces: the unmodified DDP script fails once on rank 1, both restart and finish.
+    Node rank 0 has the *higher* address, so torch's rendezvous numbers the other node 0: the
+    workers' store must still be where global rank 0 runs (node rank 0), on another host."""
     out, port = tmp_path / "env.json", "29611"
-    n0, n1 = net.add_node("n0"), net.add_node("n1")
-    for rank, node in enumerate((n0, n1)):
-        argv = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", n0.addr,
+    low, high = net.add_node("n0"), net.add_node("n1")
+    for rank, node in enumerate((high, low)):
+        argv = ["--local-addr", node.addr,
+                "--nnodes", "2", "--node-rank", str(rank), "--master-addr", high.addr,
                 "--master-port", port, "--max-restarts", "2", PLAIN_DDP, str(out)]  # fmt: skip
         agents.append(spawn_agent(tmp_path, node.name, argv, node_env(worker_env),
                                   wrap=node.cmd([])))  # fmt: skip
     assert [x.wait(200) for x in agents] == [0, 0], agents[1].stderr_file.read_text()[-2000:]
     seen = json.loads(out.read_text())
-    assert (seen["WORLD_SIZE"], seen["MASTER_ADDR"]) == ("2", n0.addr)
+    assert (seen["WORLD_SIZE"], seen["MASTER_ADDR"]) == ("2", high.addr)
     assert sum(len(x.events("worker.failed")) for x in agents) >= 1
     assert nodes_empty(net)

@@ -1,6 +1,9 @@
-"""torchrun's static mode: a node's group rank is its --node-rank, whatever torch numbered it."""
+"""torchrun's static mode: a node's group rank is its --node-rank, whatever torch numbered it,
+and the workers' store is on the node that holds global rank 0."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torch.distributed import HashStore
@@ -8,21 +11,37 @@ from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousS
 
 from elastic_trainer.supervisor.rendezvous import with_group_rank
 
-
-def _info(rank: int) -> RendezvousInfo:
-    return RendezvousInfo(HashStore(), rank, 2, RendezvousStoreInfo("127.0.0.1", 29511))
-
-
-@pytest.mark.parametrize(("torch_rank", "node_rank"), [(0, 1), (1, 0), (1, 1)])
-def test_static_mode_reports_the_node_rank_as_group_rank(torch_rank, node_rank) -> None:
-    before = _info(torch_rank)
-    after = with_group_rank(before, node_rank)
-    assert after.rank == node_rank
-    # the rest is torch's: the same store, world and workers' store (MASTER_ADDR:MASTER_PORT)
-    assert (after.store, after.world_size) == (before.store, before.world_size)
-    assert after.bootstrap_store_info is before.bootstrap_store_info
+# what torch's rank 0 published: the address of the node *torch* numbered 0
+TORCHS_MASTER = RendezvousStoreInfo("198.18.0.12", 29511)
 
 
-def test_elastic_mode_keeps_torchs_rank() -> None:
-    info = _info(1)
-    assert with_group_rank(info, None) is info
+def _info(store: HashStore, torch_rank: int) -> RendezvousInfo:
+    return RendezvousInfo(store, torch_rank, 2, TORCHS_MASTER)
+
+
+@pytest.mark.parametrize("node_1_torch_rank", [0, 1])
+def test_every_node_gets_node_rank_0s_address_as_master(node_1_torch_rank) -> None:
+    store = HashStore()  # the round's store, shared by both nodes
+    addrs = {0: "198.18.0.11", 1: "198.18.0.12"}
+    torch_rank = {1: node_1_torch_rank, 0: 1 - node_1_torch_rank}
+
+    def join(node_rank: int) -> RendezvousInfo:
+        info = _info(store, torch_rank[node_rank])
+        return with_group_rank(info, node_rank, local_addr=addrs[node_rank])
+
+    # node 1 first: it must wait for node rank 0's address, not take torch's
+    with ThreadPoolExecutor(2) as pool:
+        later = pool.submit(join, 1)
+        first = pool.submit(join, 0)
+        infos = {0: first.result(timeout=30), 1: later.result(timeout=30)}
+
+    for node_rank, info in infos.items():
+        assert info.rank == node_rank
+        assert (info.store, info.world_size) == (store, 2)
+        assert info.bootstrap_store_info.master_addr == addrs[0]
+    assert infos[0].bootstrap_store_info.master_port == infos[1].bootstrap_store_info.master_port
+
+
+def test_elastic_mode_keeps_torchs_rank_and_master() -> None:
+    info = _info(HashStore(), 1)
+    assert with_group_rank(info, None, local_addr="198.18.0.11") is info
