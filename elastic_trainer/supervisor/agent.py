@@ -136,12 +136,12 @@ class ElasticTrainAgent(LocalElasticAgent):
             if result.state == WorkerState.SUCCEEDED:
                 self._exit_barrier()
                 return STATUS_SUCCEEDED, protocol.SUPERVISOR_EXIT_OK
-            if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            if peers := self._membership.lost_peers():  # explains a failure of ours too
+                outcome = self._on_peers_gone(peers, silent=False)
+            elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
                 outcome = self._on_failure(result)
             elif verdict is not None:
                 outcome = self._on_hang(verdict)
-            elif peers := self._membership.lost_peers():
-                outcome = self._on_peers_gone(peers, silent=False)
             elif self._membership.nodes_waiting() > 0:
                 outcome = decisions.on_nodes_waiting(self._policy, self._state)
             elif peers := self._membership.silent_peers():

@@ -91,9 +91,12 @@ class MembershipWatch:
         return self.peers.lost() & self.members if self.peers is not None else set()
 
     def before_rejoin(self) -> None:
-        """Tell the rendezvous which members are certainly gone, so the next round neither
-        waits for them to rejoin nor for their heartbeats to expire."""
+        """Tell the rendezvous which members are certainly gone (lost, confirmed silent, or
+        left on purpose), so the next round neither waits for them to rejoin nor for their
+        heartbeats to expire."""
         dead = self.lost_peers() | self._confirmed_silent
+        if self.peers is not None:
+            dead |= self.peers.left() & self.members
         if dead:
             self._handler.mark_dead(dead)
 

@@ -91,6 +91,7 @@ class PeerWatch:
     def __init__(self) -> None:
         self._socks: dict[Any, socket.socket] = {}
         self._lost: set[Any] = set()
+        self._left: set[Any] = set()
 
     def watch(self, peers: Mapping[Any, tuple[str, int]]) -> None:
         """Watch exactly ``peers`` (node -> (host, port)) from now on."""
@@ -114,11 +115,18 @@ class PeerWatch:
                 continue  # open, nothing to read: alive
             except OSError:
                 data = None  # reset
-            if data != BYE:  # EOF or reset without a goodbye: the process is gone
+            if data == BYE:
+                self._left.add(node)
+            else:  # EOF or reset without a goodbye: the process is gone
                 self._lost.add(node)
             sock.close()
             del self._socks[node]
         return set(self._lost)
+
+    def left(self) -> set[Any]:
+        """Peers that said goodbye (done or preempted): gone, but not lost. Call after
+        ``lost()``, which reads the connections."""
+        return set(self._left)
 
     def watching(self) -> set[Any]:
         """Peers whose connection is still open."""
@@ -129,6 +137,7 @@ class PeerWatch:
             sock.close()
         self._socks.clear()
         self._lost.clear()
+        self._left.clear()
 
 
 def format_address(host: str, port: int) -> str:

@@ -66,7 +66,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     def mark_dead(self, nodes: set[Any]) -> None:
         """Nodes known gone: expired in the shared state before our next join, and not waited
-        for. Only for certain knowledge (a closed connection, a confirmed silence)."""
+        for. Only for certain knowledge (a closed connection, a goodbye, a confirmed silence)."""
         self._dead = self._dead | frozenset(nodes)
 
     def _expire_dead(self) -> None:

@@ -114,6 +114,9 @@ class FakePeers:
         first_round = script.index == 0
         return set(script.closed) if first_round and script.tick >= script.closed_from else set()
 
+    def left(self) -> set[str]:
+        return set(self.script.left) if self.script.index == 0 else set()
+
     def close(self) -> None:
         pass
 
@@ -148,7 +151,9 @@ class Script:
         silent_from: int | None = None,
         closed: tuple[str, ...] = (),
         closed_from: int = 0,
+        left: tuple[str, ...] = (),
     ) -> None:
+        self.left = left  # peers that said goodbye on their presence connection
         self.silent, self.silent_from = silent, silent_from
         self.closed, self.closed_from = closed, closed_from  # presence connections closed
         self.rounds = rounds
@@ -344,10 +349,12 @@ def test_a_node_joining_re_forms_the_group_for_free(tmp_path) -> None:
 def test_a_peer_preemption_is_a_membership_change_not_a_failure(tmp_path) -> None:
     exit_75 = protocol.EXIT_PEER_PREEMPTED
     rounds = [Round(nodes=2, ticks=[{0: exit_75}]), Round(nodes=1, ticks=[{0: OK}])]
-    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0)
+    outcome, logs, agent = run(rounds, tmp_path, max_restarts=0, left=("node1",))
     assert (outcome.status, outcome.restarts) == ("succeeded", 0)
     assert named(logs, "worker.failed")[0]["cause"] == "preempted"
     assert named(logs, "membership.changed")[0]["reason"] == "peer_preempted"
+    assert not named(logs, "peer.lost")  # it said goodbye: gone, not lost ...
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]  # ... not waited for
 
 
 def test_a_hang_kills_and_restarts_with_reason_hang(tmp_path) -> None:

@@ -77,6 +77,7 @@ def test_a_peer_that_leaves_on_purpose_is_not_lost() -> None:
         assert watch.lost() == set()
         time.sleep(0.01)
     assert not watch.watching() and watch.lost() == set()
+    assert watch.left() == {"b"}  # gone all the same: the next round does not wait for it
 
 
 def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
