@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -214,7 +215,7 @@ def _last_of_first(marks: list[tuple[str, float]], name: str, after: float | Non
     return max(t for t in hits if t - first < 30)  # one per rank of this start
 
 
-def run_scenario(scenario: str, kind: str, timeout: float) -> Result:
+def run_scenario(scenario: str, kind: str, timeout: float, *, keep_logs: str = "") -> Result:
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmpdir:
         tmp = Path(tmpdir)
         port = free_port()
@@ -251,3 +252,5 @@ def run_scenario(scenario: str, kind: str, timeout: float) -> Result:
                 kill(tree(proc))
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
+            if keep_logs:
+                shutil.copytree(tmp, Path(keep_logs) / f"{scenario}-{kind}-{int(time.time())}")

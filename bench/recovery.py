@@ -21,6 +21,7 @@ start`` (until every new worker has its process group: process start, ``import t
 step``. Steps lost: the last step done before the fault minus the step the group resumed from.
 
     python bench/recovery.py [--repeats N] [--scenarios node_loss,worker_crash,node_join]
+                             [--launchers torchrun,elastic-train] [--keep-logs DIR]
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 def table(scenario: str, results: dict[str, list[Result]]) -> list[str]:
     cols = [*PHASES, "total", "pause", "steps_lost"]
-    lines = [f"\n{scenario} (median of {len(results['torchrun'])}; seconds)"]
+    repeats = max(len(rs) for rs in results.values())
+    lines = [f"\n{scenario} (median of {repeats}; seconds)"]
     lines.append(f"{'launcher':14s} " + " ".join(f"{c:>12s}" for c in cols) + "  × torchrun")
-    base = median([r.total for r in results["torchrun"]])
-    for kind in LAUNCHERS:
-        rs = results[kind]
+    base = median([r.total for r in results.get("torchrun", [])])
+    for kind, rs in results.items():
         row = [median([r.phases.get(p) for r in rs]) for p in PHASES]
         row += [median([r.total for r in rs]), median([r.pause for r in rs])]
         lost = median([r.steps_lost for r in rs])
@@ -69,19 +70,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS))
+    parser.add_argument("--keep-logs", default="", help="copy each run's logs under this folder")
     parser.add_argument("--timeout", type=float, default=90.0, help="per recovery, seconds")
     args = parser.parse_args()
     chosen = [s for s in args.scenarios.split(",") if s]
-    unknown = sorted(set(chosen) - set(SCENARIOS))
-    if unknown:
-        parser.error(f"--scenarios: unknown {unknown}; choose from {','.join(SCENARIOS)}")
+    launchers = [k for k in args.launchers.split(",") if k]
+    checks = (("--scenarios", chosen, SCENARIOS), ("--launchers", launchers, LAUNCHERS))
+    for flag, given, known in checks:
+        if unknown := sorted(set(given) - set(known)):
+            parser.error(f"{flag}: unknown {unknown}; choose from {','.join(known)}")
     began = time.monotonic()
     out: list[str] = []
     for scenario in chosen:
-        results: dict[str, list[Result]] = {k: [] for k in LAUNCHERS}
+        results: dict[str, list[Result]] = {k: [] for k in launchers}
         for _ in range(args.repeats):
-            for kind in LAUNCHERS:  # interleaved, so both see the same machine load
-                result = run_scenario(scenario, kind, args.timeout)
+            for kind in launchers:  # interleaved, so both see the same machine load
+                result = run_scenario(scenario, kind, args.timeout, keep_logs=args.keep_logs)
                 results[kind].append(result)
                 print(f"  {scenario} {kind}: {result}", file=sys.stderr)
         out += table(scenario, results)

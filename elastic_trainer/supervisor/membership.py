@@ -1,16 +1,16 @@
 """What we know about the other nodes: waiting to join, gone (connection closed), or silent.
 
-A peer whose process dies closes its presence connection (``presence.py``): ``lost_peers``
-reports it at the next monitor tick, and ``before_rejoin`` tells the rendezvous to drop it at
-once (``FastRecoveryRendezvousHandler.mark_dead``) instead of waiting for its heartbeats to
-expire. That expiry stays the fallback for what sends no reset:
+A peer whose process dies has its presence connection closed by its kernel (``presence.py``):
+``lost_peers`` reports it at the next monitor tick, and ``before_rejoin`` tells the rendezvous
+to drop it at once (``FastRecoveryRendezvousHandler.mark_dead``) instead of waiting for its
+heartbeats to expire. That expiry stays the fallback for peers that send no reset.
 
-A peer that dies usually closes its connections and our workers fail fast; a peer that goes
-*silent* (frozen, powered off, cut off by a partition) sends no reset, and our workers would
-block in their next collective until its timeout (minutes). Its heartbeats stop all the same:
-once a member of our round has not beaten for the keep-alive limit on two checks in a row, the
-agent treats it as lost and re-forms without it (``decisions.on_peers_gone``). Two checks,
-one keep-alive interval apart, so one late heartbeat on a loaded machine is not a lost node.
+A peer that goes *silent* (frozen, powered off, cut off by a partition) sends no reset, and
+our workers would block in their next collective until its timeout (minutes). Its heartbeats
+stop all the same: once a member of our round has not beaten for the keep-alive limit on two
+checks in a row, the agent treats it as lost and re-forms without it
+(``decisions.on_peers_gone``). Two checks, one keep-alive interval apart, so one late
+heartbeat on a loaded machine is not a lost node.
 """
 
 from __future__ import annotations
