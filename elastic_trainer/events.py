@@ -34,6 +34,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "worker.hung": ("rank", "last_step", "stalled_s"),
     "worker.resources": ("rank", "rss_bytes", "cpu_percent", "num_procs"),
     "membership.changed": ("old_world_size", "new_world_size", "reason"),
+    "peer.lost": ("nodes", "how"),
     "peer.silent": ("nodes", "silent_s"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
     "preemption.received": ("signal", "grace_s"),

@@ -11,15 +11,19 @@ Checked against torch 2.14.1 and 2.15.0 (``TESTED_TORCH``; pyproject pins the sa
 from __future__ import annotations
 
 import subprocess
+import time
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    _Action,
     _PeriodicTimer,
     _RendezvousExitOp,
+    _RendezvousJoinOp,
 )
 
 # The oldest and newest torch release this module was checked against (pyproject's range).
@@ -88,6 +92,121 @@ def exit_round(handler: DynamicRendezvousHandler, deadline: float) -> None:
     handler._stop_heartbeats()
     with handler._heartbeat_lock:
         handler._op_executor.run(_RendezvousExitOp(), deadline)
+
+
+# --- rendezvous ops: the join hook and dead-node expiry ------------------------------------
+# torch's rendezvous is a loop of ops: a callable (context, deadline) -> _Action that reads the
+# shared state, and one executor (handler._op_executor.run) that carries the action out and
+# writes the state back with compare-and-set. We add two things through that same seam:
+# - a hook around the join op (_RendezvousJoinOp): close a re-forming round as soon as every
+#   node still alive has joined (MARK_RENDEZVOUS_COMPLETE, the action torch's own op returns
+#   at the last-call deadline), and wait for a state change by polling the store key instead
+#   of torch's fixed 1 s SYNC sleep (KEEP_ALIVE then resyncs, and writes only our heartbeat);
+# - an op that expires the heartbeats of nodes known dead, so torch's own state sanitiser
+#   removes them at once (as it does after interval x attempts) with its own bookkeeping.
+# _RendezvousContext: .node, .state (participants, wait_list, complete, round,
+#   last_heartbeats), .settings (min_nodes, max_nodes).
+JOIN_ACTIONS = ("SYNC", "KEEP_ALIVE", "MARK_RENDEZVOUS_COMPLETE", "FINISH", "ERROR_TIMEOUT")
+STATE_FIELDS = ("round", "complete", "participants", "wait_list", "last_heartbeats", "deadline")
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundView:
+    """What the join hook sees of the round this node is joining."""
+
+    me: Any
+    round: int
+    complete: bool
+    joined: frozenset[Any]
+    waiting: frozenset[Any]
+    min_nodes: int
+    max_nodes: int
+    last_call_ends: datetime | None = None  # the round's last-call deadline (UTC), if open
+
+    def key(self) -> tuple[Any, ...]:
+        """What a wake-up is about: anything but heartbeats."""
+        return (self.round, self.complete, self.joined, self.waiting)
+
+
+CLOSE, POLLED = "close", "polled"  # the join hook's answers (None: torch's own action)
+JoinHook = Callable[[RoundView, bool], str | None]  # (view, may wait) -> answer
+
+
+def install_join_hook(handler: DynamicRendezvousHandler, hook: JoinHook) -> None:
+    """Route every join op of ``handler`` through ``hook`` (idempotent). The hook is asked
+    only where torch's own op would wait (SYNC / KEEP_ALIVE; ``may_wait`` only for SYNC, a due
+    heartbeat is not delayed): it answers CLOSE (mark the round complete now), POLLED (it
+    waited for a state change itself: resync at once) or None (torch's own action)."""
+    executor = handler._op_executor
+    if getattr(executor, "elastic_train_hooked", False):
+        return
+    run = executor.run
+
+    def hooked_run(op: Any, deadline: float, update_deadline: Any = None) -> None:
+        if isinstance(op, _RendezvousJoinOp):
+            op = _hooked_join(op, hook)
+        run(op, deadline, update_deadline)
+
+    executor.run = hooked_run
+    executor.elastic_train_hooked = True
+
+
+def _hooked_join(op: Any, hook: JoinHook) -> Callable[[Any, float], Any]:
+    def join(ctx: Any, deadline: float) -> Any:
+        action = op(ctx, deadline)
+        if action not in (_Action.SYNC, _Action.KEEP_ALIVE):
+            return action
+        answer = hook(round_view(ctx), action == _Action.SYNC)
+        if answer == CLOSE:
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+        if answer == POLLED and ctx.node in ctx.state.last_heartbeats:
+            return _Action.KEEP_ALIVE  # resync now; torch's SYNC would sleep 1 s first
+        return action
+
+    return join
+
+
+def round_view(ctx: Any) -> RoundView:
+    settings = ctx.settings
+    return _view(ctx.state, ctx.node, int(settings.min_nodes), int(settings.max_nodes))
+
+
+def state_view(state: Any, view: RoundView) -> RoundView:
+    """``view`` updated from a decoded store state (``decode_rendezvous_state``)."""
+    return _view(state, view.me, view.min_nodes, view.max_nodes)
+
+
+def _view(state: Any, me: Any, min_nodes: int, max_nodes: int) -> RoundView:
+    return RoundView(
+        me=me,
+        round=int(state.round),
+        complete=bool(state.complete),
+        joined=frozenset(state.participants),
+        waiting=frozenset(state.wait_list),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        last_call_ends=state.deadline,
+    )
+
+
+def expire_nodes(handler: DynamicRendezvousHandler, nodes: set[Any], deadline: float) -> None:
+    """Set the heartbeats of ``nodes`` to the epoch in the shared state; torch's sanitiser
+    then removes them (participants, wait list) at the next sync, everywhere."""
+
+    def expire(ctx: Any, op_deadline: float) -> Any:
+        beats = ctx.state.last_heartbeats
+        due = [n for n in nodes if n in beats and beats[n] != _EPOCH]
+        if not due:
+            return _Action.FINISH
+        if time.monotonic() > op_deadline:
+            return _Action.ERROR_TIMEOUT
+        for node in due:
+            beats[node] = _EPOCH
+        return _Action.KEEP_ALIVE  # any write action: the executor marks the state dirty
+
+    with handler._heartbeat_lock:
+        handler._op_executor.run(expire, deadline)
 
 
 # --- torch/distributed/elastic/agent/server ---------------------------------------------
@@ -205,6 +324,10 @@ def checks() -> dict[str, Callable[[], bool]]:
             hasattr(_PeriodicTimer, m) for m in ("set_name", "start", "cancel")
         ),
         "_RendezvousExitOp()": lambda: callable(_RendezvousExitOp()),
+        "_RendezvousJoinOp()": lambda: callable(_RendezvousJoinOp()),
+        **{f"_Action.{a}": _has_action(a) for a in JOIN_ACTIONS},
+        "DynamicRendezvousHandler._op_executor.run(op, deadline, update_deadline)": _run_shape,
+        "_RendezvousState fields": _state_fields,
         "RendezvousTimeout._last_call": lambda: "_last_call" in _timeout_slots(),
         **{
             f"DynamicRendezvousHandler.{a}": _attr_check(a, handler_init)
@@ -222,6 +345,29 @@ def checks() -> dict[str, Callable[[], bool]]:
         ),
         "DefaultLogsSpecs.reify: a console stream is ''": _console_marker,
     }
+
+
+def _has_action(name: str) -> Callable[[], bool]:
+    return lambda: name in _Action.__members__
+
+
+def _run_shape() -> bool:
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    params = list(inspect.signature(dr._DistributedRendezvousOpExecutor.run).parameters)
+    return params[:4] == ["self", "state_handler", "deadline", "update_deadline"]
+
+
+def _state_fields() -> bool:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    state = dr._RendezvousState()
+    ctx_init = dr._RendezvousContext.__init__.__code__.co_varnames
+    return all(hasattr(state, f) for f in STATE_FIELDS) and {"node", "state", "settings"} <= set(
+        ctx_init
+    )
 
 
 def _key_format() -> bool:

@@ -25,9 +25,9 @@ from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import first_line
 from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
-from elastic_trainer.supervisor import decisions
+from elastic_trainer.supervisor import decisions, presence
 from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
-from elastic_trainer.supervisor.membership import MembershipWatch
+from elastic_trainer.supervisor.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.observer import GroupObserver
 from elastic_trainer.supervisor.policy import RestartPolicy, WorkerExit, signal_name
 from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
@@ -112,6 +112,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             status, code = self._preempt()
         finally:
             self._procs.kill(grace_s=1.0)
+            self._membership.close()
             self._shutdown(timeout=2)
         return AgentOutcome(
             status=status,
@@ -123,6 +124,8 @@ class ElasticTrainAgent(LocalElasticAgent):
 
     def _loop(self) -> tuple[str, int]:
         wg = self._worker_group
+        cfg = self._cfg
+        self._membership.open_presence(presence.bind_host(cfg.local_addr, cfg.rdzv_host))
         self._initialize_workers(wg)
         while True:
             if self._stop.wait(self._cfg.monitor_interval):
@@ -133,14 +136,16 @@ class ElasticTrainAgent(LocalElasticAgent):
             if result.state == WorkerState.SUCCEEDED:
                 self._exit_barrier()
                 return STATUS_SUCCEEDED, protocol.SUPERVISOR_EXIT_OK
-            if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            if peers := self._membership.lost_peers():  # explains a failure of ours too
+                outcome = self._on_peers_gone(peers, silent=False)
+            elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
                 outcome = self._on_failure(result)
             elif verdict is not None:
                 outcome = self._on_hang(verdict)
             elif self._membership.nodes_waiting() > 0:
                 outcome = decisions.on_nodes_waiting(self._policy, self._state)
             elif peers := self._membership.silent_peers():
-                outcome = self._on_silent_peers(peers)
+                outcome = self._on_peers_gone(peers, silent=True)
             else:
                 continue
             if outcome.verdict == Verdict.CONFIG_ERROR:
@@ -191,8 +196,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         )
         for rank, cause in outcome.causes.items():
             self._emit_failed(rank, result.failures[rank], cause)
-        if outcome.verdict == Verdict.CHECK_PEERS:
-            lost = self._membership.wait_for_lost_peer(self._stop.wait)
+        if outcome.verdict == Verdict.CHECK_PEERS:  # a closed connection needs no wait
+            lost = bool(self._membership.lost_peers())
+            lost = lost or self._membership.wait_for_lost_peer(self._stop.wait)
             outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=lost)
         if outcome.verdict == Verdict.CONFIG_ERROR:
             self._error = self._config_error_line(outcome, result)
@@ -209,21 +215,21 @@ class ElasticTrainAgent(LocalElasticAgent):
         why = summary or "see its output above"
         return f"worker rank {rank} refused its configuration (exit 2): {why}"
 
-    def _on_silent_peers(self, peers: set[Any]) -> decisions.Outcome:
-        """Members stopped beating without a reset (frozen, partitioned): our workers would
-        block in a collective until its timeout; re-form without them now."""
-        emit(
-            "peer.silent",
-            level="warning",
-            nodes=sorted(_node_name(p) for p in peers),
-            silent_s=self._cfg.rdzv.dead_after_s,
-        )
+    def _on_peers_gone(self, peers: set[Any], *, silent: bool) -> decisions.Outcome:
+        """Members are gone: lost (their agent's connection closed: the process died) or
+        silent (no heartbeat and no reset: frozen, partitioned; our workers would block in a
+        collective until its timeout). Re-form without them now."""
+        nodes = sorted(node_name(p) for p in peers)
+        if silent:
+            emit("peer.silent", level="warning", nodes=nodes, silent_s=self._cfg.rdzv.dead_after_s)
+        else:
+            emit("peer.lost", level="warning", nodes=nodes, how="connection_closed")
         self.ledger.failed(
             cause=MembershipReason.NODE_LOST.value,
             now=time.time(),
             world_size=self._state.world_size or 0,
         )
-        return decisions.on_peers_silent(self._policy, self._state)
+        return decisions.on_peers_gone(self._policy, self._state)
 
     def _on_hang(self, verdict: HangVerdict) -> decisions.Outcome:
         rank = self._global_rank(verdict.local_rank)
@@ -274,6 +280,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
+        self._membership.before_rejoin()
         self._join_round(worker_group)
         self._membership.round_formed()
         world_size = worker_group.workers[0].world_size
@@ -404,9 +411,3 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _global_rank(self, local_rank: int) -> int:
         workers = self._worker_group.workers
         return workers[local_rank].global_rank if local_rank < len(workers) else local_rank
-
-
-def _node_name(node: Any) -> str:
-    """A rendezvous node as ops can find it: its address and its agent's pid."""
-    addr, pid = getattr(node, "addr", None), getattr(node, "pid", None)
-    return f"{addr}:{pid}" if addr is not None and pid is not None else str(node)

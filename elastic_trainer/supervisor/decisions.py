@@ -12,7 +12,7 @@ whether a counted failure may still turn out to be a node loss (then it is refun
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 
 from elastic_trainer import protocol
@@ -132,10 +132,35 @@ def on_nodes_waiting(policy: RestartPolicy, state: SupervisorState) -> Outcome:
     return _membership(policy, state, MembershipReason.NODE_JOINED, {})
 
 
-def on_peers_silent(policy: RestartPolicy, state: SupervisorState) -> Outcome:
-    """Members of our round stopped beating (no reset: frozen or cut off): re-form without
-    them at once, free of charge, instead of waiting out a collective timeout."""
+def on_peers_gone(policy: RestartPolicy, state: SupervisorState) -> Outcome:
+    """Members of our round are gone: lost (their agent's connection closed without a goodbye)
+    or silent (no heartbeat, no reset: frozen or cut off). Re-form without them at once, free
+    of charge, instead of waiting for their heartbeats to expire or a collective to time out."""
     return _membership(policy, state, MembershipReason.NODE_LOST, {}, relabel=True)
+
+
+def close_round_now(
+    *,
+    me: object,
+    complete: bool,
+    joined: Set[object],
+    waiting: Set[object],
+    known: Set[object],
+    dead: Set[object],
+    min_nodes: int,
+    max_nodes: int,
+) -> bool:
+    """May this node close the re-forming round it has joined, without the last-call wait?
+
+    Yes once every node still alive from the previous round (``known`` minus ``dead``) and every
+    node already waiting to join has joined, within [min_nodes, max_nodes]. The last call is for
+    nodes nobody knows about yet; one starting now is admitted by the next round. The first round
+    (nothing ``known``) keeps its patient last call: nodes start seconds apart.
+    """
+    if complete or me not in joined or not known:
+        return False
+    expected = (set(known) - set(dead)) | set(waiting)
+    return min_nodes <= len(joined) <= max_nodes and expected <= set(joined)
 
 
 def _membership(

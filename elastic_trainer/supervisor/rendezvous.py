@@ -19,6 +19,11 @@ changes three things, each for a measured reason (shared/BASELINES.md):
   node rank 0, so node rank 0 publishes its own address for it (torch's published the address
   of the node *it* numbered 0: on separate machines the other workers would dial a host where
   no store runs).
+- no idle waits: a re-forming round closes as soon as every node still alive from the previous
+  round (and every node already waiting) has joined (``decisions.close_round_now``); nodes the
+  agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
+  in the shared state first, so nobody waits for their heartbeats to run out; and a node that
+  waits for others polls the state every 50 ms instead of torch's fixed 1 s sleep.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_trainer import torch_compat
 from elastic_trainer.config import RunConfig
+from elastic_trainer.supervisor import decisions
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,10 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _later_last_call = timedelta(seconds=2)
     _rounds_joined = 0
     _static_rank: int | None = None
+    _known: frozenset[Any] = frozenset()  # the members of the last round this node formed
+    _dead: frozenset[Any] = frozenset()  # nodes known gone, expired before the next join
+    store: Any = None  # the c10d store (create_handler): state polls and presence addresses
+    poll_s = 0.05  # while waiting for others to join: how often the state is read
 
     def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
         self._first_last_call = timedelta(seconds=first_last_call_s)
@@ -61,9 +71,63 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> Any:
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
         torch_compat.set_last_call_timeout(self, last_call)
+        torch_compat.install_join_hook(self, self._join_hook)
         self._rounds_joined += 1
+        if self._dead:
+            self._expire_dead()
         info = super().next_rendezvous()
+        self._known, self._dead = frozenset(self.participants()), frozenset()
         return with_group_rank(info, self._static_rank, local_addr=self.this_node.addr)
+
+    def mark_dead(self, nodes: set[Any]) -> None:
+        """Nodes known gone: expired in the shared state before our next join, and not waited
+        for. Only for certain knowledge (a closed connection, a goodbye, a confirmed silence)."""
+        self._dead = self._dead | frozenset(nodes)
+
+    def _expire_dead(self) -> None:
+        deadline = time.monotonic() + torch_compat.close_timeout_s(self)
+        try:
+            torch_compat.expire_nodes(self, set(self._dead), deadline)
+        except Exception as exc:  # their heartbeats still expire: slower, not wrong
+            log.warning("could not expire lost nodes in the rendezvous: %s", exc)
+
+    def _join_hook(self, view: torch_compat.RoundView, may_wait: bool) -> str | None:
+        close = decisions.close_round_now(
+            me=view.me,
+            complete=view.complete,
+            joined=view.joined,
+            waiting=view.waiting,
+            known=self._known,
+            dead=self._dead,
+            min_nodes=view.min_nodes,
+            max_nodes=view.max_nodes,
+        )
+        if close:
+            return torch_compat.CLOSE
+        if may_wait and self.store is not None:
+            self._wait_for_change(view)
+            return torch_compat.POLLED
+        return None
+
+    def _wait_for_change(self, view: torch_compat.RoundView) -> None:
+        """Until round, completion, participants or wait list change (not mere heartbeats),
+        at most half a keep-alive interval (a heartbeat is due then) and never past the
+        round's last-call deadline (torch's op closes the round then)."""
+        interval_s, _ = torch_compat.keep_alive(self)
+        wait_s = interval_s / 2
+        if view.last_call_ends is not None:
+            left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
+            wait_s = min(wait_s, max(0.0, left_s))
+        until = time.monotonic() + wait_s
+        key = torch_compat.rendezvous_key(self.get_run_id())
+        while time.monotonic() < until:
+            time.sleep(self.poll_s)
+            try:
+                state = torch_compat.decode_rendezvous_state(self.store.get(key))
+            except Exception:  # unreadable now: torch's own sync reports store trouble
+                return
+            if state is None or torch_compat.state_view(state, view).key() != view.key():
+                return
 
     def _start_heartbeats(self) -> None:
         torch_compat.start_fast_heartbeats(self)
@@ -100,6 +164,18 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     @property
     def this_node(self) -> Any:
         return torch_compat.this_node(self)
+
+    # ---- presence addresses (see presence.py) ---------------------------------------------
+    def _presence_key(self, node: Any) -> str:
+        return f"elastic-train/{self.get_run_id()}/presence/{node!r}"
+
+    def publish_presence(self, address: str) -> None:
+        self.store.set(self._presence_key(self.this_node), address)
+
+    def presence_addresses(self, nodes: set[Any]) -> dict[Any, str]:
+        """node -> its published presence address, for the nodes that published one."""
+        keys = {node: self._presence_key(node) for node in nodes}
+        return {n: self.store.get(k).decode() for n, k in keys.items() if self.store.check([k])}
 
 
 # Under the round's own store prefix, apart from the keys torch's rank 0 already wrote.
@@ -158,4 +234,5 @@ def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHand
         later_last_call_s=tuning.last_call_timeout,
     )
     handler.use_static_rank(cfg.torchrun.node_rank)
+    handler.store = store
     return handler

@@ -39,7 +39,7 @@ def test_node_loss_shrinks_then_a_new_node_grows_the_group(tmp_path, worker_env,
         "5",
         PROTO,
         "--steps",
-        "120",
+        "250",  # long enough for a third node to start after the fast recovery
         "--step-time",
         "0.1",
         "--audit",
@@ -52,6 +52,8 @@ def test_node_loss_shrinks_then_a_new_node_grows_the_group(tmp_path, worker_env,
     agents.append(b)
     wait_for(lambda: 2 in _world_sizes(audit), 90, "steps at world size 2")
     b.kill_tree()
+    lost = a.wait_event("peer.lost", 10)  # its closed connection, not its heartbeats' expiry
+    assert lost["how"] == "connection_closed" and len(lost["nodes"]) == 1
     wait_for(lambda: _world_sizes(audit)[-1:] == [1], 60, "steps at world size 1")
     shrink = a.wait_event("membership.changed", 10, lambda e: e["new_world_size"] == 1)
     assert shrink["old_world_size"] == 2
@@ -61,14 +63,14 @@ def test_node_loss_shrinks_then_a_new_node_grows_the_group(tmp_path, worker_env,
     assert recovered["downtime_s"] < 20
     c = start_agent(tmp_path, "c", argv, env, port=port)
     agents.append(c)
-    grow = a.wait_event("membership.changed", 90, lambda e: e["new_world_size"] == 2)
-    assert grow["reason"] == "node_joined"
+    grow = a.wait_event("membership.changed", 90, lambda e: e["timestamp"] > shrink["timestamp"])
+    assert (grow["new_world_size"], grow["reason"]) == (2, "node_joined")
     assert a.wait(150) == 0 and c.wait(60) == 0
     finished = a.events("job.finished")[-1]
     assert finished["status"] == "succeeded" and finished["restarts"] == 0  # membership is free
     steps = read_audit(audit)
-    assert max(s for s, _, _ in steps) == 120
-    assert [w for s, _, w in steps if s == 120] == [2, 2]  # finished at world size 2 again
+    assert max(s for s, _, _ in steps) == 250
+    assert [w for s, _, w in steps if s == 250] == [2, 2]  # finished at world size 2 again
 
 
 def test_sigterm_to_one_of_two_agents_stops_it_cleanly_and_the_other_continues(
@@ -116,6 +118,7 @@ def test_sigterm_to_one_of_two_agents_stops_it_cleanly_and_the_other_continues(
         assert a.wait(120) == 0
         assert a.events("job.finished")[-1]["restarts"] == 0
         assert max(s for s, _, _ in read_audit(audit)) == 80
+        assert not a.events("peer.lost")  # b said goodbye: it left, it was not lost
     finally:
         store.kill()
         store.wait(10)
@@ -142,6 +145,7 @@ def test_a_frozen_node_is_dropped_by_its_silence_and_the_job_goes_on(tmp_path, w
     assert silent["nodes"]
     shrink = a.wait_event("membership.changed", 30, lambda e: e["new_world_size"] == 1)
     assert shrink["reason"] == "node_lost"
+    assert not a.events("peer.lost")  # frozen is alive: its connection stays open
     wait_for(lambda: _world_sizes(audit)[-1:] == [1], 60, "steps at world size 1")
     b.signal_tree(signal.SIGCONT)
     assert a.wait(180) == 0

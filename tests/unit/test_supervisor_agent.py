@@ -34,10 +34,22 @@ class Round:
 
 
 class FakeHandler:
+    this_node = "node0"
+
     def __init__(self, agent_script: Script) -> None:
         self.script = agent_script
         self.round = 0
         self.left = False
+        self.marked_dead: list[set[str]] = []  # per rejoin that had any
+
+    def mark_dead(self, nodes: set[str]) -> None:
+        self.marked_dead.append(set(nodes))
+
+    def publish_presence(self, address: str) -> None:
+        pass
+
+    def presence_addresses(self, nodes: set[str]) -> dict[str, str]:
+        return {}
 
     def participants(self) -> set[str]:
         return {f"node{i}" for i in range(self.script.current.nodes)}
@@ -88,6 +100,27 @@ class FakeStop:
         pass
 
 
+class FakePeers:
+    """presence.PeerWatch, scripted: which peers' connections closed, from which tick."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+
+    def watch(self, peers: Any) -> None:
+        pass
+
+    def lost(self) -> set[str]:
+        script = self.script
+        first_round = script.index == 0
+        return set(script.closed) if first_round and script.tick >= script.closed_from else set()
+
+    def left(self) -> set[str]:
+        return set(self.script.left) if self.script.index == 0 else set()
+
+    def close(self) -> None:
+        pass
+
+
 class FakeProcs:
     def __init__(self) -> None:
         self.killed_pids: set[int] = set()
@@ -116,8 +149,13 @@ class Script:
         lost_peers: tuple[str, ...] = (),
         silent: tuple[str, ...] = (),
         silent_from: int | None = None,
+        closed: tuple[str, ...] = (),
+        closed_from: int = 0,
+        left: tuple[str, ...] = (),
     ) -> None:
+        self.left = left  # peers that said goodbye on their presence connection
         self.silent, self.silent_from = silent, silent_from
+        self.closed, self.closed_from = closed, closed_from  # presence connections closed
         self.rounds = rounds
         self.index = -1
         self.tick = 0
@@ -159,6 +197,8 @@ class ScriptedAgent(ElasticTrainAgent):
             dead_after_s=3.0,
             clock=lambda: self.clock,
         )
+        self._membership.peers = FakePeers(script)  # type: ignore[assignment]
+        self._membership.open_presence = lambda bind_host: None  # type: ignore[method-assign]
 
     def _join_round(self, worker_group: Any) -> None:
         self.script.index += 1
@@ -309,10 +349,12 @@ def test_a_node_joining_re_forms_the_group_for_free(tmp_path) -> None:
 def test_a_peer_preemption_is_a_membership_change_not_a_failure(tmp_path) -> None:
     exit_75 = protocol.EXIT_PEER_PREEMPTED
     rounds = [Round(nodes=2, ticks=[{0: exit_75}]), Round(nodes=1, ticks=[{0: OK}])]
-    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0)
+    outcome, logs, agent = run(rounds, tmp_path, max_restarts=0, left=("node1",))
     assert (outcome.status, outcome.restarts) == ("succeeded", 0)
     assert named(logs, "worker.failed")[0]["cause"] == "preempted"
     assert named(logs, "membership.changed")[0]["reason"] == "peer_preempted"
+    assert not named(logs, "peer.lost")  # it said goodbye: gone, not lost ...
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]  # ... not waited for
 
 
 def test_a_hang_kills_and_restarts_with_reason_hang(tmp_path) -> None:
@@ -369,13 +411,51 @@ def test_a_silent_peer_is_dropped_once_confirmed_without_waiting_for_a_timeout(t
     checks one interval apart the group re-forms without it, for free."""
     running = {0: RUNNING}
     rounds = [Round(nodes=2, ticks=[running] * 12), Round(nodes=1, ticks=[{0: OK}])]
-    outcome, logs, _ = run(rounds, tmp_path, silent=("node1",), silent_from=5)
+    outcome, logs, agent = run(rounds, tmp_path, silent=("node1",), silent_from=5)
     assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]  # no last call
     (silent,) = named(logs, "peer.silent")
     assert silent["nodes"] == ["node1"]
     assert named(logs, "group.restarting")[0]["reason"] == "membership"
     assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
     assert not named(logs, "worker.failed")
+
+
+def test_a_peer_whose_connection_closed_is_dropped_at_once(tmp_path) -> None:
+    """node1's process died: its presence connection closed. We re-form at the next tick,
+    for free, before our worker's collective fails, and the rendezvous is told it is dead."""
+    ticks = [{0: RUNNING}] * 5 + [{0: 1}]  # our worker would fail on the dead peer later
+    rounds = [Round(nodes=2, ticks=ticks), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, agent = run(rounds, tmp_path, closed=("node1",), closed_from=2)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    (lost,) = named(logs, "peer.lost")
+    assert (lost["nodes"], lost["how"]) == (["node1"], "connection_closed")
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+    assert not named(logs, "worker.failed")
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]
+
+
+def test_a_failure_with_the_budget_spent_and_a_closed_peer_needs_no_heartbeat_wait(
+    tmp_path,
+) -> None:
+    """Our worker failed and the budget is spent: a lost peer would explain it. Its closed
+    connection says so at once; no waiting for its heartbeats to expire."""
+    rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
+
+    def clock_moves_with_waits(agent: ScriptedAgent) -> None:
+        def wait(timeout: float) -> bool:
+            agent.stop.waits.append(timeout)
+            agent.clock += timeout
+            return False
+
+        agent.stop.wait = wait  # type: ignore[method-assign]
+
+    outcome, logs, agent = run(
+        rounds, tmp_path, max_restarts=0, closed=("node1",), prepare=clock_moves_with_waits
+    )
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert 0.5 not in agent.stop.waits  # wait_for_lost_peer's polls never ran
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
 
 
 def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:

@@ -120,3 +120,48 @@ def test_partial_exits(codes, seen, now, expected) -> None:
 @pytest.mark.parametrize(("grace", "kill_at"), [(25.0, 123.0), (5.0, 104.0), (0.0, 100.0)])
 def test_preemption_kill_leaves_a_margin_inside_the_grace_period(grace, kill_at) -> None:
     assert decisions.preemption_kill_at(100.0, grace) == kill_at
+
+
+def close(**kw: object) -> bool:
+    base: dict = dict(
+        me="a", complete=False, joined={"a"}, waiting=set(), known={"a", "b"}, dead=set()
+    )
+    return decisions.close_round_now(**{**base, **kw}, min_nodes=1, max_nodes=4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("case", "kw", "closes"),
+    [
+        ("the lost node is known dead: no wait", dict(dead={"b"}), True),
+        ("a live peer has not rejoined yet: wait for it", {}, False),
+        ("every member rejoined", dict(joined={"a", "b"}), True),
+        ("a node waits to join: wait for it", dict(known={"a"}, waiting={"c"}), False),
+        ("the waiting node joined", dict(known={"a"}, joined={"a", "c"}), True),
+        ("first round: the patient last call", dict(known=set()), False),
+        ("not a participant: may not close", dict(joined={"b"}, dead={"a"}), False),
+        ("already complete", dict(complete=True, dead={"b"}), False),
+    ],
+)
+def test_a_reforming_round_closes_once_every_live_node_is_in(case, kw, closes) -> None:
+    assert close(**kw) is closes, case
+
+
+def test_a_round_below_min_nodes_never_closes_early() -> None:
+    assert not decisions.close_round_now(
+        me="a",
+        complete=False,
+        joined={"a"},
+        waiting=set(),
+        known={"a", "b"},
+        dead={"b"},
+        min_nodes=2,
+        max_nodes=2,
+    )
+
+
+def test_gone_peers_are_a_free_node_lost_membership_change() -> None:
+    policy = RestartPolicy(max_restarts=0)
+    out = decisions.on_peers_gone(policy, SupervisorState(world_size=2))
+    assert out.verdict == Verdict.RESTART
+    assert out.state.membership_reason == MembershipReason.NODE_LOST
+    assert out.state.restarts == 0 and out.recovery_cause == "node_lost"

@@ -12,16 +12,19 @@ on global rank --die-rank, remembered through --marker), --exit-code C with --fa
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import signal
-import sys
 import time
 
-import torch
-import torch.distributed as dist
+STARTED_AT = time.time()  # before ``import torch``: bench/recovery.py times the worker start
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 EXIT_PEER_PREEMPTED = 75
 
@@ -36,6 +39,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fail-always", action="store_true")
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--audit", default="")
+    p.add_argument("--markers", default="", help="append 'name time rank world' lines here")
     p.add_argument(
         "--spawn-child", default="", help="start a detached grandchild, log its pid here"
     )
@@ -47,6 +51,12 @@ def atomic_write(path: str, payload: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f)
     os.replace(tmp, path)
+
+
+def mark(path: str, name: str, at: float, rank: int, world: int) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{name} {at:.3f} {rank} {world}\n")
 
 
 def restore(snap_dir: str) -> int:
@@ -77,7 +87,10 @@ def main() -> int:
     control = os.environ["ELASTIC_TRAIN_CONTROL_DIR"]
     snap_dir = os.environ.get("ELASTIC_TRAIN_SNAPSHOT_DIR") or ""
     every = int(os.environ.get("ELASTIC_TRAIN_SNAPSHOT_EVERY", "5"))
+    mark(args.markers, "began", STARTED_AT, rank, world)
+    mark(args.markers, "group_ready", time.time(), rank, world)
     start = restore(snap_dir) if snap_dir else 0
+    mark(args.markers, "restored", time.time(), rank, world)
     step = start
     while step < args.steps:
         if step == args.die_at and rank == args.die_rank and not os.path.exists(args.marker):
