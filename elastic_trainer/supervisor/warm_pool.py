@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import random
 import signal
 import socket
 import sys
@@ -198,16 +197,7 @@ def _adopt(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    _reseed()
-
-
-def _reseed() -> None:
-    """A fresh interpreter seeds ``random`` (and numpy its global generator) from the OS;
-    forked workers would all share the pool's state: seed them as a fresh start would."""
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    # no reseeding: ``random`` and numpy's global generator reseed in a forked child
 
 
 def main(argv: list[str]) -> int:

@@ -247,12 +247,14 @@ class WarmPool:
         deadline = time.monotonic() + timeout
         while not self._ready and self.failure is None:
             left = deadline - time.monotonic()
-            if left <= 0:
-                self._fail(f"not ready within {timeout:g} s")
-            elif cancelled():
+            if cancelled():
                 return False
-            else:
+            try:
+                if left <= 0:
+                    self._fail(f"not ready within {timeout:g} s")
                 self._ready = self._read_ready(min(left, 0.2))
+            except WarmPoolUnavailable:
+                return False
         return self._ready and self.failure is None
 
     def _read_ready(self, timeout: float) -> bool:
