@@ -81,12 +81,12 @@ def preload(modules: list[str]) -> list[str]:
 def fork_refusal() -> str | None:
     """Why forking a worker now would be unsafe, or None. A thread (ours or a library's)
     may hold a lock the child would wait on for ever; a CUDA context does not survive fork."""
-    threads = _native_threads()
-    if threading.active_count() > 1 or threads > 1:
-        return f"the warm pool has {threads} threads; it forks only while single-threaded"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised in the warm pool; a forked worker could not use it"
+    threads = _native_threads()
+    if threading.active_count() > 1 or threads > 1:
+        return f"the warm pool has {threads} threads; it forks only while single-threaded"
     return None
 
 

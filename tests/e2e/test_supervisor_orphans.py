@@ -90,7 +90,19 @@ def test_sigkill_while_workers_are_being_started_leaves_none_behind(tmp_path, wo
     supervisor = psutil.Process(agent.proc.pid)
 
     def first_worker():
-        return any("bootstrap" in _cmdline(c) for c in _children(supervisor))
+        # a fresh worker runs the bootstrap; a warm one is a fork of the pool (same cmdline)
+        # re-parented to the supervisor
+        pools = {e["pid"] for e in agent.events("warm_pool.ready")}
+        return any(
+            "bootstrap" in _cmdline(c)
+            or (
+                pools
+                and "warm_pool" in _cmdline(c)
+                and c.pid not in pools
+                and _ppid(c) == agent.proc.pid
+            )
+            for c in _children(supervisor)
+        )
 
     wait_for(first_worker, 60, "the first worker process", step=0.005)
     agent.proc.send_signal(signal.SIGKILL)
@@ -114,6 +126,39 @@ def test_clean_exit_and_sigterm_leave_no_sentinel_and_no_zombie(tmp_path, worker
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.wait(60) == 143
     _assert_all_gone(stopped)
+
+
+def test_sigkill_of_the_supervisor_ends_its_warm_pool_and_the_workers_it_forked(
+    tmp_path, worker_env, agents
+):
+    agent = _start(tmp_path, worker_env, nproc=2)
+    agents.append(agent)
+    pids = _workers(tmp_path, 2)
+    _assert_were_alive(pids)
+    (started,) = wait_for(lambda: agent.events("workers.started"), 30, "workers.started")
+    assert started["warm"]  # forked from the pool, which is alive and ours
+    (ready,) = agent.events("warm_pool.ready")
+    pool = psutil.Process(ready["pid"])
+    assert pool.is_running() and pool.ppid() == agent.proc.pid
+    assert {_ppid(psutil.Process(row["worker"])) for row in pids} == {agent.proc.pid}
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait(timeout=10)
+    _assert_all_gone(tmp_path)  # the pool carries ORPHAN_DIR too
+    wait_for(lambda: not _alive(pool), GONE_WITHIN_S, "the warm pool to be gone")
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ppid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except psutil.Error:
+        return None
 
 
 def _cmdline(proc: psutil.Process) -> str:

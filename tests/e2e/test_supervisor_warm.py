@@ -8,7 +8,13 @@ from datetime import datetime
 import psutil
 import pytest
 
-from tests.e2e.workers.harness import PROTO, env_with, free_port, read_audit, start_agent
+from tests.e2e.workers.harness import (
+    env_with,
+    free_port,
+    kill_once_argv,
+    read_audit,
+    start_agent,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -18,26 +24,7 @@ def test_a_restart_after_a_worker_kill_uses_the_pool_and_loses_no_sample(
     tmp_path, worker_env, agents, warm
 ):
     audit = tmp_path / "audit"
-    argv = [
-        "--nproc-per-node",
-        "2",
-        "--warm-workers" if warm else "--no-warm-workers",
-        "--snapshot-dir",
-        str(tmp_path / "snap"),
-        "--snapshot-every",
-        "5",
-        PROTO,
-        "--steps",
-        "20",
-        "--die-at",
-        "7",
-        "--die-rank",
-        "1",
-        "--marker",
-        str(tmp_path / "died"),
-        "--audit",
-        str(audit),
-    ]
+    argv = kill_once_argv(tmp_path, "--warm-workers" if warm else "--no-warm-workers")
     agent = start_agent(tmp_path, "n0", argv, env_with(worker_env), port=free_port())
     agents.append(agent)
     assert agent.wait(150) == 0

@@ -96,6 +96,15 @@ def test_no_pool_when_off_for_non_python_workers_or_without_a_subreaper():
     assert "subreaper" in (pool_refusal(cfg, subreaper=False) or "")
 
 
+def test_the_pool_never_forks_after_cuda_was_initialised(monkeypatch):
+    import torch
+
+    from elastic_trainer.supervisor import warm_pool
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA" in (warm_pool.fork_refusal() or "")
+
+
 # ---- a real pool -------------------------------------------------------------------------
 @pytest.fixture
 def subreaper():
