@@ -68,9 +68,17 @@ def test_sigkill_of_the_supervisor_alone_ends_workers_and_their_children(
     agents.append(agent)
     pids = _workers(tmp_path, 2)
     _assert_were_alive(pids)
+    # the workers were forked by the warm pool (on by default), which is alive and ours
+    (started,) = wait_for(lambda: agent.events("workers.started"), 30, "workers.started")
+    assert started["warm"]
+    (ready,) = agent.events("warm_pool.ready")
+    pool = psutil.Process(ready["pid"])
+    assert _alive(pool) and pool.ppid() == agent.proc.pid
+    assert {_ppid(psutil.Process(row["worker"])) for row in pids} == {agent.proc.pid}
     agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait(timeout=10)
     _assert_all_gone(tmp_path)
+    wait_for(lambda: not _alive(pool), GONE_WITHIN_S, "the warm pool to be gone")
 
 
 def test_sigkill_of_the_supervisors_process_group_ends_the_whole_node(tmp_path, worker_env, agents):
@@ -126,25 +134,6 @@ def test_clean_exit_and_sigterm_leave_no_sentinel_and_no_zombie(tmp_path, worker
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.wait(60) == 143
     _assert_all_gone(stopped)
-
-
-def test_sigkill_of_the_supervisor_ends_its_warm_pool_and_the_workers_it_forked(
-    tmp_path, worker_env, agents
-):
-    agent = _start(tmp_path, worker_env, nproc=2)
-    agents.append(agent)
-    pids = _workers(tmp_path, 2)
-    _assert_were_alive(pids)
-    (started,) = wait_for(lambda: agent.events("workers.started"), 30, "workers.started")
-    assert started["warm"]  # forked from the pool, which is alive and ours
-    (ready,) = agent.events("warm_pool.ready")
-    pool = psutil.Process(ready["pid"])
-    assert pool.is_running() and pool.ppid() == agent.proc.pid
-    assert {_ppid(psutil.Process(row["worker"])) for row in pids} == {agent.proc.pid}
-    agent.proc.send_signal(signal.SIGKILL)
-    agent.proc.wait(timeout=10)
-    _assert_all_gone(tmp_path)  # the pool carries ORPHAN_DIR too
-    wait_for(lambda: not _alive(pool), GONE_WITHIN_S, "the warm pool to be gone")
 
 
 def _alive(proc: psutil.Process) -> bool:
