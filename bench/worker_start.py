@@ -6,6 +6,10 @@ Two workloads, each started both ways in alternation (``--trials`` each):
 - ``builtin``: the built-in job (``-m elastic_trainer.jobs.default --help``): every import of
   the job and its argument parsing, measured from the start request to its exit.
 
+- ``restart``: end to end through the CLI, the e2e tests' proto job (2 workers, gloo) with one
+  worker SIGKILLed at step 7, ``--warm-workers`` against ``--no-warm-workers``: the
+  ``recovery.completed`` downtime (from the failure to the first step after the restart).
+
 The pool is started once per workload with the modules the supervisor would preload
 (``warm_workers.modules_to_preload``); its own start-up is not counted (it overlaps the first
 rendezvous). Prints medians and the warm/fresh ratio.
@@ -16,6 +20,7 @@ rendezvous). Prints medians and the warm/fresh ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -80,6 +85,36 @@ def measure(name: str, argv: list[str], *, until_exit: bool, trials: int) -> Non
     print(f"| {name} | {f:.3f} | {w:.3f} | {w / f:.3f} |", flush=True)
 
 
+PROTO = os.path.join(os.path.dirname(__file__), "..", "tests", "e2e", "workers", "proto_worker.py")
+
+
+def restart_downtime(warm_flag: str) -> float:
+    """One kill-once run of the proto job; its recovery.completed downtime_s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "events.jsonl")
+        cmd = [sys.executable, "-m", "elastic_trainer", "--standalone", "--nproc-per-node", "2"]
+        cmd += [warm_flag, "--log-file", log, "--snapshot-dir", os.path.join(tmp, "snap")]
+        cmd += ["--snapshot-every", "5", os.path.abspath(PROTO), "--steps", "20", "--die-at"]
+        cmd += ["7", "--die-rank", "1", "--marker", os.path.join(tmp, "died")]
+        # cwd: not the checkout, whose folders would shadow an installed package
+        subprocess.run(
+            cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        with open(log) as f:
+            events = [json.loads(line) for line in f]
+    (recovery,) = [e for e in events if e["event"] == "recovery.completed"]
+    return float(recovery["downtime_s"])
+
+
+def measure_restart(trials: int) -> None:
+    fresh_s, warm_s = [], []
+    for _ in range(trials):
+        fresh_s.append(restart_downtime("--no-warm-workers"))
+        warm_s.append(restart_downtime("--warm-workers"))
+    f, w = statistics.median(fresh_s), statistics.median(warm_s)
+    print(f"| worker SIGKILLed, restart downtime | {f:.3f} | {w:.3f} | {w / f:.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
@@ -96,6 +131,7 @@ def main() -> None:
         measure("tiny torch script, to its first line", [script], until_exit=False, trials=trials)
         builtin = ["-m", "elastic_trainer.jobs.default", "--help"]
         measure("built-in job, imports + --help", builtin, until_exit=True, trials=trials)
+    measure_restart(trials)
 
 
 if __name__ == "__main__":
