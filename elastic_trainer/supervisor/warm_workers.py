@@ -47,7 +47,8 @@ SPAWN_TIMEOUT_S = 30.0  # one fork; a pool that does not answer is treated as de
 BASE_MODULES = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
 # Top-level imports of a user script preloaded in the pool: packages known to do nothing at
 # import but define things. Anything else the script imports runs in the worker, as before.
-SAFE_ROOTS = frozenset({"torch", "torchvision", "numpy", "elastic_trainer", "snapshots"})
+OWN_PACKAGES = frozenset({"elastic_trainer", "snapshots"})
+SAFE_ROOTS = frozenset({"torch", "torchvision", "numpy", *OWN_PACKAGES})
 # Variables read when the interpreter or torch's native libraries load: a worker whose value
 # differs from the pool's must start fresh to see its own.
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTHON", "LD_", "MALLOC_")
@@ -71,19 +72,35 @@ def pool_argv(entrypoint: str, args: Sequence[str], *, executable: str) -> list[
 
 
 def modules_to_preload(argv: Sequence[str]) -> list[str]:
-    """torch, plus what this job imports that is known to be safe to import early."""
+    """torch, plus what this job imports at its top level that is known to be safe to import
+    early. A module run with ``-m`` is not imported itself: runpy would then run a second copy
+    of it as ``__main__`` (and warn); its imports are, when it is one of ours."""
     extra: list[str] = []
     if argv and argv[0] == "-m":
-        name = argv[1] if len(argv) > 1 else ""
-        if name.split(".")[0] in {"elastic_trainer", "snapshots"}:  # ours: safe to import
-            extra = [name]
+        source = own_module_file(argv[1]) if len(argv) > 1 else None
+        extra = script_imports(source) if source else []
     elif argv:
         extra = script_imports(argv[0])
     return list(dict.fromkeys([*BASE_MODULES, *extra]))
 
 
+def own_module_file(name: str) -> str | None:
+    """The source file of one of our modules (``elastic_trainer.*``, ``snapshots.*``),
+    found without importing anything; None for anyone else's."""
+    parts = name.split(".")
+    if parts[0] not in OWN_PACKAGES:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # elastic_trainer/
+    base = os.path.join(os.path.dirname(root), *parts)
+    for path in (base + ".py", os.path.join(base, "__main__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def script_imports(path: str) -> list[str]:
-    """Modules a script imports at its top level whose package is in ``SAFE_ROOTS``."""
+    """Modules a script imports at its top level whose package is in ``SAFE_ROOTS``
+    (``from a import b`` names both ``a`` and, should it be a module, ``a.b``)."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=path)
@@ -95,6 +112,7 @@ def script_imports(path: str) -> list[str]:
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
+            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
     return [n for n in dict.fromkeys(names) if n.split(".")[0] in SAFE_ROOTS]
 
 

@@ -52,12 +52,16 @@ def test_only_the_bootstrap_command_goes_to_the_pool():
     assert pool_argv("/other/python", ("-u", "-m", BOOTSTRAP_MODULE, "j.py"), executable=py) is None
 
 
-def test_preloads_our_modules_and_only_the_safe_imports_of_a_script(tmp_path):
-    assert modules_to_preload(["-m", "elastic_trainer.jobs.default", "--epochs", "1"]) == [
-        *BASE_MODULES,
-        "elastic_trainer.jobs.default",
-    ]
+def test_preloads_the_imports_of_our_module_but_never_the_module_run_as_main():
+    builtin = modules_to_preload(["-m", "elastic_trainer.jobs.default", "--epochs", "1"])
+    assert builtin[: len(BASE_MODULES)] == list(BASE_MODULES)
+    assert {"elastic_trainer.jobs.models", "elastic_trainer.runtime.plan"} <= set(builtin)
+    # imported in the pool, runpy would run a second copy of it as __main__
+    assert "elastic_trainer.jobs.default" not in builtin
     assert modules_to_preload(["-m", "their.pkg"]) == list(BASE_MODULES)
+
+
+def test_preloads_only_the_safe_top_level_imports_of_a_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
@@ -75,7 +79,9 @@ def test_preloads_our_modules_and_only_the_safe_imports_of_a_script(tmp_path):
         *BASE_MODULES,
         "torch.nn",
         "numpy",
+        "numpy.linalg",
         "elastic_trainer.runtime",
+        "elastic_trainer.runtime.TrainingSession",  # tried: from-imports may name modules
     ]
     assert modules_to_preload([str(tmp_path / "missing.py")]) == list(BASE_MODULES)
 
