@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
@@ -284,7 +284,6 @@ class WarmPool:
             return False
         if not message.get("ready"):
             self._fail(f"it answered {message!r} instead of ready")
-            return False
         emit(
             "warm_pool.ready",
             pid=self.pid,
@@ -319,10 +318,12 @@ class WarmPool:
         except (OSError, ValueError) as exc:
             self._fail(f"its socket failed ({exc})")
         if message is None:
-            self._fail(f"it exited with status {self.proc.poll()}")
-        return message  # type: ignore[return-value]  # _fail raised otherwise
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1)  # EOF comes first; the status is worth waiting for
+            self._fail(f"it exited with status {self.proc.returncode}")
+        return message
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         """Give the pool up (once, with an event) and raise WarmPoolUnavailable."""
         if self.failure is None:
             self.failure = reason
