@@ -11,7 +11,7 @@ Two workloads, each started both ways in alternation (``--trials`` each):
   ``recovery.completed`` downtime (from the failure to the first step after the restart).
 
 The pool is started once per workload with the modules the supervisor would preload
-(``warm_workers.modules_to_preload``); its own start-up is not counted (it overlaps the first
+(``modules_to_preload``); its own start-up is not counted (it overlaps the first
 rendezvous). Prints medians and the warm/fresh ratio.
 
     python bench/worker_start.py [--trials N]
@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 
 from elastic_trainer.supervisor import procs, warm_workers
+from elastic_trainer.supervisor.warm_decisions import modules_to_preload
+from elastic_trainer.supervisor.workerenv import BOOTSTRAP_MODULE
 
 TINY = "import torch\nimport sys, time\nprint(time.time(), flush=True)\n"
 
@@ -54,7 +56,7 @@ def _timed(start: float, read_fd: int, wait: Callable[[], object], *, until_exit
 def fresh(argv: list[str], *, until_exit: bool) -> float:
     r, w = os.pipe()
     began = time.time()
-    cmd = [sys.executable, "-u", "-m", warm_workers.BOOTSTRAP_MODULE, *argv]
+    cmd = [sys.executable, "-u", "-m", BOOTSTRAP_MODULE, *argv]
     proc = subprocess.Popen(cmd, stdout=w, stderr=subprocess.DEVNULL)
     os.close(w)
     return _timed(began, r, proc.wait, until_exit=until_exit)
@@ -71,7 +73,7 @@ def warm(pool: warm_workers.WarmPool, argv: list[str], *, until_exit: bool) -> f
 
 
 def measure(name: str, argv: list[str], *, until_exit: bool, trials: int) -> None:
-    pool = warm_workers.WarmPool.start(warm_workers.modules_to_preload(argv))
+    pool = warm_workers.WarmPool.start(modules_to_preload(argv))
     if not pool.wait_ready(300):
         raise SystemExit(f"the warm pool did not start: {pool.failure}")
     fresh_s, warm_s = [], []

@@ -10,12 +10,11 @@ the agent, ``ProcessTracker`` and torch's monitoring treat both kinds alike.
 
 The old way stays the fallback, per worker: no pool (``--no-warm-workers``, not Linux, not a
 subreaper, ``--no-python``, NUMA binding), a pool that died or refused, or an environment whose
-import-time settings differ from the pool's (``import_env_mismatch``).
+import-time settings differ from the pool's (``warm_decisions.import_env_mismatch``).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import inspect
 import os
@@ -36,22 +35,18 @@ from elastic_trainer.errors import ElasticTrainError
 from elastic_trainer.events import emit
 from elastic_trainer.supervisor import warm_pool
 from elastic_trainer.supervisor.procs import ProcessTracker, is_subreaper
-from elastic_trainer.supervisor.workerenv import BOOTSTRAP_MODULE
+from elastic_trainer.supervisor.warm_decisions import (
+    import_env_mismatch,
+    modules_to_preload,
+    pool_argv,
+    pool_refusal,
+)
 
 POOL_MODULE = "elastic_trainer.supervisor.warm_pool"
 # The pool imports torch while the first rendezvous runs; on a loaded 2-core machine that
 # took up to ~10 s. Past this the first workers start the old way.
 READY_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 30.0  # one fork; a pool that does not answer is treated as dead
-# Imported by every worker anyway; importing them has no side effect worth the name.
-BASE_MODULES = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
-# Top-level imports of a user script preloaded in the pool: packages known to do nothing at
-# import but define things. Anything else the script imports runs in the worker, as before.
-OWN_PACKAGES = frozenset({"elastic_trainer", "snapshots"})
-SAFE_ROOTS = frozenset({"torch", "torchvision", "numpy", *OWN_PACKAGES})
-# Variables read when the interpreter or torch's native libraries load: a worker whose value
-# differs from the pool's must start fresh to see its own.
-IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTHON", "LD_", "MALLOC_")
 FALLBACK = "workers start as fresh processes"
 # The exit status of a worker someone else reaped: unknown, so never a false success.
 STATUS_LOST = 255
@@ -59,78 +54,6 @@ STATUS_LOST = 255
 
 class WarmPoolUnavailable(ElasticTrainError):
     """The warm pool cannot start this worker; the caller starts it the old way."""
-
-
-# ---- pure decisions ----------------------------------------------------------------------
-def pool_argv(entrypoint: str, args: Sequence[str], *, executable: str) -> list[str] | None:
-    """The argv the bootstrap would get (``SCRIPT args`` / ``-m MODULE args``) if this
-    command is ``python -u -m bootstrap ...``; None for anything else (``--no-python``)."""
-    head = ("-u", "-m", BOOTSTRAP_MODULE)
-    if entrypoint != executable or tuple(args[:3]) != head or len(args) < 4:
-        return None
-    return [str(a) for a in args[3:]]
-
-
-def modules_to_preload(argv: Sequence[str]) -> list[str]:
-    """torch, plus what this job imports at its top level that is known to be safe to import
-    early. A module run with ``-m`` is not imported itself: runpy would then run a second copy
-    of it as ``__main__`` (and warn); its imports are, when it is one of ours."""
-    extra: list[str] = []
-    if argv and argv[0] == "-m":
-        source = own_module_file(argv[1]) if len(argv) > 1 else None
-        extra = script_imports(source) if source else []
-    elif argv:
-        extra = script_imports(argv[0])
-    return list(dict.fromkeys([*BASE_MODULES, *extra]))
-
-
-def own_module_file(name: str) -> str | None:
-    """The source file of one of our modules (``elastic_trainer.*``, ``snapshots.*``),
-    found without importing anything; None for anyone else's."""
-    parts = name.split(".")
-    if parts[0] not in OWN_PACKAGES:
-        return None
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # elastic_trainer/
-    base = os.path.join(os.path.dirname(root), *parts)
-    for path in (base + ".py", os.path.join(base, "__main__.py")):
-        if os.path.isfile(path):
-            return path
-    return None
-
-
-def script_imports(path: str) -> list[str]:
-    """Modules a script imports at its top level whose package is in ``SAFE_ROOTS``
-    (``from a import b`` names both ``a`` and, should it be a module, ``a.b``)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return []
-    names: list[str] = []
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.append(node.module)
-            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
-    return [n for n in dict.fromkeys(names) if n.split(".")[0] in SAFE_ROOTS]
-
-
-def import_env_mismatch(pool_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
-    """Import-time variables the worker would see differently from the pool (sorted)."""
-    keys = {k for k in (*pool_env, *worker_env) if k.startswith(IMPORT_TIME_PREFIXES)}
-    return sorted(k for k in keys if pool_env.get(k) != worker_env.get(k))
-
-
-def pool_refusal(cfg: RunConfig, *, subreaper: bool) -> str | None:
-    """Why this supervisor runs no warm pool, or None."""
-    if not cfg.warm_workers:
-        return "--no-warm-workers"
-    if cfg.entrypoint.no_python:
-        return "--no-python: workers are not Python"
-    if not subreaper:  # forked workers would be re-parented to init, out of our reach
-        return "the supervisor is not a child subreaper (Linux only)"
-    return None
 
 
 def start_pool(cfg: RunConfig, tracker: ProcessTracker) -> WarmPool | None:

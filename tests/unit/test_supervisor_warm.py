@@ -20,16 +20,14 @@ from structlog.testing import capture_logs
 
 from elastic_trainer.config import Entrypoint, RunConfig
 from elastic_trainer.supervisor import procs, warm_workers
-from elastic_trainer.supervisor.warm_workers import (
+from elastic_trainer.supervisor.warm_decisions import (
     BASE_MODULES,
-    WarmPool,
-    WarmPoolUnavailable,
-    WarmProcess,
     import_env_mismatch,
     modules_to_preload,
     pool_argv,
     pool_refusal,
 )
+from elastic_trainer.supervisor.warm_workers import WarmPool, WarmPoolUnavailable, WarmProcess
 from elastic_trainer.supervisor.workerenv import BOOTSTRAP_MODULE
 
 ROOT = str(Path(__file__).resolve().parents[2])
