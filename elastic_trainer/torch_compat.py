@@ -111,6 +111,8 @@ AGENT_HOOKS = (
 #   workers' Popen objects (we track and kill their whole process trees ourselves).
 # local_elastic_agent.start_processes: the module-level name _start_workers calls
 #   (processes_started_by swaps it for the warm pool's while we start workers).
+# SubprocessContext._start: PContext's hook that creates the processes; the warm pool's
+#   context overrides it (see _subprocess_context_check).
 AGENT_ATTRIBUTES = ("_remaining_restarts", "_pcontext", "_worker_group")
 
 
@@ -228,6 +230,7 @@ def checks() -> dict[str, Callable[[], bool]]:
         **{f"LocalElasticAgent.{a}": _agent_attr(a) for a in AGENT_ATTRIBUTES},
         "C10dRendezvousBackend key 'torch.rendezvous.<run_id>'": _key_format,
         "local_elastic_agent.start_processes called by _start_workers": _start_processes_check,
+        "SubprocessContext._start() fills subprocess_handlers[lr].proc": _subprocess_context_check,
         "rendezvous.utils._matches_machine_hostname": lambda: callable(
             getattr(utils, "_matches_machine_hostname", None)
         ),
@@ -250,6 +253,21 @@ def _start_processes_check() -> bool:
     start = inspect.unwrap(local_elastic_agent.LocalElasticAgent._start_workers)
     return callable(getattr(local_elastic_agent, "start_processes", None)) and (
         "start_processes" in start.__code__.co_names
+    )
+
+
+def _subprocess_context_check() -> bool:
+    """warm_workers.WarmContext overrides PContext's ``_start`` hook and fills the handlers
+    that SubprocessContext's polling, pids and close read (each handler's ``proc``)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+
+    readers = (
+        SubprocessContext._capture_process_failures,
+        SubprocessContext.pids,
+        SubprocessContext._close,
+    )
+    return "_start" in getattr(PContext, "__abstractmethods__", ()) and all(
+        "subprocess_handlers" in fn.__code__.co_names for fn in readers
     )
 
 
