@@ -109,6 +109,16 @@ def test_the_pool_never_forks_after_cuda_was_initialised(monkeypatch):
     assert "CUDA" in (warm_pool.fork_refusal() or "")
 
 
+def test_warm_workers_flag_and_its_variable():
+    from elastic_trainer.supervisor.args import parse
+
+    assert parse(["job.py"], {}).warm_workers is True
+    assert parse(["--no-warm-workers", "job.py"], {}).warm_workers is False
+    assert parse(["job.py"], {"ELASTIC_TRAIN_WARM_WORKERS": "0"}).warm_workers is False
+    on = parse(["--warm-workers", "job.py"], {"ELASTIC_TRAIN_WARM_WORKERS": "0"})
+    assert on.warm_workers is True  # a flag wins over its variable
+
+
 # ---- a real pool -------------------------------------------------------------------------
 @pytest.fixture
 def subreaper():
