@@ -208,6 +208,8 @@ class RunConfig:
     # Prometheus /metrics and /health (supervisor/metrics_server.py); None: not served
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # loopback unless the operator opens it up
+    # workers forked from a pool that has imported torch (supervisor/warm_workers.py)
+    warm_workers: bool = True
 
     def __post_init__(self) -> None:
         self._check_nodes()
@@ -346,4 +348,5 @@ class RunConfig:
             "hang_timeout": self.hang_timeout,
             "grace_period": self.grace_period,
             "snapshot_dir": self.snapshot_dir,
+            "warm_workers": self.warm_workers,
         }

@@ -30,6 +30,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "preflight.warning": ("warning",),
     "rendezvous.completed": ("round", "world_size", "num_nodes", "duration_ms"),
     "workers.started": ("world_size", "local_world_size", "group_rank", "restart_count"),
+    "warm_pool.ready": ("pid", "import_s", "modules"),
+    "warm_pool.unavailable": ("reason", "consequence"),
     "worker.failed": ("rank", "exit_code", "signal", "cause", "error_summary"),
     "worker.hung": ("rank", "last_step", "stalled_s"),
     "worker.resources": ("rank", "rss_bytes", "cpu_percent", "num_procs"),

@@ -10,10 +10,13 @@ Checked against torch 2.14.1 and 2.15.0 (``TESTED_TORCH``; pyproject pins the sa
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import subprocess
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -225,11 +228,36 @@ AGENT_HOOKS = (
 #   (TORCHELASTIC_RESTART_COUNT = max_restarts - remaining): we keep it equal to ours.
 # _pcontext: LocalElasticAgent's process context, whose subprocess handlers hold the
 #   workers' Popen objects (we track and kill their whole process trees ourselves).
+# local_elastic_agent.start_processes: the module-level name _start_workers calls
+#   (processes_started_by swaps it for the warm pool's while we start workers).
+# SubprocessContext._start: PContext's hook that creates the processes; the warm pool's
+#   context overrides it (see _subprocess_context_check).
 AGENT_ATTRIBUTES = ("_remaining_restarts", "_pcontext", "_worker_group")
 
 
 def set_remaining_restarts(agent: Any, remaining: int) -> None:
     agent._remaining_restarts = remaining
+
+
+@contextlib.contextmanager
+def processes_started_by(factory: Callable[..., Any]) -> Iterator[None]:
+    """Within this block, ``LocalElasticAgent._start_workers`` starts its workers through
+    ``factory(original_start_processes, **its_keyword_arguments)``.
+
+    torch builds each worker's environment, arguments and log destinations and passes them
+    to ``start_processes``, which it calls by its module-level name: this is the one place
+    where the warm pool (``supervisor/warm_workers.py``) can take over creating the processes
+    without rebuilding torch's worker environment. Restored on exit; the agent starts workers
+    from its main thread only, so nothing else sees the swap.
+    """
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    original = local_elastic_agent.start_processes
+    local_elastic_agent.start_processes = functools.partial(factory, original)
+    try:
+        yield
+    finally:
+        local_elastic_agent.start_processes = original
 
 
 def worker_popens(agent: Any) -> dict[int, subprocess.Popen]:
@@ -340,6 +368,8 @@ def checks() -> dict[str, Callable[[], bool]]:
         **{f"LocalElasticAgent.{h}()": _has(LocalElasticAgent, h) for h in AGENT_HOOKS},
         **{f"LocalElasticAgent.{a}": _agent_attr(a) for a in AGENT_ATTRIBUTES},
         "C10dRendezvousBackend key 'torch.rendezvous.<run_id>'": _key_format,
+        "local_elastic_agent.start_processes called by _start_workers": _start_processes_check,
+        "SubprocessContext._start() fills subprocess_handlers[lr].proc": _subprocess_context_check,
         "rendezvous.utils._matches_machine_hostname": lambda: callable(
             getattr(utils, "_matches_machine_hostname", None)
         ),
@@ -377,6 +407,30 @@ def _key_format() -> bool:
     empty = getattr(backend, "_NULL_SENTINEL", "").encode()
     return (
         RENDEZVOUS_KEY_PREFIX in backend.__init__.__code__.co_consts and empty == RENDEZVOUS_EMPTY
+    )
+
+
+def _start_processes_check() -> bool:
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    start = inspect.unwrap(local_elastic_agent.LocalElasticAgent._start_workers)
+    return callable(getattr(local_elastic_agent, "start_processes", None)) and (
+        "start_processes" in start.__code__.co_names
+    )
+
+
+def _subprocess_context_check() -> bool:
+    """warm_workers.WarmContext overrides PContext's ``_start`` hook and fills the handlers
+    that SubprocessContext's polling, pids and close read (each handler's ``proc``)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+
+    readers = (
+        SubprocessContext._capture_process_failures,
+        SubprocessContext.pids,
+        SubprocessContext._close,
+    )
+    return "_start" in getattr(PContext, "__abstractmethods__", ()) and all(
+        "subprocess_handlers" in fn.__code__.co_names for fn in readers
     )
 
 

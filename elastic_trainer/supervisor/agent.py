@@ -12,6 +12,7 @@ environment (ours, the control directory, the bootstrap they run under) is ``wor
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import first_line
 from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
-from elastic_trainer.supervisor import decisions, presence
+from elastic_trainer.supervisor import decisions, presence, warm_workers
 from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.observer import GroupObserver
@@ -103,6 +104,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         # --shutdown-timeout); short by default: every second here is downtime
         timeout = cfg.torchrun.shutdown_timeout
         self._kill_grace_s = 2.0 if timeout is None else timeout
+        # imports torch while the first rendezvous runs; None: workers start the old way
+        self._pool = warm_workers.start_pool(cfg, self._procs)
 
     # ---- the loop ------------------------------------------------------------------------
     def supervise(self) -> AgentOutcome:
@@ -114,6 +117,8 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._procs.kill(grace_s=1.0)
             self._membership.close()
             self._shutdown(timeout=2)
+            if self._pool is not None:
+                self._pool.close()
         return AgentOutcome(
             status=status,
             exit_code=code,
@@ -326,6 +331,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             group_rank=worker_group.group_rank,
             restart_count=self._state.restarts,
             pids=sorted(pids.values()),
+            warm=warm_workers.all_warm(popens),
         )
         return pids
 
@@ -368,8 +374,17 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._stop.interruptible = False
 
     def _spawn(self, worker_group: WorkerGroup) -> tuple[dict[int, Any], dict[int, Any]]:
-        """Start the worker processes: (local rank -> pid, local rank -> Popen)."""
-        pids = super()._start_workers(worker_group)
+        """Start the worker processes: (local rank -> pid, local rank -> Popen-like), forked
+        from the warm pool where it can serve (``warm_workers``), else as torch does."""
+        pool = self._pool
+        if pool is None or not pool.wait_ready(
+            warm_workers.READY_TIMEOUT_S, cancelled=lambda: self._stop.requested
+        ):
+            pids = super()._start_workers(worker_group)
+        else:
+            factory = functools.partial(warm_workers.start_processes, pool=pool)
+            with torch_compat.processes_started_by(factory):
+                pids = super()._start_workers(worker_group)
         return pids, torch_compat.worker_popens(self)
 
     def _poll_codes(self) -> dict[int, int | None]:

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--collective-timeout", type=float, help="process-group timeout for workers, seconds")
     a("--metrics-port", type=int, help="serve Prometheus /metrics and /health on this port")
     a("--metrics-host", help="address the metrics server binds (default 127.0.0.1)")
+    a(
+        "--warm-workers",
+        action=argparse.BooleanOptionalAction,
+        help="fork workers from a process that has imported torch (default on)",
+    )
     a("-m", "--module", help="run a Python module instead of a script")
     p.set_defaults(_own_options=[x.dest for x in p._actions if x.dest not in _NO_ENV])
     for flag in torchrun_flags.FLAGS:  # the rest of torchrun's command line
@@ -463,6 +468,7 @@ def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "collective_timeout",
         "metrics_port",
         "metrics_host",
+        "warm_workers",
     ):
         value = getattr(ns, name)
         if value is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def guard_node() -> subprocess.Popen | None:
@@ -45,15 +46,29 @@ def guard_node() -> subprocess.Popen | None:
         return None
 
 
-def become_subreaper() -> bool:
-    """Orphaned descendants get re-parented to this process instead of init (Linux only)."""
+def become_subreaper(enable: bool = True) -> bool:
+    """Orphaned descendants get re-parented to this process instead of init (Linux only);
+    ``enable=False`` gives that up again."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(enable), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def is_subreaper() -> bool:
+    """Whether orphans of our descendants come to us (the warm pool's workers must)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        ok = libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    return ok and flag.value != 0
 
 
 def oom_kill_count() -> int | None:
@@ -100,6 +115,11 @@ class ProcessTracker:
         self._popens: dict[int, subprocess.Popen] = {}
         self._known: dict[int, dict[tuple[int, float], psutil.Process]] = {}
         self.killed_pids: set[int] = set()  # signalled by us: their exit is not a root cause
+        self._spared: set[int] = set()  # children that outlive attempts (the warm pool)
+
+    def spare(self, pid: int) -> None:
+        """Never reap this child of ours as a stray (it is no worker and no orphan)."""
+        self._spared.add(pid)
 
     def track(self, popens: dict[int, subprocess.Popen]) -> None:
         """Start tracking the workers of a new attempt (their Popen objects own the reaping)."""
@@ -116,6 +136,9 @@ class ProcessTracker:
     @property
     def root_pids(self) -> set[int]:
         return {p.pid for p in self._popens.values()}
+
+    def _keep(self) -> set[int]:
+        return self.root_pids | self._spared
 
     def refresh(self) -> None:
         """Remember descendants that appeared since the last call."""
@@ -160,7 +183,7 @@ class ProcessTracker:
             procs = self._wait(procs, time.monotonic() + grace_s)
         _signal_all(procs, signal.SIGKILL)
         self._wait(procs, time.monotonic() + 5)
-        reap_strays(keep=self.root_pids)
+        reap_strays(keep=self._keep())
 
     def _wait(self, procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
         """Wait until ``procs`` are gone or the deadline passes; return those still alive."""
@@ -171,7 +194,7 @@ class ProcessTracker:
             procs = [p for p in procs if _running(p)]
             if not procs or time.monotonic() >= deadline:
                 return procs
-            reap_strays(keep=self.root_pids)
+            reap_strays(keep=self._keep())
             time.sleep(0.05)
 
 

@@ -68,9 +68,17 @@ def test_sigkill_of_the_supervisor_alone_ends_workers_and_their_children(
     agents.append(agent)
     pids = _workers(tmp_path, 2)
     _assert_were_alive(pids)
+    # the workers were forked by the warm pool (on by default), which is alive and ours
+    (started,) = wait_for(lambda: agent.events("workers.started"), 30, "workers.started")
+    assert started["warm"]
+    (ready,) = agent.events("warm_pool.ready")
+    pool = psutil.Process(ready["pid"])
+    assert _alive(pool) and pool.ppid() == agent.proc.pid
+    assert {_ppid(psutil.Process(row["worker"])) for row in pids} == {agent.proc.pid}
     agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait(timeout=10)
     _assert_all_gone(tmp_path)
+    wait_for(lambda: not _alive(pool), GONE_WITHIN_S, "the warm pool to be gone")
 
 
 def test_sigkill_of_the_supervisors_process_group_ends_the_whole_node(tmp_path, worker_env, agents):
@@ -90,7 +98,19 @@ def test_sigkill_while_workers_are_being_started_leaves_none_behind(tmp_path, wo
     supervisor = psutil.Process(agent.proc.pid)
 
     def first_worker():
-        return any("bootstrap" in _cmdline(c) for c in _children(supervisor))
+        # a fresh worker runs the bootstrap; a warm one is a fork of the pool (same cmdline)
+        # re-parented to the supervisor
+        pools = {e["pid"] for e in agent.events("warm_pool.ready")}
+        return any(
+            "bootstrap" in _cmdline(c)
+            or (
+                pools
+                and "warm_pool" in _cmdline(c)
+                and c.pid not in pools
+                and _ppid(c) == agent.proc.pid
+            )
+            for c in _children(supervisor)
+        )
 
     wait_for(first_worker, 60, "the first worker process", step=0.005)
     agent.proc.send_signal(signal.SIGKILL)
@@ -114,6 +134,20 @@ def test_clean_exit_and_sigterm_leave_no_sentinel_and_no_zombie(tmp_path, worker
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.wait(60) == 143
     _assert_all_gone(stopped)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ppid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except psutil.Error:
+        return None
 
 
 def _cmdline(proc: psutil.Process) -> str:

@@ -17,6 +17,7 @@ from tests.e2e.workers.harness import (
     descendants_alive,
     env_with,
     free_port,
+    kill_once_argv,
     read_audit,
     start_agent,
     wait_for,
@@ -26,26 +27,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
 def test_worker_killed_once_restarts_from_snapshot_and_succeeds(tmp_path, worker_env, agents):
-    snap, audit = tmp_path / "snap", tmp_path / "audit"
-    argv = [
-        "--nproc-per-node",
-        "2",
-        "--snapshot-dir",
-        str(snap),
-        "--snapshot-every",
-        "5",
-        PROTO,
-        "--steps",
-        "20",
-        "--die-at",
-        "7",
-        "--die-rank",
-        "1",
-        "--marker",
-        str(tmp_path / "died"),
-        "--audit",
-        str(audit),
-    ]
+    audit = tmp_path / "audit"
+    argv = kill_once_argv(tmp_path)
     agent = start_agent(tmp_path, "n0", argv, env_with(worker_env), port=free_port())
     agents.append(agent)
     assert agent.wait(150) == 0

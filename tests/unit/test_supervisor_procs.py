@@ -78,3 +78,32 @@ def _late_child(worker: psutil.Process, *, known: int) -> int:
     return wait_for(
         lambda: [c.pid for c in worker.children() if c.pid != known], 30, "a late child"
     )[0]
+
+
+def test_a_spared_child_outlives_the_kill_of_an_attempt_and_strays_do_not():
+    from elastic_trainer.supervisor.procs import ProcessTracker
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    spared, stray = subprocess.Popen(sleep), subprocess.Popen(sleep)
+    try:
+        tracker = ProcessTracker()
+        tracker.spare(spared.pid)
+        tracker.kill(grace_s=0)  # ends the attempt: strays among our children are reaped
+        assert stray.poll() is not None or not psutil.pid_exists(stray.pid)
+        assert spared.poll() is None
+    finally:
+        for proc in (spared, stray):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_subreaper_flag_can_be_read_back_and_given_up():
+    from elastic_trainer.supervisor import procs
+
+    if not procs.become_subreaper():
+        pytest.skip("Linux only")
+    try:
+        assert procs.is_subreaper()
+    finally:
+        procs.become_subreaper(False)
+    assert not procs.is_subreaper()

@@ -175,6 +175,31 @@ def cleanup(agents: list[Agent]) -> None:
             agent.proc.wait(timeout=10)
 
 
+def kill_once_argv(tmp: Path, *options: str) -> list[str]:
+    """Two proto workers, 20 steps, a snapshot every 5, rank 1 SIGKILLed once at step 7;
+    the audit in ``tmp/audit``. ``options`` go before the script."""
+    return [
+        "--nproc-per-node",
+        "2",
+        *options,
+        "--snapshot-dir",
+        str(tmp / "snap"),
+        "--snapshot-every",
+        "5",
+        PROTO,
+        "--steps",
+        "20",
+        "--die-at",
+        "7",
+        "--die-rank",
+        "1",
+        "--marker",
+        str(tmp / "died"),
+        "--audit",
+        str(tmp / "audit"),
+    ]
+
+
 def read_audit(path: Path) -> list[tuple[int, int, int]]:
     """(step, rank, world_size) rows written by proto_worker (a 4th column is the time)."""
     if not path.exists():
