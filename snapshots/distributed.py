@@ -145,8 +145,8 @@ class DistributedSnapshotter:
         group = self._group_for_commits()
 
         def part() -> ShardPart:  # runs inside the store's capture: counted as stall
-            chunks = stager.stage(planner, mine, tensors)
-            return ShardPart(rank=self.rank, world_size=self.world_size, chunks=chunks, group=group)
+            staged = stager.stage(planner, mine, tensors)
+            return ShardPart(rank=self.rank, world_size=self.world_size, staged=staged, group=group)
 
         return self.store.save(
             step, skeletons, epoch=epoch, world_size=self.world_size, metadata=metadata,
