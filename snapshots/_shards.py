@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +66,19 @@ class StagedShard:
 
     pieces: list[Piece]
     data: memoryview
+    # (buffer view, source) copies left to the writer thread: an overlapped save's tensors
+    # that change only in ``optimizer.step()``, which waits for them (``snapshots._capture``)
+    deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def copy_deferred(self) -> None:
+        _copy(self.deferred)
+        self.deferred.clear()
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buf, source in pairs:
+            buf.copy_(source)
 
 
 def local_plan(tensors: Mapping[str, torch.Tensor]) -> tuple[DefaultSavePlanner, SavePlan]:
@@ -91,12 +104,22 @@ class ShardStager:
         self._layout: list[Piece] = []
 
     def stage(
-        self, planner: DefaultSavePlanner, plan: SavePlan, tensors: Mapping[str, torch.Tensor]
+        self,
+        planner: DefaultSavePlanner,
+        plan: SavePlan,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        defer: frozenset[int] = frozenset(),
     ) -> StagedShard:
-        pieces, blocks, size = [], [], 0
+        """``defer``: data pointers (``step_tensors``) of tensors to copy later, on the
+        writer thread (``StagedShard.copy_deferred``); the rest is copied now."""
+        pieces, blocks, later, size = [], [], [], 0
         for item, source in _sources(planner, plan):
             where = tuple(item.tensor_data.chunk.offsets)
             for row, block in _blocks(source.detach()):
+                # Only CPU sources: a device copy on the writer thread would need its own
+                # stream synchronisation (as in serialization.Stager).
+                later.append(source.device.type == "cpu" and source.data_ptr() in defer)
                 nbytes = block.numel() * block.element_size()
                 pieces.append(
                     Piece(
@@ -113,16 +136,33 @@ class ShardStager:
                 blocks.append(block)
                 size += nbytes
         arena = self._arena_for(pieces, size)
-        with torch.no_grad():
-            for piece, block in zip(pieces, blocks, strict=True):
-                _box(arena, piece, block.dtype).copy_(block)
-        return StagedShard(pieces=pieces, data=memoryview(arena.numpy())[:size])
+        copies = [(_box(arena, p, b.dtype), b) for p, b in zip(pieces, blocks, strict=True)]
+        _copy([c for c, deferred in zip(copies, later, strict=True) if not deferred])
+        return StagedShard(
+            pieces=pieces,
+            data=memoryview(arena.numpy())[:size],
+            deferred=[c for c, deferred in zip(copies, later, strict=True) if deferred],
+        )
 
     def _arena_for(self, pieces: list[Piece], size: int) -> torch.Tensor:
         if pieces != self._layout or self._arena.numel() < size:
             self._arena = torch.empty(size, dtype=torch.uint8)
             self._layout = pieces
         return self._arena
+
+
+def step_tensors(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """Data pointers of the (local) tensors that change only in ``optimizer.step()``: its
+    parameters and state. An overlapped save copies them later; a tensor it does not list
+    (a buffer, a state-dict copy) is copied at the call."""
+
+    def ptr(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+
+    found = {ptr(p) for group in optimizer.param_groups for p in group["params"]}
+    for per_param in optimizer.state.values():
+        found.update(ptr(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    return frozenset(found)
 
 
 def _sources(planner: DefaultSavePlanner, plan: SavePlan) -> list[tuple[Any, torch.Tensor]]:

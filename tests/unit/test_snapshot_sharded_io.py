@@ -3,6 +3,7 @@ each rank's read-back of its own file, and a commit that does not re-read other 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,35 @@ def test_a_shard_file_stored_damaged_fails_the_save_and_commits_nothing(tmp_path
     with pytest.raises(SnapshotSaveError, match="differs from what was written"):
         _save(store)
     assert SnapshotStore(str(tmp_path), create=False).committed_steps() == []
+
+
+def test_an_overlapped_sharded_save_copies_step_tensors_on_the_writer_and_step_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held, gate = threading.Event(), threading.Event()
+    copy_deferred = _shards.StagedShard.copy_deferred
+
+    def hold(staged: _shards.StagedShard) -> None:
+        if staged.deferred:
+            held.set()
+            gate.wait(timeout=60)
+        copy_deferred(staged)
+
+    monkeypatch.setattr(_shards.StagedShard, "copy_deferred", hold)
+    model, optimizer = _model()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    store = SnapshotStore(str(tmp_path), keep=None)
+    snap = DistributedSnapshotter(store, sharded=True)
+    snap.save(1, {"model": model, "optimizer": optimizer}, overlap_with=optimizer)
+    # The call returned before the parameters were copied: the writer thread holds that copy,
+    # and optimizer.step() must wait for it.
+    assert held.wait(timeout=30)
+    assert not store._capturer.copy_done.is_set()
+    gate.set()
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()  # waits for the copy, then changes the weights
+    snap.close()
+    assert not torch.equal(model.state_dict()["0.weight"], saved["0.weight"])
+    fresh, _ = _model()
+    DistributedSnapshotter(SnapshotStore(str(tmp_path), create=False)).load(into={"model": fresh})
+    torch.testing.assert_close(fresh.state_dict(), saved, rtol=0, atol=0)
