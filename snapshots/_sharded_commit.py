@@ -12,6 +12,7 @@ connection, or its timeout passes): no manifest either way.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +71,14 @@ def _write_own(committer: Committer, job: SaveJob, part: ShardPart) -> _Report:
         if not part.staged.pieces:
             return _Report(rank=part.rank, records={})
         name = sharding.shard_file_name(part.rank, job.token)
-        entry, records = _shards.encode(part.staged, name, shard=part.rank)
         _faults.hit("before_data")
         path = f"{layout.step_dir(job.step)}/{name}"
-        committer.storage.write(path, _writable(committer.storage, part.staged.data))
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-hash") as pool:
+            # sha256 releases the GIL: the hashing runs while the file is written and fsynced
+            # (both only read the staging buffer, which nothing changes during the save).
+            hashed = pool.submit(_shards.encode, part.staged, name, shard=part.rank)
+            committer.storage.write(path, _writable(committer.storage, part.staged.data))
+            entry, records = hashed.result()
         if committer.mode() == "full":
             _check_written(committer.storage, path, part.staged.data)
         return _Report(rank=part.rank, entry=entry, records=records)
