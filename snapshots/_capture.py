@@ -70,6 +70,8 @@ class Capturer:
             return
         try:
             self.stager.copy_deferred()
+            if job.shards is not None:  # a sharded save's shards (snapshots._shards)
+                job.shards.staged.copy_deferred()
         finally:
             self.copy_done.set()  # never leave optimizer.step() waiting
 

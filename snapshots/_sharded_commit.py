@@ -12,18 +12,25 @@ connection, or its timeout passes): no manifest either way.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch.distributed as dist
 
-from snapshots import _faults, _shards, layout, sharding
-from snapshots.errors import SnapshotSaveError
+from snapshots import _faults, _reader, _shards, layout, sharding
+from snapshots._local_storage import LocalStorage
+from snapshots.errors import SnapshotCorruptError, SnapshotSaveError
 from snapshots.info import SnapshotInfo
 from snapshots.manifest import SHARDED_VERSION, FileEntry, checksum
+from snapshots.storage import RetryingStorage, read_range
 
 if TYPE_CHECKING:
     from snapshots._commit import Committer, SaveJob
+
+# Read-back pieces: small enough to be reused from the heap, big enough to cost few calls.
+_READ_BACK_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +39,7 @@ class ShardPart:
 
     rank: int
     world_size: int
-    chunks: list[_shards.StagedChunk]
+    staged: _shards.StagedShard
     group: Any = None  # the snapshot gloo group; None in a single process
 
 
@@ -61,15 +68,43 @@ def _write_own(committer: Committer, job: SaveJob, part: ShardPart) -> _Report:
     try:
         if job.cancelled.is_set():
             raise SnapshotSaveError(f"the save of step {job.step} was cancelled (deadline)")
-        if not part.chunks:
+        if not part.staged.pieces:
             return _Report(rank=part.rank, records={})
         name = sharding.shard_file_name(part.rank, job.token)
-        data, entry, records = _shards.encode(part.chunks, name, shard=part.rank)
         _faults.hit("before_data")
-        committer.storage.write(f"{layout.step_dir(job.step)}/{name}", data)
+        path = f"{layout.step_dir(job.step)}/{name}"
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-hash") as pool:
+            # sha256 releases the GIL: the hashing runs while the file is written and fsynced
+            # (both only read the staging buffer, which nothing changes during the save).
+            hashed = pool.submit(_shards.encode, part.staged, name, shard=part.rank)
+            committer.storage.write(path, _writable(committer.storage, part.staged.data))
+            entry, records = hashed.result()
+        if committer.mode() == "full":
+            _check_written(committer.storage, path, part.staged.data)
         return _Report(rank=part.rank, entry=entry, records=records)
     except Exception as exc:  # every failure is reported to rank 0, whatever its type
         return _Report(rank=part.rank, error=f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _writable(storage: RetryingStorage, data: memoryview) -> Any:
+    """Local files take the staging buffer itself; any other backend gets bytes of its own
+    (it may keep what it is given, and the buffer is reused by the next save)."""
+    return data if isinstance(storage.inner, LocalStorage) else bytes(data)
+
+
+def _check_written(storage: RetryingStorage, path: str, expected: memoryview) -> None:
+    """``full`` verification of this rank's own file: read back, compared byte for byte
+    with what was written (cheaper than hashing it again, and exact). Other ranks' files are
+    checked by their writers, not by rank 0: the commit trusts each rank's report."""
+    want = np.frombuffer(expected, dtype=np.uint8)
+    for start in range(0, len(want), _READ_BACK_BYTES):
+        length = min(_READ_BACK_BYTES, len(want) - start)
+        got = np.frombuffer(read_range(storage, path, start, length), dtype=np.uint8)
+        if not np.array_equal(got, want[start : start + length]):
+            raise SnapshotCorruptError(
+                f"file {path.rsplit('/', 1)[-1]} differs from what was written at bytes "
+                f"{start}..{start + length} (read back right after writing)"
+            )
 
 
 def _gather(part: ShardPart, report: _Report) -> list[_Report] | None:
@@ -105,9 +140,29 @@ def _commit_all(
         name = sharding.table_file_name(job.token)
         committer.storage.write(f"{layout.step_dir(job.step)}/{name}", body)
         table_entry = FileEntry(name=name, size=len(body), checksum=checksum(body), table=True)
+        checked = {f.name for f in shard_files}
         info = committer.commit_files(
-            job, extra=[*shard_files, table_entry], format_version=SHARDED_VERSION
+            job,
+            extra=[*shard_files, table_entry],
+            format_version=SHARDED_VERSION,
+            verify=lambda step: _verify_commit(committer.storage, step, checked),
         )
     except Exception as exc:  # reported to every rank; rank 0's store reports it too
         return f"step {job.step} not committed: {type(exc).__name__}: {exc}"[:1000]
     return asdict(info)
+
+
+def _verify_commit(storage: RetryingStorage, step: int, checked: set[str]) -> SnapshotInfo:
+    """Rank 0's ``full`` verification of the commit: the manifest parses, every file it lists
+    is there at its size (one listing), and rank 0's own files pass their checksums. The
+    shard files in ``checked`` were read back by the ranks that wrote them."""
+    manifest = _reader.read_manifest(storage, step)
+    problems = _reader.check_sizes(storage, step, manifest.files)
+    if not problems:
+        own = [f for f in manifest.files if f.name not in checked]
+        problems = _reader.check_files(storage, step, manifest, own)[0]
+    if problems:
+        raise SnapshotCorruptError(
+            f"step {step} failed verification right after writing: {'; '.join(problems)}"
+        )
+    return SnapshotInfo.from_manifest(manifest, f"{storage.url}/{layout.step_dir(step)}")

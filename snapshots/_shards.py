@@ -18,8 +18,9 @@ its sha256, view it with ``torch.frombuffer`` (no unpickling), and copy the boxe
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,17 +40,45 @@ from snapshots.errors import SnapshotCorruptError
 from snapshots.manifest import FileEntry, checksum
 from snapshots.sharding import Chunk, ShardTable, TensorRecord
 
+# A stored chunk is at most this long: a local shard is cut into blocks of whole rows (dim 0)
+# so that a rank loading at another world size reads, and hashes, little it does not need.
+CHUNK_BYTES = 2**20
+
 
 @dataclass(frozen=True, kw_only=True)
-class StagedChunk:
-    """One chunk this rank writes: a staged copy and where it sits in the global tensor."""
+class Piece:
+    """One chunk this rank writes: where it sits in the global tensor and in the file."""
 
     fqn: str
     dtype: str
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
     placements: str | None
-    tensor: torch.Tensor  # contiguous CPU staging buffer
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagedShard:
+    """This rank's shard file, staged: ``data`` is the file's bytes (a view of a buffer
+    reused across saves), the pieces back to back."""
+
+    pieces: list[Piece]
+    data: memoryview
+    # (buffer view, source) copies left to the writer thread: an overlapped save's tensors
+    # that change only in ``optimizer.step()``, which waits for them (``snapshots._capture``)
+    deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def copy_deferred(self) -> None:
+        _copy(self.deferred)
+        self.deferred.clear()
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buf, source in pairs:
+            buf.copy_(source)
 
 
 def local_plan(tensors: Mapping[str, torch.Tensor]) -> tuple[DefaultSavePlanner, SavePlan]:
@@ -66,42 +95,103 @@ def my_items(planner: DefaultSavePlanner, all_plans: list[SavePlan], rank: int) 
 
 
 class ShardStager:
-    """Copies this rank's planned chunks into buffers reused across saves."""
+    """Copies this rank's planned chunks into one buffer reused across saves: the file is
+    that buffer, so writing it copies nothing more (the only copy the training loop waits
+    for is this one)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._arena = torch.empty(0, dtype=torch.uint8)
+        self._layout: list[Piece] = []
 
     def stage(
-        self, planner: DefaultSavePlanner, plan: SavePlan, tensors: Mapping[str, torch.Tensor]
-    ) -> list[StagedChunk]:
-        staged = []
-        with torch.no_grad():
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-                    continue  # we pass tensors only; plain values live in the skeleton
-                source = planner.resolve_data(item)
-                if not isinstance(source, torch.Tensor):  # tensors only were planned
-                    continue
-                offsets = tuple(item.tensor_data.chunk.offsets)
-                staged.append(
-                    StagedChunk(
+        self,
+        planner: DefaultSavePlanner,
+        plan: SavePlan,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        defer: frozenset[int] = frozenset(),
+    ) -> StagedShard:
+        """``defer``: data pointers (``step_tensors``) of tensors to copy later, on the
+        writer thread (``StagedShard.copy_deferred``); the rest is copied now."""
+        pieces, blocks, later, size = [], [], [], 0
+        for item, source in _sources(planner, plan):
+            where = tuple(item.tensor_data.chunk.offsets)
+            for row, block in _blocks(source.detach()):
+                # Only CPU sources: a device copy on the writer thread would need its own
+                # stream synchronisation (as in serialization.Stager).
+                later.append(source.device.type == "cpu" and source.data_ptr() in defer)
+                nbytes = block.numel() * block.element_size()
+                pieces.append(
+                    Piece(
                         fqn=item.index.fqn,
                         dtype=str(source.dtype),
                         shape=tuple(item.tensor_data.size),
-                        offsets=offsets,
+                        offsets=(where[0] + row, *where[1:]) if where else (),
+                        sizes=tuple(block.shape),
+                        byte_offset=size,
+                        nbytes=nbytes,
                         placements=_placements(tensors[item.index.fqn]),
-                        tensor=self._copy(item.index.fqn, offsets, source),
                     )
                 )
-        return staged
+                blocks.append(block)
+                size += nbytes
+        arena = self._arena_for(pieces, size)
+        copies = [(_box(arena, p, b.dtype), b) for p, b in zip(pieces, blocks, strict=True)]
+        _copy([c for c, deferred in zip(copies, later, strict=True) if not deferred])
+        return StagedShard(
+            pieces=pieces,
+            data=memoryview(arena.numpy())[:size],
+            deferred=[c for c, deferred in zip(copies, later, strict=True) if deferred],
+        )
 
-    def _copy(self, name: str, offsets: tuple[int, ...], source: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get((name, offsets))
-        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
-            buf = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-            self._buffers[(name, offsets)] = buf
-        buf.copy_(source)
-        return buf
+    def _arena_for(self, pieces: list[Piece], size: int) -> torch.Tensor:
+        if pieces != self._layout or self._arena.numel() < size:
+            self._arena = torch.empty(size, dtype=torch.uint8)
+            self._layout = pieces
+        return self._arena
+
+
+def step_tensors(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """Data pointers of the (local) tensors that change only in ``optimizer.step()``: its
+    parameters and state. An overlapped save copies them later; a tensor it does not list
+    (a buffer, a state-dict copy) is copied at the call."""
+
+    def ptr(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+
+    found = {ptr(p) for group in optimizer.param_groups for p in group["params"]}
+    for per_param in optimizer.state.values():
+        found.update(ptr(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    return frozenset(found)
+
+
+def _sources(planner: DefaultSavePlanner, plan: SavePlan) -> list[tuple[Any, torch.Tensor]]:
+    """The planned tensors, largest element size first: every chunk then starts at a multiple
+    of its element size (sizes are powers of two), so it can be viewed as its dtype in the
+    buffer without padding, and every byte of the file is covered by a chunk's checksum."""
+    found = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue  # we pass tensors only; plain values live in the skeleton
+        source = planner.resolve_data(item)
+        if isinstance(source, torch.Tensor):  # tensors only were planned
+            found.append((item, source))
+    return sorted(found, key=lambda pair: -pair[1].element_size())
+
+
+def _blocks(tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``tensor`` cut along dim 0 into blocks of at most CHUNK_BYTES (at least one row)."""
+    if tensor.dim() == 0 or tensor.shape[0] <= 1:
+        return [(0, tensor)]
+    row = tensor[0].numel() * tensor.element_size()
+    rows = max(1, CHUNK_BYTES // max(row, 1))
+    return [(r, tensor[r : r + rows]) for r in range(0, tensor.shape[0], rows)]
+
+
+def _box(arena: torch.Tensor, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+    """The piece's bytes in the buffer, viewed as its tensor (see ``_sources``)."""
+    flat = arena[piece.byte_offset : piece.byte_offset + piece.nbytes]
+    return flat.view(dtype).view(piece.sizes)
 
 
 def _placements(tensor: torch.Tensor) -> str | None:
@@ -110,33 +200,28 @@ def _placements(tensor: torch.Tensor) -> str | None:
     return None
 
 
-def encode(chunks: list[StagedChunk], name: str, *, shard: int) -> tuple[bytes, FileEntry, dict]:
-    """One rank's shard file: its chunks' raw bytes, back to back. Returns the bytes, the
-    manifest entry, and the table records ``{fqn: TensorRecord}`` of its chunks."""
-    parts, records, at = [], {}, 0
-    for c in chunks:
-        raw = _raw(c.tensor)
-        parts.append(raw)
+def encode(staged: StagedShard, name: str, *, shard: int) -> tuple[FileEntry, dict]:
+    """The manifest entry of one rank's shard file and the table records ``{fqn:
+    TensorRecord}`` of its chunks; each chunk is hashed once, the file once."""
+    records: dict[str, TensorRecord] = {}
+    for p in staged.pieces:
+        raw = staged.data[p.byte_offset : p.byte_offset + p.nbytes]
         chunk = Chunk(
             file=name,
-            offsets=c.offsets,
-            sizes=tuple(c.tensor.shape),
-            byte_offset=at,
-            nbytes=len(raw),
+            offsets=p.offsets,
+            sizes=p.sizes,
+            byte_offset=p.byte_offset,
+            nbytes=p.nbytes,
             sha256=hashlib.sha256(raw).hexdigest(),
         )
-        at += len(raw)
-        records[c.fqn] = TensorRecord(
-            dtype=c.dtype, shape=c.shape, chunks=(chunk,), placements=c.placements
+        known = records.get(p.fqn)
+        chunks = (*known.chunks, chunk) if known is not None else (chunk,)
+        records[p.fqn] = TensorRecord(
+            dtype=p.dtype, shape=p.shape, chunks=chunks, placements=p.placements
         )
-    data = b"".join(parts)
+    data = staged.data
     entry = FileEntry(name=name, size=len(data), checksum=checksum(data), shard=shard)
-    return data, entry, records
-
-
-def _raw(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return entry, records
 
 
 def merge(world_size: int, reports: list[Mapping[str, TensorRecord]]) -> ShardTable:
@@ -234,7 +319,10 @@ def _load_chunk(storage: Storage, step: int, record: TensorRecord, chunk: Chunk)
         raise SnapshotCorruptError(f"file {chunk.file}: a chunk's length does not match its box")
     if not data:
         return torch.empty(chunk.sizes, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(chunk.sizes)
+    with warnings.catch_warnings():
+        # Read-only bytes, viewed without a copy: this tensor is only ever copied from.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype).reshape(chunk.sizes)
 
 
 def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:

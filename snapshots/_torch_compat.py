@@ -19,6 +19,8 @@ whose behaviour the format depends on:
 - ``torch.distributed.checkpoint.state_dict``: get/set_model_state_dict and
   get/set_optimizer_state_dict for FSDP2 (DTensor) models and their optimizers.
 - ``DTensor.placements`` / ``DTensor.device_mesh``: recorded in the table, for people.
+- ``DTensor.to_local``: which local shards an overlapped save may copy later (those of the
+  optimizer's parameters and state, matched by data pointer).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ USED: tuple[tuple[str, str], ...] = (
     ("torch.distributed.checkpoint.state_dict", "set_optimizer_state_dict"),
     ("torch.distributed.tensor", "DTensor.placements"),
     ("torch.distributed.tensor", "DTensor.device_mesh"),
+    ("torch.distributed.tensor", "DTensor.to_local"),
 )
 
 

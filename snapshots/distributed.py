@@ -18,8 +18,10 @@ training thread, one all-gather carries each rank's skip reason (the ranks skip 
 not at all; a blocking save: whether its deadline passed while the save in flight still
 ran, and then every rank gives up together), its DCP write plan, its per-rank state and
 rank 0's token and committed step; every rank then works out the same deduplicated plan,
-stages its share (the only wait), and its writer thread writes and commits over the
-snapshot's own gloo group (``snapshots._sharded_commit``). Loading needs nothing new here:
+stages its share (the only wait; with ``overlap_with=optimizer`` the optimizer's parameters
+and state are copied on the writer thread instead, and ``optimizer.step()`` waits for that
+copy), and its writer thread writes and commits over the snapshot's own gloo group
+(``snapshots._sharded_commit``). Loading needs nothing new here:
 every rank reads only the chunks overlapping its current shards, and any rank's failure
 makes all fall back together.
 """
@@ -76,12 +78,14 @@ class DistributedSnapshotter:
         overlap_with: Any = None,
     ) -> SaveHandle | None:
         """Collective. ``state`` is replicated (only rank 0's is written); ``per_rank`` is this
-        rank's own state. ``overlap_with``: see ``SnapshotStore.save`` (used on rank 0).
+        rank's own state. ``overlap_with``: see ``SnapshotStore.save`` (used on rank 0; on
+        every rank for a sharded save).
         Returns rank 0's SaveHandle, None on other ranks (sharded: every rank's handle)."""
         if self._is_sharded(state):
             return self._save_sharded(
-                step, state, per_rank=per_rank, epoch=epoch, metadata=metadata, blocking=blocking
-            )
+                step, state, per_rank=per_rank, epoch=epoch, metadata=metadata,
+                blocking=blocking, overlap_with=overlap_with,
+            )  # fmt: skip
         if self.rank == 0 and self.store.when_busy == "wait":
             # rank 0 would wait inside store.save anyway; waiting first lets the broadcast
             # below carry the previous save's outcome (its error still surfaces once, later).
@@ -122,6 +126,7 @@ class DistributedSnapshotter:
         epoch: int,
         metadata: Mapping[str, Any] | None,
         blocking: bool | None,
+        overlap_with: Any = None,
     ) -> SaveHandle | None:
         from snapshots import _sharded_state, _shards
         from snapshots._sharded_commit import ShardPart
@@ -143,15 +148,17 @@ class DistributedSnapshotter:
         mine = _shards.my_items(planner, [a[1] for a in answers], self.rank)
         stager = self._stager = self._stager or _shards.ShardStager()
         group = self._group_for_commits()
+        overlap = None if blocking else overlap_with
+        defer = _shards.step_tensors(overlap) if overlap is not None else frozenset()
 
         def part() -> ShardPart:  # runs inside the store's capture: counted as stall
-            chunks = stager.stage(planner, mine, tensors)
-            return ShardPart(rank=self.rank, world_size=self.world_size, chunks=chunks, group=group)
+            staged = stager.stage(planner, mine, tensors, defer=defer)
+            return ShardPart(rank=self.rank, world_size=self.world_size, staged=staged, group=group)
 
         return self.store.save(
             step, skeletons, epoch=epoch, world_size=self.world_size, metadata=metadata,
             blocking=blocking, per_rank=[a[3] for a in answers] if self.rank == 0 else None,
-            shards=part, token=token,
+            shards=part, token=token, overlap_with=overlap,
         )  # fmt: skip
 
     def _why_not_now(self, step: int, blocking: bool) -> str | None:
