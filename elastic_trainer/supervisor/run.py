@@ -317,6 +317,7 @@ class Supervisor:
             return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         finally:
             shutil.rmtree(control_root, ignore_errors=True)
+            workerenv.remove_memory_dir(cfg)
         if outcome.status == agent_mod.STATUS_SUCCEEDED:
             # close the rendezvous so that a node arriving now exits instead of waiting
             with contextlib.suppress(Exception):

@@ -1,0 +1,236 @@
+"""The in-memory snapshot tier: the latest state copy of every node, in node-local memory.
+
+Every ``memory_snapshot_every`` steps (default 1) each node's writer rank (``memory_plan``)
+captures the state into reused staging buffers (the only time the loop waits) and a
+background thread writes it to the node's memory folder, a tmpfs the supervisor owns
+(``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
+the supervisor exits). A copy is written under a temporary name and renamed when complete,
+so a crash mid-write never leaves a copy that is used; the previous copy is deleted as soon
+as the new one is committed, so a node holds at most two (the latest and the one in flight).
+When the previous write is still running, the step's copy is skipped instead of waited for.
+
+Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
+so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
+Sharded (FSDP2) state keeps to storage snapshots (its per-rank shards would need a mirror).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.events import emit
+from elastic_trainer.runtime.memory_plan import RestorePlan, Source, copy_name, copy_step
+from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
+from elastic_trainer.runtime.memory_plan import writers as node_writers
+from snapshots.serialization import Stager, is_stateful
+from snapshots.store import restore_into
+
+# Test-only crash injection: SIGKILL the writer's process halfway through writing the copy of
+# this step (the temporary file is left torn). A no-op unless set.
+KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
+
+
+class NodeCopies:
+    """One node's committed copies (``copy-<step>.pt``) in a node-local folder."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in map(copy_step, names) if s is not None)
+
+    def newest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def read(self, step: int) -> dict[str, Any]:
+        path = os.path.join(self.directory, copy_name(step))
+        return torch.load(path, weights_only=True, map_location="cpu")
+
+    def write(self, step: int, payload: Mapping[str, Any]) -> None:
+        """Commit ``payload`` as the copy of ``step`` (rename = commit), then drop the rest."""
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = os.path.join(self.directory, f".tmp-{step}-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "xb") as f:  # a file object: torch's zip writer refuses some names
+                torch.save(dict(payload), f)
+            _maybe_crash(step, tmp)
+            os.replace(tmp, os.path.join(self.directory, copy_name(step)))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self.keep_only(step)
+
+    def keep_only(self, step: int | None) -> None:
+        """Delete every committed copy but ``step``'s, and every leftover temporary file
+        (called by the node's only writer, so none is being written)."""
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                if copy_step(name) != step or step is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.directory, name))
+
+    def total_bytes(self) -> int:
+        with contextlib.suppress(FileNotFoundError):
+            return sum(e.stat().st_size for e in os.scandir(self.directory))
+        return 0
+
+
+def _maybe_crash(step: int, tmp: str) -> None:
+    if os.environ.get(KILL_MID_WRITE_ENV) != str(step):
+        return
+    with open(tmp, "r+b") as f:  # a torn copy: what a kill halfway through leaves
+        f.truncate(os.path.getsize(tmp) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryRestored:
+    step: int
+    state: dict[str, Any]
+    source: Source
+
+
+class MemoryTier:
+    """Collective: every rank of the group calls ``save`` and ``restore`` at the same step."""
+
+    def __init__(self, directory: str, *, every: int) -> None:
+        self.every = every
+        self.copies = NodeCopies(directory)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        keys = self._all_gather(os.path.realpath(directory))
+        self.is_writer = node_writers(keys)[self.rank]
+        self.skipped = 0  # steps whose copy was skipped because the previous write still ran
+        self._stager = Stager()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    # --- save -------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """Collective (one all-gather of the per-rank state); the writer then only copies."""
+        gathered = self._all_gather(_plain(per_rank))
+        if not self.is_writer:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            self.skipped += 1  # its staging buffers are still being written: never wait
+            return
+        payload = {
+            "step": step,
+            "world_size": self.world_size,
+            "state": self._stager.capture(state),
+            "per_rank": gathered,
+        }
+        self._thread = threading.Thread(
+            target=self._write, args=(step, payload), name="memory-tier", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, step: int, payload: Mapping[str, Any]) -> None:
+        try:
+            self.copies.write(step, payload)
+        except Exception as exc:  # tmpfs full, folder removed: storage stays the fallback
+            if not self._failing:  # once per streak of failures, not once per step
+                emit(
+                    "snapshot.memory_failed",
+                    level="warning",
+                    step=step,
+                    dir=self.copies.directory,
+                    error=f"{type(exc).__name__}: {exc}"[:500],
+                )
+            self._failing = True
+            return
+        self._failing = False
+
+    def flush(self) -> None:
+        """Local: wait for the copy being written."""
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- restore ----------------------------------------------------------------------------
+    def restore(
+        self,
+        into: Mapping[str, Any],
+        rank_into: Mapping[str, Any],
+        storage_newest: Callable[[], int | None],
+    ) -> tuple[RestorePlan, MemoryRestored | None]:
+        """Collective. All ranks agree on a plan (``memory_plan.plan_restore``); on a memory or
+        mirror plan every rank loads, agrees on success, then restores. A copy that fails to
+        load on any rank turns the plan into a storage one, on every rank, with the reason."""
+        mine = self.copies.newest()
+        facts = self._all_gather((mine, storage_newest() if self.rank == 0 else None))
+        held = [f[0] for f in facts]
+        plan = plan_restore(held, facts[0][1])
+        if plan.source is Source.STORAGE or plan.step is None:
+            return plan, None
+        payload, problem = self._load(plan, mine)
+        problems = [(r, p) for r, p in enumerate(self._all_gather(problem)) if p is not None]
+        if problems:
+            text = "; ".join(f"rank {r}: {p}" for r, p in problems)[:500]
+            reason = f"the in-memory copy of step {plan.step} did not load ({text})"
+            return RestorePlan(source=Source.STORAGE, step=None, reason=reason), None
+        restore_into(into, payload["state"], step=plan.step)
+        per_rank = payload["per_rank"]
+        if self.rank < len(per_rank):  # a rank new to this world size keeps its own RNG
+            restore_into(rank_into, per_rank[self.rank], step=plan.step)
+        source = plan.source_of(self.rank, held)
+        emit(
+            "snapshot.restored",
+            step=plan.step,
+            saved_world_size=payload["world_size"],
+            world_size=self.world_size,
+            source=source,
+        )
+        return plan, MemoryRestored(step=plan.step, state=payload["state"], source=source)
+
+    def _load(self, plan: RestorePlan, mine: int | None) -> tuple[dict[str, Any], str | None]:
+        """This node's copy, or (a mirror plan) the source rank's copy over the group."""
+        payload, problem = (None, None)
+        if mine == plan.step:
+            payload, problem = self._read(plan.step)
+        if plan.source is Source.MIRROR:
+            box = [(payload, problem) if self.rank == plan.src_rank else None]
+            dist.broadcast_object_list(box, src=plan.src_rank)
+            if mine != plan.step:
+                payload, problem = box[0]
+        return cast(dict[str, Any], payload), problem
+
+    def _read(self, step: int) -> tuple[Any, str | None]:
+        try:
+            payload = self.copies.read(step)
+            if payload.get("step") != step:
+                return None, f"the copy of step {step} says step {payload.get('step')}"
+        except Exception as exc:  # any failure means "use storage"; raising would strand peers
+            return None, " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return payload, None
+
+    def after_restore(self, step: int | None) -> None:
+        """Collective-free: the writer drops copies other than the restored step's (a copy
+        newer than the step the group resumed from belongs to an abandoned future)."""
+        if self.is_writer:
+            self.copies.keep_only(step)
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+
+def _plain(per_rank: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in per_rank.items()}

@@ -1,0 +1,126 @@
+"""The in-memory tier's pure decisions (``memory_plan``) and its node folder (``NodeCopies``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from elastic_trainer import protocol
+from elastic_trainer.errors import EnvironmentProblem
+from elastic_trainer.runtime.memory_plan import (
+    Source,
+    copy_name,
+    copy_step,
+    plan_restore,
+    writers,
+)
+from elastic_trainer.runtime.memory_tier import NodeCopies
+from elastic_trainer.supervisor import args, workerenv
+
+
+# --- which rank writes its node's copy ---------------------------------------------------------
+def test_the_lowest_rank_of_each_node_writes_its_copy():
+    assert writers(["a", "a", "b", "b"]) == [True, False, True, False]
+    assert writers(["a", "b", "a", "b"]) == [True, True, False, False]  # any rank layout
+    assert writers(["x"]) == [True]
+
+
+# --- where a (re)started group restores from ---------------------------------------------------
+def test_every_node_holding_the_newest_copy_restores_it_locally():
+    plan = plan_restore([9, 9, 9, 9], storage_newest=6)
+    assert (plan.source, plan.step, plan.reason) == (Source.MEMORY, 9, None)
+    assert [plan.source_of(r, [9, 9, 9, 9]) for r in range(4)] == [Source.MEMORY] * 4
+
+
+def test_a_node_without_the_newest_copy_gets_it_from_the_lowest_holder():
+    held = [None, None, 8, 9, 9]  # node 0 replaced; node 1 was writing step 9 when killed
+    plan = plan_restore(held, storage_newest=6)
+    assert (plan.source, plan.step, plan.src_rank) == (Source.MIRROR, 9, 3)
+    assert [plan.source_of(r, held) for r in range(5)] == [
+        Source.MIRROR, Source.MIRROR, Source.MIRROR, Source.MEMORY, Source.MEMORY,
+    ]  # fmt: skip
+
+
+def test_no_copy_anywhere_falls_back_to_storage_and_says_why():
+    plan = plan_restore([None, None], storage_newest=6)
+    assert plan.source is Source.STORAGE and plan.step is None
+    assert "no node holds an in-memory copy" in (plan.reason or "")
+    assert plan_restore([None], storage_newest=None).source is Source.STORAGE  # fresh start
+
+
+def test_a_newer_storage_snapshot_wins_over_an_older_copy():
+    plan = plan_restore([5, 5], storage_newest=10)
+    assert plan.source is Source.STORAGE
+    assert "step 10" in (plan.reason or "") and "step 5" in (plan.reason or "")
+    assert plan_restore([10, 10], storage_newest=10).source is Source.MEMORY  # a tie: memory
+
+
+def test_copy_names_round_trip_and_temporaries_are_not_copies():
+    assert copy_step(copy_name(42)) == 42
+    assert copy_step(".tmp-42-abc") is None
+    assert copy_step("copy-42.pt") is None
+
+
+# --- the node folder -----------------------------------------------------------------------------
+def test_a_committed_copy_supersedes_the_previous_one(tmp_path):
+    copies = NodeCopies(str(tmp_path / "node"))
+    assert copies.steps() == [] and copies.newest() is None
+    copies.write(1, {"step": 1, "w": torch.arange(3)})
+    copies.write(2, {"step": 2, "w": torch.arange(4)})
+    assert copies.steps() == [2]  # at most one committed copy: freed once superseded
+    assert torch.equal(copies.read(2)["w"], torch.arange(4))
+
+
+def test_a_torn_temporary_file_is_never_read_and_is_cleared(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(3, {"step": 3})
+    (tmp_path / ".tmp-4-dead").write_bytes(b"PK\x03\x04 half a zip")
+    assert copies.newest() == 3
+    copies.keep_only(3)
+    assert os.listdir(tmp_path) == [copy_name(3)]
+    copies.keep_only(None)  # a fresh start: nothing of an abandoned run is kept
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_that_fails_leaves_the_previous_copy(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(1, {"step": 1})
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        copies.write(2, {"step": 2, "bad": lambda: None})  # cannot be pickled
+    assert copies.steps() == [1]
+    assert os.listdir(tmp_path) == [copy_name(1)]  # no temporary file left behind
+
+
+# --- the settings ---------------------------------------------------------------------------------
+def test_memory_settings_round_trip_and_zero_means_off():
+    settings = protocol.WorkerSettings(memory_dir="/dev/shm/x/1", memory_snapshot_every=0)
+    assert protocol.WorkerSettings.from_env(settings.to_env()) == settings
+    assert protocol.DEFAULT_MEMORY_SNAPSHOT_EVERY == 1
+    with pytest.raises(EnvironmentProblem, match=protocol.ENV_MEMORY_SNAPSHOT_EVERY):
+        protocol.WorkerSettings.from_env({protocol.ENV_MEMORY_SNAPSHOT_EVERY: "-1"})
+
+
+def test_the_supervisor_flag_and_variable_reach_the_workers_with_this_agents_folder():
+    cfg = args.parse(["--memory-snapshot-every", "0", "x.py"])
+    assert cfg.memory_snapshot_every == 0
+    cfg = args.parse(["x.py"], env={"ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY": "5"})
+    folder = workerenv.memory_dir(cfg)
+    assert str(os.getpid()) in folder and cfg.job_id in folder  # stable per agent, per job
+    env = cfg.worker_settings("/ctl", folder).to_env()
+    assert env[protocol.ENV_MEMORY_SNAPSHOT_EVERY] == "5"
+    assert env[protocol.ENV_MEMORY_DIR] == folder
+    assert (
+        protocol.ENV_MEMORY_SNAPSHOT_EVERY
+        not in args.parse(["x.py"]).worker_settings("/ctl").to_env()
+    )  # unset: the script's keyword, else the default
+
+
+def test_the_supervisor_removes_its_folder_at_exit():
+    cfg = args.parse(["--job-id", f"memtier-test-{os.getpid()}", "x.py"])
+    folder = workerenv.memory_dir(cfg)
+    NodeCopies(folder).write(1, {"step": 1})
+    workerenv.remove_memory_dir(cfg)
+    assert not os.path.exists(folder) and not os.path.exists(os.path.dirname(folder))
