@@ -11,12 +11,12 @@ the storage's newest snapshot, the storage snapshot is restored, and the event s
 from __future__ import annotations
 
 import enum
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-COPY_SUFFIX = ".pt"
-_COPY = re.compile(r"^copy-(\d{12})\.pt$")
+SLOTS = ("slot-0.pt", "slot-1.pt")  # a node's two copies: the committed one, the next one
+MARKER = "committed.json"  # {"step", "slot", "bytes"}: renamed into place = the commit
 
 
 class Source(str, enum.Enum):  # snapshot.restored.source
@@ -28,15 +28,21 @@ class Source(str, enum.Enum):  # snapshot.restored.source
 SOURCES = tuple(s.value for s in Source)
 
 
-def copy_name(step: int) -> str:
-    return f"copy-{step:012d}{COPY_SUFFIX}"
+def committed_copy(marker: Mapping[str, Any] | None) -> tuple[int, str, int] | None:
+    """(step, slot file, bytes) of a node's commit marker; None without a valid one."""
+    if not isinstance(marker, Mapping):
+        return None
+    step, slot, size = marker.get("step"), marker.get("slot"), marker.get("bytes")
+    if not (isinstance(step, int) and slot in SLOTS and isinstance(size, int)):
+        return None
+    return step, slot, size
 
 
-def copy_step(name: str) -> int | None:
-    """The step of a committed copy's file name; None for anything else (a temporary file
-    of a write in progress or killed, which readers never use)."""
-    match = _COPY.match(name)
-    return int(match.group(1)) if match else None
+def next_slot(marker: Mapping[str, Any] | None) -> str:
+    """The slot the next copy overwrites: never the committed one (a crash while writing
+    leaves the committed copy whole, and the marker still names it)."""
+    committed = committed_copy(marker)
+    return SLOTS[0] if committed is None or committed[1] == SLOTS[1] else SLOTS[1]
 
 
 def writers(node_keys: Sequence[str]) -> list[bool]:

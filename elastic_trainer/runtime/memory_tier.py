@@ -4,10 +4,11 @@ Every ``memory_snapshot_every`` steps (default 1) each node's writer rank (``mem
 captures the state into reused staging buffers (the only time the loop waits) and a
 background thread writes it to the node's memory folder, a tmpfs the supervisor owns
 (``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
-the supervisor exits). A copy is written under a temporary name and renamed when complete,
-so a crash mid-write never leaves a copy that is used; the previous copy is deleted as soon
-as the new one is committed, so a node holds at most two (the latest and the one in flight).
-When the previous write is still running, the step's copy is skipped instead of waited for.
+the supervisor exits). A node has two slot files: a copy overwrites the slot that is not
+committed, and is committed by atomically replacing a small marker that names its slot and
+step, so a crash mid-write never leaves a copy that is used, and a node never holds more than
+two copies (the committed one and the one being written). When the previous write is still
+running, the step's copy is skipped instead of waited for.
 
 Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
 so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
@@ -17,6 +18,7 @@ Sharded (FSDP2) state keeps to storage snapshots (its per-rank shards would need
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -29,7 +31,13 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.events import emit
-from elastic_trainer.runtime.memory_plan import RestorePlan, Source, copy_name, copy_step
+from elastic_trainer.runtime.memory_plan import (
+    MARKER,
+    RestorePlan,
+    Source,
+    committed_copy,
+    next_slot,
+)
 from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
 from elastic_trainer.runtime.memory_plan import writers as node_writers
 from snapshots.serialization import Stager, is_stateful
@@ -41,60 +49,67 @@ KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
 
 
 class NodeCopies:
-    """One node's committed copies (``copy-<step>.pt``) in a node-local folder."""
+    """One node's copies in a node-local folder: two slot files overwritten in place (a
+    fresh tmpfs file per copy costs its page allocation: ~4x the write here) and a commit
+    marker naming the slot and step of the committed one, replaced atomically."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def steps(self) -> list[int]:
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def marker(self) -> dict[str, Any] | None:
         try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        return sorted(s for s in map(copy_step, names) if s is not None)
+            with open(self._path(MARKER)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
 
     def newest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        committed = committed_copy(self.marker())
+        return committed[0] if committed is not None else None
 
     def read(self, step: int) -> dict[str, Any]:
-        path = os.path.join(self.directory, copy_name(step))
-        return torch.load(path, weights_only=True, map_location="cpu")
+        committed = committed_copy(self.marker())
+        if committed is None or committed[0] != step:
+            raise FileNotFoundError(f"no committed in-memory copy of step {step}")
+        _, slot, size = committed
+        if os.path.getsize(self._path(slot)) != size:
+            raise ValueError(f"{slot} has {os.path.getsize(self._path(slot))} bytes, not {size}")
+        return torch.load(self._path(slot), weights_only=True, map_location="cpu")
 
     def write(self, step: int, payload: Mapping[str, Any]) -> None:
-        """Commit ``payload`` as the copy of ``step`` (rename = commit), then drop the rest."""
+        """Overwrite the uncommitted slot, then commit it by replacing the marker."""
         os.makedirs(self.directory, exist_ok=True)
-        tmp = os.path.join(self.directory, f".tmp-{step}-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "xb") as f:  # a file object: torch's zip writer refuses some names
-                torch.save(dict(payload), f)
-            _maybe_crash(step, tmp)
-            os.replace(tmp, os.path.join(self.directory, copy_name(step)))
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        self.keep_only(step)
+        slot = next_slot(self.marker())
+        with open(self._path(slot), "r+b" if os.path.exists(self._path(slot)) else "xb") as f:
+            torch.save(dict(payload), f)
+            f.truncate(f.tell())
+            size = f.tell()
+        _maybe_crash(step, self._path(slot))
+        tmp = self._path(f".{MARKER}.{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "slot": slot, "bytes": size}, f)
+        os.replace(tmp, self._path(MARKER))
 
     def keep_only(self, step: int | None) -> None:
-        """Delete every committed copy but ``step``'s, and every leftover temporary file
-        (called by the node's only writer, so none is being written)."""
+        """Forget every copy but ``step``'s (None: all), and free the other slot."""
+        keep = committed_copy(self.marker())
+        if keep is not None and keep[0] != step:
+            keep = None
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
-                if copy_step(name) != step or step is None:
+                if keep is None or name not in (MARKER, keep[1]):
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(self.directory, name))
-
-    def total_bytes(self) -> int:
-        with contextlib.suppress(FileNotFoundError):
-            return sum(e.stat().st_size for e in os.scandir(self.directory))
-        return 0
+                        os.unlink(self._path(name))
 
 
-def _maybe_crash(step: int, tmp: str) -> None:
+def _maybe_crash(step: int, path: str) -> None:
     if os.environ.get(KILL_MID_WRITE_ENV) != str(step):
         return
-    with open(tmp, "r+b") as f:  # a torn copy: what a kill halfway through leaves
-        f.truncate(os.path.getsize(tmp) // 2)
+    with open(path, "r+b") as f:  # a torn copy: what a kill halfway through leaves
+        f.truncate(f.seek(0, os.SEEK_END) // 2)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -11,9 +11,11 @@ import torch
 from elastic_trainer import protocol
 from elastic_trainer.errors import EnvironmentProblem
 from elastic_trainer.runtime.memory_plan import (
+    MARKER,
+    SLOTS,
     Source,
-    copy_name,
-    copy_step,
+    committed_copy,
+    next_slot,
     plan_restore,
     writers,
 )
@@ -58,31 +60,49 @@ def test_a_newer_storage_snapshot_wins_over_an_older_copy():
     assert plan_restore([10, 10], storage_newest=10).source is Source.MEMORY  # a tie: memory
 
 
-def test_copy_names_round_trip_and_temporaries_are_not_copies():
-    assert copy_step(copy_name(42)) == 42
-    assert copy_step(".tmp-42-abc") is None
-    assert copy_step("copy-42.pt") is None
+def test_the_next_copy_never_overwrites_the_committed_one():
+    assert next_slot(None) == SLOTS[0]
+    assert next_slot({"step": 4, "slot": SLOTS[0], "bytes": 10}) == SLOTS[1]
+    assert next_slot({"step": 5, "slot": SLOTS[1], "bytes": 10}) == SLOTS[0]
+    assert committed_copy({"step": 5, "slot": "elsewhere", "bytes": 1}) is None
+    assert committed_copy({"step": "5", "slot": SLOTS[0], "bytes": 1}) is None
 
 
 # --- the node folder -----------------------------------------------------------------------------
-def test_a_committed_copy_supersedes_the_previous_one(tmp_path):
+def test_a_committed_copy_supersedes_the_previous_one_in_two_slots(tmp_path):
     copies = NodeCopies(str(tmp_path / "node"))
-    assert copies.steps() == [] and copies.newest() is None
-    copies.write(1, {"step": 1, "w": torch.arange(3)})
-    copies.write(2, {"step": 2, "w": torch.arange(4)})
-    assert copies.steps() == [2]  # at most one committed copy: freed once superseded
-    assert torch.equal(copies.read(2)["w"], torch.arange(4))
+    assert copies.newest() is None
+    for step in range(1, 6):
+        copies.write(step, {"step": step, "w": torch.arange(step)})
+        assert copies.newest() == step
+        assert torch.equal(copies.read(step)["w"], torch.arange(step))
+    assert sorted(os.listdir(tmp_path / "node")) == sorted([MARKER, *SLOTS])  # two copies at most
+    with pytest.raises(FileNotFoundError):
+        copies.read(4)  # superseded
 
 
-def test_a_torn_temporary_file_is_never_read_and_is_cleared(tmp_path):
+def test_a_torn_slot_is_never_read(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(3, {"step": 3, "w": torch.ones(100)})
+    copies.write(4, {"step": 4, "w": torch.ones(100)})
+    with open(tmp_path / SLOTS[0], "r+b") as f:  # the next copy's slot, torn by a crash
+        f.truncate(10)
+    assert copies.newest() == 4 and torch.equal(copies.read(4)["w"], torch.ones(100))
+    with open(tmp_path / SLOTS[1], "r+b") as f:  # a committed slot of the wrong size
+        f.truncate(10)
+    with pytest.raises(ValueError, match="bytes"):
+        copies.read(4)
+
+
+def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
     copies = NodeCopies(str(tmp_path))
     copies.write(3, {"step": 3})
-    (tmp_path / ".tmp-4-dead").write_bytes(b"PK\x03\x04 half a zip")
-    assert copies.newest() == 3
-    copies.keep_only(3)
-    assert os.listdir(tmp_path) == [copy_name(3)]
-    copies.keep_only(None)  # a fresh start: nothing of an abandoned run is kept
-    assert os.listdir(tmp_path) == []
+    copies.write(4, {"step": 4})
+    copies.keep_only(4)
+    assert sorted(os.listdir(tmp_path)) == sorted([MARKER, SLOTS[1]])
+    assert copies.newest() == 4
+    copies.keep_only(2)  # the group resumed from an older step: this copy is of no use
+    assert os.listdir(tmp_path) == [] and copies.newest() is None
 
 
 def test_a_write_that_fails_leaves_the_previous_copy(tmp_path):
@@ -90,8 +110,7 @@ def test_a_write_that_fails_leaves_the_previous_copy(tmp_path):
     copies.write(1, {"step": 1})
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         copies.write(2, {"step": 2, "bad": lambda: None})  # cannot be pickled
-    assert copies.steps() == [1]
-    assert os.listdir(tmp_path) == [copy_name(1)]  # no temporary file left behind
+    assert copies.newest() == 1 and copies.read(1)["step"] == 1
 
 
 # --- the settings ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import psutil
 import torch
@@ -155,18 +156,21 @@ class RssProbe:
     """Rank 0's resident memory and its memory tier's bytes on tmpfs, after every step."""
 
     def __init__(self, path: str, model: nn.Module) -> None:
-        self.path, self.rss, self.tier = path, [], []
+        self.path, self.rss, self.tier, self.times = path, [], [], []
         self.state_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
         self.process = psutil.Process()
 
     def sample(self) -> None:
         self.rss.append(self.process.memory_info().rss)
-        folder = os.environ[protocol.ENV_MEMORY_DIR]
-        self.tier.append(sum(e.stat().st_size for e in os.scandir(folder) if e.is_file()))
+        self.times.append(time.perf_counter())
+        folder = os.environ.get(protocol.ENV_MEMORY_DIR)
+        if folder and os.path.isdir(folder):
+            self.tier.append(sum(e.stat().st_size for e in os.scandir(folder) if e.is_file()))
 
     def write(self) -> None:
         with open(self.path, "w") as f:
-            json.dump({"rss": self.rss, "tier": self.tier, "state_bytes": self.state_bytes}, f)
+            figures = {"rss": self.rss, "tier": self.tier, "times": self.times}
+            json.dump({**figures, "state_bytes": self.state_bytes}, f)
 
 
 if __name__ == "__main__":
