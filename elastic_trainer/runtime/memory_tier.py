@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.events import emit
+from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime.memory_plan import (
     MARKER,
+    SLOTS,
     RestorePlan,
     Source,
     committed_copy,
@@ -77,14 +79,18 @@ class NodeCopies:
         _, slot, size = committed
         if os.path.getsize(self._path(slot)) != size:
             raise ValueError(f"{slot} has {os.path.getsize(self._path(slot))} bytes, not {size}")
-        return torch.load(self._path(slot), weights_only=True, map_location="cpu")
+        data = bytearray(size)
+        with open(self._path(slot), "rb") as f:
+            if f.readinto(data) != size:
+                raise ValueError(f"{slot} changed while it was read")
+        return memory_format.read(data)
 
     def write(self, step: int, payload: Mapping[str, Any]) -> None:
         """Overwrite the uncommitted slot, then commit it by replacing the marker."""
         os.makedirs(self.directory, exist_ok=True)
         slot = next_slot(self.marker())
         with open(self._path(slot), "r+b" if os.path.exists(self._path(slot)) else "xb") as f:
-            torch.save(dict(payload), f)
+            memory_format.write(payload, f)
             f.truncate(f.tell())
             size = f.tell()
         _maybe_crash(step, self._path(slot))
@@ -100,9 +106,51 @@ class NodeCopies:
             keep = None
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
-                if keep is None or name not in (MARKER, keep[1]):
+                ours = name in (MARKER, *SLOTS) or name.startswith(f".{MARKER}.")
+                if ours and (keep is None or name not in (MARKER, keep[1])):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._path(name))
+
+
+class RankStreams:
+    """One rank's own per-rank state (its RNG streams), one small file per step in its node's
+    folder, written by the rank itself: no collective per copy (an all-gather to the node's
+    writer cost more than the whole copy here, and grows with the world size). A rank whose
+    node lost its folder keeps its own streams, as a rank new to the world size does."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.directory, self.rank = os.path.join(directory, "ranks"), rank
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{self.rank}-{step:012d}.pt")
+
+    def write(self, step: int, value: Mapping[str, Any], committed: int | None) -> None:
+        """Write ``step``'s; drop those older than the node's committed copy (no longer of use)."""
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "xb") as f:
+            torch.save(dict(value), f)
+        os.replace(tmp, self._path(step))
+        self.forget(lambda s: committed is not None and s < committed)
+
+    def read(self, step: int) -> dict[str, Any] | None:
+        try:
+            return torch.load(self._path(step), weights_only=True)
+        except FileNotFoundError:
+            return None
+
+    def forget(self, which: Callable[[int], bool]) -> None:
+        """Delete this rank's files of the steps ``which`` selects, and its leftover
+        temporary files (only this rank writes them, never while this runs)."""
+        prefix = f"{self.rank}-"
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                step = name[len(prefix) : len(prefix) + 12]
+                if not (name.startswith(prefix) and step.isdigit()):
+                    continue
+                if name.endswith(".tmp") or which(int(step)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.directory, name))
 
 
 def _maybe_crash(step: int, path: str) -> None:
@@ -127,6 +175,7 @@ class MemoryTier:
         self.every = every
         self.copies = NodeCopies(directory)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._streams = RankStreams(directory, self.rank)
         keys = self._all_gather(os.path.realpath(directory))
         self.is_writer = node_writers(keys)[self.rank]
         self.skipped = 0  # steps whose copy was skipped because the previous write still ran
@@ -139,8 +188,9 @@ class MemoryTier:
         return step % self.every == 0
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
-        """Collective (one all-gather of the per-rank state); the writer then only copies."""
-        gathered = self._all_gather(_plain(per_rank))
+        """No collective: every rank writes its per-rank state; the node's writer then copies
+        the state into staging buffers and hands it to its thread."""
+        self._streams.write(step, _plain(per_rank), self.copies.newest())
         if not self.is_writer:
             return
         if self._thread is not None and self._thread.is_alive():
@@ -150,7 +200,6 @@ class MemoryTier:
             "step": step,
             "world_size": self.world_size,
             "state": self._stager.capture(state),
-            "per_rank": gathered,
         }
         self._thread = threading.Thread(
             target=self._write, args=(step, payload), name="memory-tier", daemon=True
@@ -195,15 +244,15 @@ class MemoryTier:
         if plan.source is Source.STORAGE or plan.step is None:
             return plan, None
         payload, problem = self._load(plan, mine)
+        streams = self._streams.read(plan.step)  # before the agreement: then it may be gone
         problems = [(r, p) for r, p in enumerate(self._all_gather(problem)) if p is not None]
         if problems:
             text = "; ".join(f"rank {r}: {p}" for r, p in problems)[:500]
             reason = f"the in-memory copy of step {plan.step} did not load ({text})"
             return RestorePlan(source=Source.STORAGE, step=None, reason=reason), None
         restore_into(into, payload["state"], step=plan.step)
-        per_rank = payload["per_rank"]
-        if self.rank < len(per_rank):  # a rank new to this world size keeps its own RNG
-            restore_into(rank_into, per_rank[self.rank], step=plan.step)
+        if streams is not None:  # else (a new rank, a node that lost it) it keeps its own
+            restore_into(rank_into, streams, step=plan.step)
         source = plan.source_of(self.rank, held)
         emit(
             "snapshot.restored",
@@ -240,6 +289,7 @@ class MemoryTier:
         newer than the step the group resumed from belongs to an abandoned future)."""
         if self.is_writer:
             self.copies.keep_only(step)
+        self._streams.forget(lambda s: step is None or s != step)
 
     def _all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

@@ -50,12 +50,22 @@ def restored(result: Launch) -> list[dict[str, Any]]:
     return sorted(result.named("snapshot.restored"), key=lambda e: e["rank"])
 
 
+DROPOUT = ("--dropout", "0.3")  # the steps draw from each rank's RNG
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, worker_env_module) -> Path:
-    root = tmp_path_factory.mktemp("reference")
-    result = run(root, worker_env_module, 2)
-    assert result.named("snapshot.restored") == []
-    return root
+def reference(tmp_path_factory: pytest.TempPathFactory, worker_env_module):
+    """The uninterrupted run's folder, for the given extra arguments (one run each)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def get(*extra: str) -> Path:
+        if extra not in runs:
+            root = tmp_path_factory.mktemp("reference")
+            assert run(root, worker_env_module, 2, *extra).named("snapshot.restored") == []
+            runs[extra] = root
+        return runs[extra]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +74,19 @@ def worker_env_module() -> dict[str, str]:
 
 
 def test_worker_crash_restores_from_memory_bit_identical(tmp_path, reference, worker_env_module):
-    result = run(tmp_path, worker_env_module, 2, "--crash-at-step", "9", "--crash-rank", "1")
+    extra = ("--crash-at-step", "9", "--crash-rank", "1")
+    result = run(tmp_path, worker_env_module, 2, *DROPOUT, *extra)
     events = restored(result)
     assert [e["source"] for e in events] == ["memory", "memory"]
     assert {e["step"] for e in events} <= {8, 9}  # storage has only step 6
     (recovery,) = result.named("recovery.completed")
     assert recovery["steps_lost"] <= 1
-    assert_bit_identical(tmp_path, reference)
+    assert_bit_identical(tmp_path, reference(*DROPOUT))  # RNG streams restored too
 
 
 def test_a_node_without_its_copy_gets_a_peers_copy(tmp_path, reference, worker_env_module):
-    """Each rank plays a node with a memory tier of its own; rank 1's is lost with the crash."""
+    """Each rank plays a node with a memory tier of its own; rank 1's is lost with the crash
+    (without dropout: rank 1's RNG streams are lost with its folder)."""
     result = run(
         tmp_path, worker_env_module, 2,
         "--memory-dir-per-rank", "--crash-at-step", "9", "--drop-memory-on-restart", "1",
@@ -82,14 +94,14 @@ def test_a_node_without_its_copy_gets_a_peers_copy(tmp_path, reference, worker_e
     events = restored(result)
     assert [e["source"] for e in events] == ["memory", "mirror"]
     assert len({e["step"] for e in events}) == 1 and events[0]["step"] >= 8
-    assert_bit_identical(tmp_path, reference)
+    assert_bit_identical(tmp_path, reference())
 
 
 def test_both_copies_lost_restores_from_storage_and_says_why(
     tmp_path, reference, worker_env_module
 ):
     result = run(
-        tmp_path, worker_env_module, 2,
+        tmp_path, worker_env_module, 2, *DROPOUT,
         "--memory-dir-per-rank", "--crash-at-step", "9", "--drop-memory-on-restart", "0,1",
     )  # fmt: skip
     events = restored(result)
@@ -97,18 +109,18 @@ def test_both_copies_lost_restores_from_storage_and_says_why(
     assert all("no node holds an in-memory copy" in e["fallback_reason"] for e in events)
     (recovery,) = result.named("recovery.completed")
     assert recovery["steps_lost"] == 9 - 6
-    assert_bit_identical(tmp_path, reference)
+    assert_bit_identical(tmp_path, reference(*DROPOUT))
 
 
 def test_a_kill_while_a_copy_is_written_never_uses_the_half_copy(
     tmp_path, reference, worker_env_module
 ):
     env = {**worker_env_module, KILL_MID_WRITE_ENV: "9"}  # rank 0 writes the node's copy
-    result = run(tmp_path, env, 2)
+    result = run(tmp_path, env, 2, *DROPOUT)
     events = restored(result)
     assert [e["source"] for e in events] == ["memory", "memory"]
     assert {e["step"] for e in events} <= {7, 8}  # the copy of step 9 was torn
-    assert_bit_identical(tmp_path, reference)
+    assert_bit_identical(tmp_path, reference(*DROPOUT))
 
 
 def test_memory_stays_bounded_with_a_copy_every_step(tmp_path, worker_env_module):

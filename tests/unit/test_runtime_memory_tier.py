@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 
@@ -10,6 +11,7 @@ import torch
 
 from elastic_trainer import protocol
 from elastic_trainer.errors import EnvironmentProblem
+from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime.memory_plan import (
     MARKER,
     SLOTS,
@@ -19,7 +21,7 @@ from elastic_trainer.runtime.memory_plan import (
     plan_restore,
     writers,
 )
-from elastic_trainer.runtime.memory_tier import NodeCopies
+from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
 from elastic_trainer.supervisor import args, workerenv
 
 
@@ -143,3 +145,41 @@ def test_the_supervisor_removes_its_folder_at_exit():
     NodeCopies(folder).write(1, {"step": 1})
     workerenv.remove_memory_dir(cfg)
     assert not os.path.exists(folder) and not os.path.exists(os.path.dirname(folder))
+
+
+# --- the byte layout of a copy ---------------------------------------------------
+def test_a_copy_round_trips_every_kind_of_value():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    payload = {
+        "model": model.state_dict(),  # an OrderedDict with _metadata, 0-dim int tensors
+        "optimizer": optimizer.state_dict(),
+        "odd": [torch.ones(2, 3).t(), torch.zeros(2, dtype=torch.bfloat16), (1, "x", None)],
+    }
+    f = io.BytesIO()
+    memory_format.write(payload, f)
+    back = memory_format.read(bytearray(f.getvalue()))
+    for key in ("model", "optimizer"):
+        torch.testing.assert_close(back[key], payload[key], rtol=0, atol=0)
+    torch.testing.assert_close(back["odd"][:2], payload["odd"][:2], rtol=0, atol=0)
+    assert back["model"]._metadata == payload["model"]._metadata
+    assert back["odd"][2] == (1, "x", None)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(back["model"])
+    with pytest.raises(ValueError, match="truncated"):
+        memory_format.read(bytearray(f.getvalue()[:-5]))
+
+
+def test_a_ranks_streams_are_kept_from_its_nodes_committed_copy_on(tmp_path):
+    mine, other = RankStreams(str(tmp_path), 1), RankStreams(str(tmp_path), 10)
+    other.write(1, {"rng": torch.ones(1)}, committed=None)
+    for step, committed in [(1, None), (2, None), (3, 1), (4, 3)]:
+        mine.write(step, {"rng": torch.full((2,), step)}, committed=committed)
+    assert mine.read(2) is None  # older than the committed copy: of no use any more
+    assert torch.equal(mine.read(3)["rng"], torch.full((2,), 3))
+    assert torch.equal(mine.read(4)["rng"], torch.full((2,), 4))
+    (tmp_path / "ranks" / "1-000000000005.pt.dead.tmp").write_bytes(b"torn")
+    mine.forget(lambda s: s != 3)  # the group resumed from step 3
+    assert sorted(os.listdir(tmp_path / "ranks")) == ["1-000000000003.pt", "10-000000000001.pt"]

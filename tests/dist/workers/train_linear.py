@@ -45,6 +45,7 @@ def parse() -> argparse.Namespace:
         "--memory-dir-per-rank", action="store_true", help="each rank has a memory tier of its own"
     )
     parser.add_argument("--width", type=int, default=0, help="a hidden WxW layer (bigger state)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="on the inputs (draws RNG)")
     parser.add_argument("--crash-at-step", type=int, default=None, help="first attempt only")
     parser.add_argument("--crash-rank", type=int, default=1)
     parser.add_argument(
@@ -77,7 +78,9 @@ def drop_memory(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
 
 
-def build_model(width: int) -> nn.Module:
+def build_model(width: int, dropout: float) -> nn.Module:
+    if dropout:  # each step draws from the global RNG: a resume must restore it exactly
+        return nn.Sequential(nn.Dropout(dropout), build_model(width, 0.0))
     if not width:
         return nn.Linear(4, 1)
     return nn.Sequential(nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, 1))
@@ -103,13 +106,17 @@ def main() -> None:
     ctx = et.init_worker()  # + (replaces dist.init_process_group)
     drop_memory(args)
     torch.manual_seed(0)
-    model = DDP(build_model(args.width))
+    model = DDP(build_model(args.width, args.dropout))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = dataset(args.samples)
     sampler = et.ElasticSampler(  # + (was DistributedSampler)
         data, seed=3, global_batch_size=args.global_batch, max_micro_batch_size=args.max_micro_batch
     )
-    loader = DataLoader(data, batch_size=sampler.micro_batch_size, sampler=sampler)
+    # its own generator: a DataLoader iterator otherwise draws a seed from the global RNG when
+    # it starts, so a resume mid-epoch (a new iterator there) would shift the dropout masks
+    loader = DataLoader(
+        data, batch_size=sampler.micro_batch_size, sampler=sampler, generator=torch.Generator()
+    )
     rss = RssProbe(args.rss_out, model) if args.rss_out and ctx.rank == 0 else None
     session = et.TrainingSession(  # +
         {"model": model, "optimizer": optimizer},
