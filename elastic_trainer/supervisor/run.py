@@ -287,6 +287,7 @@ class Supervisor:
             stop.interruptible = False  # type: ignore[attr-defined]
         workerenv.point_gloo_at(cfg.local_addr, os.environ)  # the workers inherit it
         control_root = workerenv.make_control_root(cfg)
+        workerenv.remove_stale_memory_dirs(cfg)
         spec = WorkerSpec(
             role=cfg.torchrun.role,
             local_world_size=cfg.nproc_per_node,

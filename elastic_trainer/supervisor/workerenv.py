@@ -31,6 +31,19 @@ def memory_dir(cfg: RunConfig) -> str:
     return os.path.join(base, "elastic-train", job, str(os.getpid()))
 
 
+def remove_stale_memory_dirs(cfg: RunConfig) -> None:
+    """Folders of this job's agents on this machine that died without removing theirs
+    (SIGKILL, power loss of a container): their copies are of no use to anyone (a new agent
+    never reads another agent's folder), and tmpfs is memory."""
+    import psutil
+
+    job_dir = os.path.dirname(memory_dir(cfg))
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(job_dir):
+            if name.isdigit() and not psutil.pid_exists(int(name)):
+                shutil.rmtree(os.path.join(job_dir, name), ignore_errors=True)
+
+
 def remove_memory_dir(cfg: RunConfig) -> None:
     path = memory_dir(cfg)
     shutil.rmtree(path, ignore_errors=True)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,12 +142,20 @@ def test_the_supervisor_flag_and_variable_reach_the_workers_with_this_agents_fol
     )  # unset: the script's keyword, else the default
 
 
-def test_the_supervisor_removes_its_folder_at_exit():
+def test_the_supervisor_removes_its_folder_at_exit_and_those_of_dead_agents():
     cfg = args.parse(["--job-id", f"memtier-test-{os.getpid()}", "x.py"])
     folder = workerenv.memory_dir(cfg)
+    job_dir = os.path.dirname(folder)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, os.getppid()):  # an agent that was SIGKILLed, one still running
+        NodeCopies(os.path.join(job_dir, str(pid))).write(1, {"step": 1})
     NodeCopies(folder).write(1, {"step": 1})
+    workerenv.remove_stale_memory_dirs(cfg)
+    assert sorted(os.listdir(job_dir)) == sorted([str(os.getppid()), str(os.getpid())])
+    shutil.rmtree(os.path.join(job_dir, str(os.getppid())))
     workerenv.remove_memory_dir(cfg)
-    assert not os.path.exists(folder) and not os.path.exists(os.path.dirname(folder))
+    assert not os.path.exists(folder) and not os.path.exists(job_dir)
 
 
 # --- the byte layout of a copy ---------------------------------------------------
