@@ -195,6 +195,7 @@ class RunConfig:
     # None: not set by the operator (WorkerSettings says who decides then)
     snapshot_every: int | None = None
     snapshot_keep: int | None = None
+    memory_snapshot_every: int | None = None  # None: the script's, else 1; 0: off
     storage_timeout: float | None = None
     log_format: str = "auto"
     log_file: str | None = None
@@ -289,6 +290,13 @@ class RunConfig:
             self.snapshot_keep,
             "use an integer >= 1",
         )
+        _check(
+            self.memory_snapshot_every is None
+            or (isinstance(self.memory_snapshot_every, int) and self.memory_snapshot_every >= 0),
+            "--memory-snapshot-every",
+            self.memory_snapshot_every,
+            "use an integer number of steps >= 1, or 0 for no in-memory copies",
+        )
         if self.storage_timeout is not None:
             _positive("--storage-timeout", self.storage_timeout)
         _check(
@@ -313,9 +321,12 @@ class RunConfig:
             "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
         )
 
-    def worker_settings(self, control_dir: str) -> WorkerSettings:
-        """What every worker of this node is told (through its environment)."""
+    def worker_settings(self, control_dir: str, memory_dir: str | None = None) -> WorkerSettings:
+        """What every worker of this node is told (through its environment); ``memory_dir``:
+        this supervisor's in-memory tier folder (``runtime.memory_tier``)."""
         return WorkerSettings(
+            memory_dir=memory_dir,
+            memory_snapshot_every=self.memory_snapshot_every,
             job_id=self.job_id,
             node=self.node,
             control_dir=control_dir,

@@ -62,6 +62,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "session.started": ("world_size", "backend", "snapshot_dir"),
     "session.stopping": ("step", "reason", "signal"),
     "session.setting_overridden": ("setting", "script_value", "operator_value"),
+    "snapshot.memory_failed": ("step", "dir", "error"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),

@@ -18,6 +18,8 @@ from elastic_trainer.errors import EnvironmentProblem
 # --- defaults: the one place each is written ----------------------------------------------
 DEFAULT_SNAPSHOT_EVERY = 100  # steps between periodic snapshots
 DEFAULT_SNAPSHOT_KEEP = 3  # newest committed snapshots kept
+# steps between in-memory copies of the state (runtime.memory_tier); 0 = none
+DEFAULT_MEMORY_SNAPSHOT_EVERY = 1
 # not torch's 30 min: a hung or cut-off peer must be noticed; the hang watchdog is faster
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_GRACE_PERIOD_S = 25.0  # SIGTERM -> final snapshot -> exit, under common kill delays
@@ -30,6 +32,9 @@ ENV_SNAPSHOT_DIR = "ELASTIC_TRAIN_SNAPSHOT_DIR"  # fsspec URL; empty = no snapsh
 ENV_SNAPSHOT_EVERY = "ELASTIC_TRAIN_SNAPSHOT_EVERY"  # steps between periodic snapshots
 ENV_SNAPSHOT_KEEP = "ELASTIC_TRAIN_SNAPSHOT_KEEP"  # newest K committed snapshots kept
 ENV_STORAGE_TIMEOUT = "ELASTIC_TRAIN_STORAGE_TIMEOUT"  # seconds, one storage operation
+ENV_MEMORY_SNAPSHOT_EVERY = "ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY"  # steps; 0 = off
+# node-local memory folder (tmpfs) of this agent's in-memory copies; unset = no memory tier
+ENV_MEMORY_DIR = "ELASTIC_TRAIN_MEMORY_DIR"
 ENV_CONTROL_DIR = "ELASTIC_TRAIN_CONTROL_DIR"  # node-local dir, see the files below
 ENV_LOG_FORMAT = "ELASTIC_TRAIN_LOG_FORMAT"  # json | console
 ENV_LOG_FILE = "ELASTIC_TRAIN_LOG_FILE"  # optional path workers append JSON lines to
@@ -44,6 +49,13 @@ def _positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
         raise ValueError("expected an integer >= 1")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
     return value
 
 
@@ -79,6 +91,10 @@ class WorkerSettings:
     snapshot_every: int | None = None
     snapshot_keep: int | None = None
     storage_timeout_s: float | None = None  # None: the snapshot store's own default
+    # the in-memory tier: this agent's folder (the supervisor's, removed when it exits) and
+    # the steps between copies (None: the script's keyword, else the default; 0 = off)
+    memory_dir: str | None = None
+    memory_snapshot_every: int | None = None
     log_format: str = "auto"
     log_file: str | None = None
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -126,6 +142,8 @@ _ENV: dict[str, str] = {
     "snapshot_every": ENV_SNAPSHOT_EVERY,
     "snapshot_keep": ENV_SNAPSHOT_KEEP,
     "storage_timeout_s": ENV_STORAGE_TIMEOUT,
+    "memory_dir": ENV_MEMORY_DIR,
+    "memory_snapshot_every": ENV_MEMORY_SNAPSHOT_EVERY,
     "log_format": ENV_LOG_FORMAT,
     "log_file": ENV_LOG_FILE,
     "collective_timeout_s": ENV_COLLECTIVE_TIMEOUT,
@@ -135,6 +153,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "snapshot_every": _positive_int,
     "snapshot_keep": _positive_int,
     "storage_timeout_s": _positive_float,
+    "memory_snapshot_every": _non_negative_int,
     "log_format": _log_format,
     "collective_timeout_s": _positive_float,
     "grace_period_s": _positive_float,

@@ -231,6 +231,7 @@ class DistributedSnapshotter:
         *,
         into: Mapping[str, Any] | None = None,
         rank_into: Mapping[str, Any] | None = None,
+        event_fields: Mapping[str, Any] | None = None,
     ) -> LoadedSnapshot | None:
         """Collective. None on every rank when nothing is committed (a fresh start).
 
@@ -239,6 +240,8 @@ class DistributedSnapshotter:
         the ranks agree on the outcome, and if any rank failed all move on to the next older
         step (``snapshot.corrupt`` names the rank and the problem). NoValidSnapshotError on
         every rank when none loads; no rank is ever left waiting in a collective.
+        ``event_fields``: added to ``snapshot.restored`` (e.g. why a caller's other source
+        could not serve).
         """
         candidates = self._agree_on_candidates(step)
         if not candidates:
@@ -253,6 +256,7 @@ class DistributedSnapshotter:
                     step=chosen,
                     saved_world_size=loaded.info.world_size,  # type: ignore[union-attr]
                     world_size=self.world_size,
+                    **{"source": "storage", **(event_fields or {})},
                 )
                 return loaded
             text = "; ".join(f"rank {r}: {p}" for r, p in failures)

@@ -14,7 +14,8 @@ import structlog
 EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.saved": ("step", "epoch", "url", "bytes", "stall_ms", "write_ms"),
     "snapshot.skipped": ("step", "reason"),
-    "snapshot.restored": ("step", "saved_world_size", "world_size"),
+    # source: storage (this package), or memory | mirror (elastic_trainer's in-memory tier)
+    "snapshot.restored": ("step", "saved_world_size", "world_size", "source"),
     "snapshot.corrupt": ("step", "url", "problem"),
     "snapshot.failed": ("step", "url", "error"),
     "snapshot.pruned": ("steps", "url"),

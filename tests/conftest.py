@@ -11,6 +11,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture
 def worker_env(tmp_path):
+    return clean_worker_env()
+
+
+def clean_worker_env() -> dict[str, str]:
     """A clean environment for subprocesses: single-threaded BLAS, no inherited torchrun vars."""
     env = {
         k: v

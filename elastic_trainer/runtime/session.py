@@ -36,12 +36,17 @@ from elastic_trainer.runtime.progress import (
     stop_exit_code,
 )
 from elastic_trainer.runtime.sampler import ElasticSampler
-from elastic_trainer.runtime.snapshotting import SessionSnapshots
-from snapshots import Owner, SnapshotOwnerError
+from elastic_trainer.runtime.snapshotting import (
+    open_memory_tier,
+    open_snapshots,
+    restore_state,
+)
+from snapshots import RNGState
 
 _DEFAULTS = {
     "snapshot_every": protocol.DEFAULT_SNAPSHOT_EVERY,
     "snapshot_keep": protocol.DEFAULT_SNAPSHOT_KEEP,
+    "memory_snapshot_every": protocol.DEFAULT_MEMORY_SNAPSHOT_EVERY,
 }
 SAMPLER_KEY = "elastic_sampler"
 SESSION_KEY = "elastic_session"
@@ -68,6 +73,7 @@ class TrainingSession:
         snapshot_dir: str | None = None,
         snapshot_every: int | None = None,
         keep: int | None = None,
+        memory_snapshot_every: int | None = None,
         audit_dir: str | None = None,
         max_steps: int | None = None,
         exit_on_stop: bool = True,
@@ -87,7 +93,12 @@ class TrainingSession:
         self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
         url = self._setting("snapshot_dir", snapshot_dir)
         keep = self._setting("snapshot_keep", keep)
-        self._snapshots = self._open_snapshots(url, keep) if url else None
+        self._snapshots = open_snapshots(url, keep, self.context, self.attempt) if url else None
+        self._memory = open_memory_tier(
+            self.context.settings.memory_dir,
+            self._setting("memory_snapshot_every", memory_snapshot_every),
+            self.state,
+        )
         self._progress = ProgressFile(self.context.progress_path)
         # snapshot/progress events for the supervisor's metrics (protocol.events_file)
         self._forwarder = EventForwarder.install(self.context.control_dir, self.context.local_rank)
@@ -115,19 +126,6 @@ class TrainingSession:
             )
         return operator_value
 
-    def _open_snapshots(self, url: str, keep: int) -> SessionSnapshots:
-        """The folder belongs to this job (``snapshots.ownership``): the run token is the
-        group's attempt, agreed by every rank, so a later attempt or a requeued run adopts the
-        folder and a concurrent run of the same job takes it over from this one."""
-        job_id = self.context.job_id
-        owner = Owner(job_id=job_id, run_token=f"{self.attempt:x}") if job_id else None
-        try:
-            return SessionSnapshots(
-                url, keep=keep, owner=owner, storage_timeout=self.context.settings.storage_timeout_s
-            )
-        except SnapshotOwnerError as exc:  # a restart cannot fix it: exit 2 with this line
-            raise ConfigError(str(exc)) from exc
-
     def _final_deadline(self) -> float:
         """Seconds the final snapshot of a stop may take: what is left of the grace period
         before the supervisor kills (it keeps a margin), counted from the stop file."""
@@ -150,19 +148,22 @@ class TrainingSession:
         )
 
     def _restore(self) -> None:
-        if self._snapshots is None:
-            return
-        restored = self._snapshots.restore(self.state)
+        """The newest state any node holds in memory (``runtime.memory_tier``), else the
+        newest loadable storage snapshot; snapshot.restored says which and why."""
+        restored = restore_state(self._memory, self._snapshots, self.state)
+        if self._memory is not None:
+            self._memory.after_restore(None if restored is None else restored[0])
         if restored is None:
             return
+        step, state = restored
         if self.sampler is not None:
-            if SAMPLER_KEY not in restored.state:
+            if SAMPLER_KEY not in state:
                 raise SamplerStateError(
-                    f"snapshot of step {restored.info.step} has no sampler state; resume it "
+                    f"snapshot of step {step} has no sampler state; resume it "
                     "without a sampler or start from a fresh snapshot directory"
                 )
-            self.sampler.load_state_dict(restored.state[SAMPLER_KEY])
-        self.step = int(restored.state[SESSION_KEY]["step"])
+            self.sampler.load_state_dict(state[SAMPLER_KEY])
+        self.step = int(state[SESSION_KEY]["step"])
         self.restored_step = self.step  # snapshot.restored is emitted by the snapshotter
         if self.max_steps is not None and self.step >= self.max_steps:
             self.stop_reason = STOP_MAX_STEPS  # already there: train nothing more
@@ -258,6 +259,8 @@ class TrainingSession:
         self.step += 1
         self._micro = 0
         self._record(indices)
+        if self._memory is not None and self._memory.due(self.step):
+            self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
         if any_stop:
             self._stop(self._own_stop_reason() if own_stop else STOP_PEER_PREEMPTED)
@@ -375,6 +378,8 @@ class TrainingSession:
     def close(self) -> None:
         """Collective: flush the in-flight snapshot and close files, without a final one."""
         self._signals.uninstall()
+        if self._memory is not None:
+            self._memory.flush()
         if self._snapshots is not None:
             self._snapshots.close()
         if self._audit is not None:
@@ -384,6 +389,8 @@ class TrainingSession:
         """After an error: local clean-up only. No collective (a peer may be stuck in another
         one); rank 0 still lets its in-flight snapshot commit, it was taken at a good step."""
         self._signals.uninstall()
+        if self._memory is not None:
+            self._memory.flush()
         if self._snapshots is not None:
             self._snapshots.close_local()
         if self._audit is not None:

@@ -19,12 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.runtime.context import WorkerContext
+from elastic_trainer.runtime.memory_plan import Source
+from elastic_trainer.runtime.memory_tier import MemoryTier
 from snapshots import (
     Owner,
     RNGState,
     SnapshotError,
     SnapshotInfo,
+    SnapshotOwnerError,
     SnapshotSaveError,
     SnapshotStore,
 )
@@ -61,9 +67,17 @@ class SessionSnapshots:
         self._snapshotter = DistributedSnapshotter(self.store)
         self.last_saved_step: int | None = None  # saved or restored: never save it again
 
-    def restore(self, into: Mapping[str, Any]) -> Restored | None:
-        """Collective: load the newest verified snapshot (chosen by rank 0) on every rank."""
-        loaded = self._snapshotter.load(into=into, rank_into={"rng": RNGState()})
+    def restore(
+        self, into: Mapping[str, Any], *, fallback_reason: str | None = None
+    ) -> Restored | None:
+        """Collective: load the newest verified snapshot (chosen by rank 0) on every rank.
+        ``fallback_reason``: why the in-memory tier could not serve (in snapshot.restored)."""
+        fields = {"source": Source.STORAGE.value}
+        if fallback_reason is not None:
+            fields["fallback_reason"] = fallback_reason
+        loaded = self._snapshotter.load(
+            into=into, rank_into={"rng": RNGState()}, event_fields=fields
+        )
         if loaded is None:
             return None
         self.last_saved_step = loaded.info.step
@@ -133,6 +147,15 @@ class SessionSnapshots:
             )
         return error
 
+    def newest_step(self) -> int | None:
+        """Rank 0: the newest committed step (None when none, or storage does not answer:
+        the in-memory tier then serves if it can)."""
+        try:
+            steps = self.store.committed_steps()
+        except SnapshotError:
+            return None
+        return max(steps) if steps else None
+
     def close(self) -> None:
         """Collective: flush the in-flight save and stop the writer."""
         self._snapshotter.close()
@@ -152,3 +175,46 @@ def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
     """
     optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
     return optimizers[0] if len(optimizers) == 1 else None
+
+
+def open_memory_tier(
+    directory: str | None, every: int, state: Mapping[str, Any]
+) -> MemoryTier | None:
+    """Collective when it opens one. None: no folder (not under elastic-train), ``every`` 0,
+    no process group, or sharded state (its shards keep to storage snapshots for now)."""
+    from snapshots._sharded_state import has_dtensors
+
+    usable = directory and every > 0 and dist.is_initialized() and not has_dtensors(state)
+    return MemoryTier(directory, every=every) if usable else None  # type: ignore[arg-type]
+
+
+def restore_state(
+    memory: MemoryTier | None, snapshots: SessionSnapshots | None, into: Mapping[str, Any]
+) -> tuple[int, dict[str, Any]] | None:
+    """Collective: (step, saved state) from the memory tier, else from storage; None when
+    there is nothing to restore (a fresh start)."""
+    reason = None
+    if memory is not None:
+        newest = snapshots.newest_step if snapshots is not None else lambda: None
+        plan, restored = memory.restore(into, {"rng": RNGState()}, newest)
+        if restored is not None:
+            return restored.step, restored.state
+        reason = plan.reason
+    if snapshots is None:
+        return None
+    loaded = snapshots.restore(into, fallback_reason=reason)
+    return None if loaded is None else (loaded.info.step, loaded.state)
+
+
+def open_snapshots(url: str, keep: int, context: WorkerContext, attempt: int) -> SessionSnapshots:
+    """The folder belongs to this job (``snapshots.ownership``): the run token is the
+    group's attempt, agreed by every rank, so a later attempt or a requeued run adopts the
+    folder and a concurrent run of the same job takes it over from this one."""
+    job_id = context.job_id
+    owner = Owner(job_id=job_id, run_token=f"{attempt:x}") if job_id else None
+    try:
+        return SessionSnapshots(
+            url, keep=keep, owner=owner, storage_timeout=context.settings.storage_timeout_s
+        )
+    except SnapshotOwnerError as exc:  # a restart cannot fix it: exit 2 with this line
+        raise ConfigError(str(exc)) from exc

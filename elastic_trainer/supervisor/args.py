@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--grace-period", type=float, help="seconds to stop after SIGTERM (default 25)")
     a("--snapshot-dir", help="local path or fsspec URL for snapshots")
     a("--snapshot-every", type=int, help="steps between snapshots (default 100)")
+    a("--memory-snapshot-every", type=int, help="steps between in-memory copies (default 1; 0 off)")
     a("--snapshot-keep", type=int, help="newest snapshots kept (default 3)")
     a("--storage-timeout", type=float, help="seconds one snapshot storage operation may take")
     a("--log-format", choices=("json", "console", "auto"), help="default auto")
@@ -461,6 +462,7 @@ def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "grace_period",
         "snapshot_dir",
         "snapshot_every",
+        "memory_snapshot_every",
         "snapshot_keep",
         "storage_timeout",
         "log_format",

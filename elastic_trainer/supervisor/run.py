@@ -287,6 +287,7 @@ class Supervisor:
             stop.interruptible = False  # type: ignore[attr-defined]
         workerenv.point_gloo_at(cfg.local_addr, os.environ)  # the workers inherit it
         control_root = workerenv.make_control_root(cfg)
+        workerenv.remove_stale_memory_dirs(cfg)
         spec = WorkerSpec(
             role=cfg.torchrun.role,
             local_world_size=cfg.nproc_per_node,
@@ -320,6 +321,7 @@ class Supervisor:
         finally:
             workerenv.close_logs(logs)
             shutil.rmtree(control_root, ignore_errors=True)
+            workerenv.remove_memory_dir(cfg)
         if outcome.status == agent_mod.STATUS_SUCCEEDED:
             # close the rendezvous so that a node arriving now exits instead of waiting
             with contextlib.suppress(Exception):

@@ -4,6 +4,7 @@ fresh control directory per attempt (stop file, progress files; ``elastic_traine
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -18,7 +19,36 @@ BOOTSTRAP_MODULE = "elastic_trainer.supervisor.bootstrap"
 
 def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
     """Put this attempt's settings into our environment, which torch hands to the workers."""
-    cfg.worker_settings(control_dir).apply_to(os.environ)
+    cfg.worker_settings(control_dir, memory_dir(cfg)).apply_to(os.environ)
+
+
+def memory_dir(cfg: RunConfig) -> str:
+    """This agent's in-memory tier folder: on tmpfs (/dev/shm) where there is one, named by
+    the job and this supervisor's pid, so it outlives worker restarts on this agent, differs
+    per agent (two on one machine too), and ``remove_memory_dir`` frees it at exit."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    job = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.job_id)
+    return os.path.join(base, "elastic-train", job, str(os.getpid()))
+
+
+def remove_stale_memory_dirs(cfg: RunConfig) -> None:
+    """Folders of this job's agents on this machine that died without removing theirs
+    (SIGKILL, power loss of a container): their copies are of no use to anyone (a new agent
+    never reads another agent's folder), and tmpfs is memory."""
+    import psutil
+
+    job_dir = os.path.dirname(memory_dir(cfg))
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(job_dir):
+            if name.isdigit() and not psutil.pid_exists(int(name)):
+                shutil.rmtree(os.path.join(job_dir, name), ignore_errors=True)
+
+
+def remove_memory_dir(cfg: RunConfig) -> None:
+    path = memory_dir(cfg)
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the job's folder, once no agent of it is left
+        os.rmdir(os.path.dirname(path))
 
 
 def interface_of(address: str) -> str | None:

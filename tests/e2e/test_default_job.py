@@ -164,7 +164,15 @@ def test_report_of_a_run_with_a_killed_worker(tmp_path, worker_env) -> None:
         nproc=1,
         job_args=job,
         wait=False,
-        supervisor_args=("--max-restarts", "2", "--snapshot-every", "8"),
+        # no in-memory copies: the steps since the storage snapshot are redone
+        supervisor_args=(
+            "--max-restarts",
+            "2",
+            "--snapshot-every",
+            "8",
+            "--memory-snapshot-every",
+            "0",
+        ),
     )
     try:
         snapshotted = wait_for(

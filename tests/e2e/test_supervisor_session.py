@@ -121,11 +121,13 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, work
     )
     restored = a.wait_event("snapshot.restored", 60, lambda e: e["world_size"] == 1)
     assert restored["saved_world_size"] == 2 and restored["step"] >= saved
+    assert restored["source"] == "memory"  # the survivor's own in-memory copy, not storage
     wait_for(
         lambda: max(_steps_at(audit, 1), default=0) > restored["step"], 60, "steps at world size 1"
     )
     recovered = a.wait_event("recovery.completed", 10, lambda e: e["world_size_after"] == 1)
     assert recovered["world_size_before"] == 2 and recovered["snapshot_step"] == restored["step"]
+    assert recovered["steps_lost"] <= 1
 
     changes = len(a.events("membership.changed"))
     c = start_agent(tmp_path, "c", argv, env, port=port)
@@ -133,6 +135,8 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, work
     grow = _wait_new(a, "membership.changed", changes, 90)
     assert (grow["old_world_size"], grow["reason"]) == (1, "node_joined")
     assert a.wait(180) == 0 and c.wait(60) == 0
+    # the new node had no copy of its own: it received the survivor's over the group
+    assert [e["source"] for e in c.events("snapshot.restored")][:1] == ["mirror"]
     finished = a.events("job.finished")[-1]
     assert finished["status"] == "succeeded" and finished["restarts"] == 0  # membership is free
     # node a was never preempted: its supervisor's own restarts must not read as preemptions

@@ -27,6 +27,7 @@ def test_defaults_are_valid_and_run_the_builtin_job() -> None:
         ({"hang_timeout": 0.1, "monitor_interval": 0.5}, "--hang-timeout"),
         ({"grace_period": -1}, "--grace-period"),
         ({"snapshot_every": 0}, "--snapshot-every"),
+        ({"memory_snapshot_every": -1}, "--memory-snapshot-every"),
         ({"snapshot_keep": 0}, "--snapshot-keep"),
         ({"snapshot_dir": "  "}, "--snapshot-dir"),
         ({"log_format": "xml"}, "--log-format"),

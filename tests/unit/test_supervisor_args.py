@@ -106,6 +106,7 @@ BAD = [
     (["--rdzv-backend", "etcd"], "c10d"),
     (["--log-format", "xml"], "invalid choice"),
     (["--snapshot-every", "0"], "--snapshot-every"),
+    (["--memory-snapshot-every", "-1"], "--memory-snapshot-every"),
     (["--frobnicate"], "unrecognized"),
     (["-m"], "MODULE"),
     (["--grace-period", "-3"], "--grace-period"),

@@ -7,8 +7,13 @@ elastic_trainer lines marked ``# +``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import signal
+import time
 
+import psutil
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_trainer as et
 from elastic_trainer import protocol
+from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV
 
 
 def parse() -> argparse.Namespace:
@@ -35,7 +41,49 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--control-dir-per-rank", action="store_true", help="each rank plays a node of its own"
     )
+    parser.add_argument(
+        "--memory-dir-per-rank", action="store_true", help="each rank has a memory tier of its own"
+    )
+    parser.add_argument("--width", type=int, default=0, help="a hidden WxW layer (bigger state)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="on the inputs (draws RNG)")
+    parser.add_argument("--crash-at-step", type=int, default=None, help="first attempt only")
+    parser.add_argument("--crash-rank", type=int, default=1)
+    parser.add_argument(
+        "--drop-memory-on-restart",
+        default="",
+        help="ranks (a,b) that delete their memory folder before a restart's restore",
+    )
+    parser.add_argument("--rss-out", default=None, help="rank 0: RSS and tier bytes per step")
     return parser.parse_args()
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def per_rank_folder(variable: str) -> None:
+    """Each rank plays a node of its own: its own sub-folder of the node's folder."""
+    base = os.environ[variable]
+    os.environ[variable] = os.path.join(base, f"rank{os.environ['RANK']}")
+    os.makedirs(os.environ[variable], exist_ok=True)
+
+
+def drop_memory(args: argparse.Namespace) -> None:
+    """Simulates memory copies lost with their nodes: the listed ranks delete theirs before
+    the restarted group restores (a barrier, so that no rank restores before)."""
+    if restart_count() == 0 or not args.drop_memory_on_restart:
+        return
+    if os.environ["RANK"] in args.drop_memory_on_restart.split(","):
+        shutil.rmtree(os.environ[protocol.ENV_MEMORY_DIR], ignore_errors=True)
+    torch.distributed.barrier()
+
+
+def build_model(width: int, dropout: float) -> nn.Module:
+    if dropout:  # each step draws from the global RNG: a resume must restore it exactly
+        return nn.Sequential(nn.Dropout(dropout), build_model(width, 0.0))
+    if not width:
+        return nn.Linear(4, 1)
+    return nn.Sequential(nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, 1))
 
 
 def dataset(samples: int) -> TensorDataset:
@@ -50,18 +98,26 @@ def dataset(samples: int) -> TensorDataset:
 def main() -> None:
     args = parse()
     if args.control_dir_per_rank:
-        base = os.environ[protocol.ENV_CONTROL_DIR]
-        os.environ[protocol.ENV_CONTROL_DIR] = os.path.join(base, f"rank{os.environ['RANK']}")
-        os.makedirs(os.environ[protocol.ENV_CONTROL_DIR], exist_ok=True)
+        per_rank_folder(protocol.ENV_CONTROL_DIR)
+    if args.memory_dir_per_rank:
+        per_rank_folder(protocol.ENV_MEMORY_DIR)
+    if restart_count() > 0:  # the injected crash of the copy's write happens once
+        os.environ.pop(KILL_MID_WRITE_ENV, None)
     ctx = et.init_worker()  # + (replaces dist.init_process_group)
+    drop_memory(args)
     torch.manual_seed(0)
-    model = DDP(nn.Linear(4, 1))
+    model = DDP(build_model(args.width, args.dropout))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = dataset(args.samples)
     sampler = et.ElasticSampler(  # + (was DistributedSampler)
         data, seed=3, global_batch_size=args.global_batch, max_micro_batch_size=args.max_micro_batch
     )
-    loader = DataLoader(data, batch_size=sampler.micro_batch_size, sampler=sampler)
+    # its own generator: a DataLoader iterator otherwise draws a seed from the global RNG when
+    # it starts, so a resume mid-epoch (a new iterator there) would shift the dropout masks
+    loader = DataLoader(
+        data, batch_size=sampler.micro_batch_size, sampler=sampler, generator=torch.Generator()
+    )
+    rss = RssProbe(args.rss_out, model) if args.rss_out and ctx.rank == 0 else None
     session = et.TrainingSession(  # +
         {"model": model, "optimizer": optimizer},
         sampler,
@@ -80,10 +136,15 @@ def main() -> None:
                 optimizer.zero_grad()
                 session.step_done()  # +
                 _maybe_request_stop(args, ctx, session.step)
+                _maybe_crash(args, ctx, session.step)
+                if rss is not None:
+                    rss.sample()
                 if session.should_stop:  # +
                     break
     if session.stop_reason is None and ctx.rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
+    if rss is not None:
+        rss.write()
     session.finish()  # + (final snapshot; exits with the supervisor's code after a stop)
 
 
@@ -91,6 +152,32 @@ def _maybe_request_stop(args: argparse.Namespace, ctx: et.WorkerContext, step: i
     # Simulates the supervisor's preemption signal: rank 0 creates the node's stop file.
     if args.stop_at_step == step and ctx.rank == 0 and ctx.stop_file:
         open(ctx.stop_file, "w").close()
+
+
+def _maybe_crash(args: argparse.Namespace, ctx: et.WorkerContext, step: int) -> None:
+    if args.crash_at_step == step and ctx.rank == args.crash_rank and restart_count() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RssProbe:
+    """Rank 0's resident memory and its memory tier's bytes on tmpfs, after every step."""
+
+    def __init__(self, path: str, model: nn.Module) -> None:
+        self.path, self.rss, self.tier, self.times = path, [], [], []
+        self.state_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+        self.process = psutil.Process()
+
+    def sample(self) -> None:
+        self.rss.append(self.process.memory_info().rss)
+        self.times.append(time.perf_counter())
+        folder = os.environ.get(protocol.ENV_MEMORY_DIR)
+        if folder and os.path.isdir(folder):
+            self.tier.append(sum(e.stat().st_size for e in os.scandir(folder) if e.is_file()))
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            figures = {"rss": self.rss, "tier": self.tier, "times": self.times}
+            json.dump({**figures, "state_bytes": self.state_bytes}, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,301 @@
+"""The in-memory snapshot tier: the latest state copy of every node, in node-local memory.
+
+Every ``memory_snapshot_every`` steps (default 1) each node's writer rank (``memory_plan``)
+captures the state into reused staging buffers (the only time the loop waits) and a
+background thread writes it to the node's memory folder, a tmpfs the supervisor owns
+(``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
+the supervisor exits). A node has two slot files: a copy overwrites the slot that is not
+committed, and is committed by atomically replacing a small marker that names its slot and
+step, so a crash mid-write never leaves a copy that is used, and a node never holds more than
+two copies (the committed one and the one being written). When the previous write is still
+running, the step's copy is skipped instead of waited for.
+
+Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
+so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
+Sharded (FSDP2) state keeps to storage snapshots (its per-rank shards would need a mirror).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.events import emit
+from elastic_trainer.runtime import memory_format
+from elastic_trainer.runtime.memory_plan import (
+    MARKER,
+    SLOTS,
+    RestorePlan,
+    Source,
+    committed_copy,
+    next_slot,
+)
+from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
+from elastic_trainer.runtime.memory_plan import writers as node_writers
+from snapshots.serialization import Stager, is_stateful
+from snapshots.store import restore_into
+
+# Test-only crash injection: SIGKILL the writer's process halfway through writing the copy of
+# this step (the temporary file is left torn). A no-op unless set.
+KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
+
+
+class NodeCopies:
+    """One node's copies in a node-local folder: two slot files overwritten in place (a
+    fresh tmpfs file per copy costs its page allocation: ~4x the write here) and a commit
+    marker naming the slot and step of the committed one, replaced atomically."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def marker(self) -> dict[str, Any] | None:
+        try:
+            with open(self._path(MARKER)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def newest(self) -> int | None:
+        committed = committed_copy(self.marker())
+        return committed[0] if committed is not None else None
+
+    def read(self, step: int) -> dict[str, Any]:
+        committed = committed_copy(self.marker())
+        if committed is None or committed[0] != step:
+            raise FileNotFoundError(f"no committed in-memory copy of step {step}")
+        _, slot, size = committed
+        if os.path.getsize(self._path(slot)) != size:
+            raise ValueError(f"{slot} has {os.path.getsize(self._path(slot))} bytes, not {size}")
+        data = bytearray(size)
+        with open(self._path(slot), "rb") as f:
+            if f.readinto(data) != size:
+                raise ValueError(f"{slot} changed while it was read")
+        return memory_format.read(data)
+
+    def write(self, step: int, payload: Mapping[str, Any]) -> None:
+        """Overwrite the uncommitted slot, then commit it by replacing the marker."""
+        os.makedirs(self.directory, exist_ok=True)
+        slot = next_slot(self.marker())
+        with open(self._path(slot), "r+b" if os.path.exists(self._path(slot)) else "xb") as f:
+            memory_format.write(payload, f)
+            f.truncate(f.tell())
+            size = f.tell()
+        _maybe_crash(step, self._path(slot))
+        tmp = self._path(f".{MARKER}.{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "slot": slot, "bytes": size}, f)
+        os.replace(tmp, self._path(MARKER))
+
+    def keep_only(self, step: int | None) -> None:
+        """Forget every copy but ``step``'s (None: all), and free the other slot."""
+        keep = committed_copy(self.marker())
+        if keep is not None and keep[0] != step:
+            keep = None
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                ours = name in (MARKER, *SLOTS) or name.startswith(f".{MARKER}.")
+                if ours and (keep is None or name not in (MARKER, keep[1])):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path(name))
+
+
+class RankStreams:
+    """One rank's own per-rank state (its RNG streams), one small file per step in its node's
+    folder, written by the rank itself: no collective per copy (an all-gather to the node's
+    writer cost more than the whole copy here, and grows with the world size). A rank whose
+    node lost its folder keeps its own streams, as a rank new to the world size does."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.directory, self.rank = os.path.join(directory, "ranks"), rank
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{self.rank}-{step:012d}.pt")
+
+    def write(self, step: int, value: Mapping[str, Any], committed: int | None) -> None:
+        """Write ``step``'s; drop those older than the node's committed copy (no longer of use)."""
+        os.makedirs(self.directory, exist_ok=True)
+        tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "xb") as f:
+            torch.save(dict(value), f)
+        os.replace(tmp, self._path(step))
+        self.forget(lambda s: committed is not None and s < committed)
+
+    def read(self, step: int) -> dict[str, Any] | None:
+        try:
+            return torch.load(self._path(step), weights_only=True)
+        except FileNotFoundError:
+            return None
+
+    def forget(self, which: Callable[[int], bool]) -> None:
+        """Delete this rank's files of the steps ``which`` selects, and its leftover
+        temporary files (only this rank writes them, never while this runs)."""
+        prefix = f"{self.rank}-"
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                step = name[len(prefix) : len(prefix) + 12]
+                if not (name.startswith(prefix) and step.isdigit()):
+                    continue
+                if name.endswith(".tmp") or which(int(step)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.directory, name))
+
+
+def _maybe_crash(step: int, path: str) -> None:
+    if os.environ.get(KILL_MID_WRITE_ENV) != str(step):
+        return
+    with open(path, "r+b") as f:  # a torn copy: what a kill halfway through leaves
+        f.truncate(f.seek(0, os.SEEK_END) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryRestored:
+    step: int
+    state: dict[str, Any]
+    source: Source
+
+
+class MemoryTier:
+    """Collective: every rank of the group calls ``save`` and ``restore`` at the same step."""
+
+    def __init__(self, directory: str, *, every: int) -> None:
+        self.every = every
+        self.copies = NodeCopies(directory)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._streams = RankStreams(directory, self.rank)
+        keys = self._all_gather(os.path.realpath(directory))
+        self.is_writer = node_writers(keys)[self.rank]
+        self.skipped = 0  # steps whose copy was skipped because the previous write still ran
+        self._stager = Stager()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    # --- save -------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """No collective: every rank writes its per-rank state; the node's writer then copies
+        the state into staging buffers and hands it to its thread."""
+        self._streams.write(step, _plain(per_rank), self.copies.newest())
+        if not self.is_writer:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            self.skipped += 1  # its staging buffers are still being written: never wait
+            return
+        payload = {
+            "step": step,
+            "world_size": self.world_size,
+            "state": self._stager.capture(state),
+        }
+        self._thread = threading.Thread(
+            target=self._write, args=(step, payload), name="memory-tier", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, step: int, payload: Mapping[str, Any]) -> None:
+        try:
+            self.copies.write(step, payload)
+        except Exception as exc:  # tmpfs full, folder removed: storage stays the fallback
+            if not self._failing:  # once per streak of failures, not once per step
+                emit(
+                    "snapshot.memory_failed",
+                    level="warning",
+                    step=step,
+                    dir=self.copies.directory,
+                    error=f"{type(exc).__name__}: {exc}"[:500],
+                )
+            self._failing = True
+            return
+        self._failing = False
+
+    def flush(self) -> None:
+        """Local: wait for the copy being written."""
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- restore ----------------------------------------------------------------------------
+    def restore(
+        self,
+        into: Mapping[str, Any],
+        rank_into: Mapping[str, Any],
+        storage_newest: Callable[[], int | None],
+    ) -> tuple[RestorePlan, MemoryRestored | None]:
+        """Collective. All ranks agree on a plan (``memory_plan.plan_restore``); on a memory or
+        mirror plan every rank loads, agrees on success, then restores. A copy that fails to
+        load on any rank turns the plan into a storage one, on every rank, with the reason."""
+        mine = self.copies.newest()
+        facts = self._all_gather((mine, storage_newest() if self.rank == 0 else None))
+        held = [f[0] for f in facts]
+        plan = plan_restore(held, facts[0][1])
+        if plan.source is Source.STORAGE or plan.step is None:
+            return plan, None
+        payload, problem = self._load(plan, mine)
+        streams = self._streams.read(plan.step)  # before the agreement: then it may be gone
+        problems = [(r, p) for r, p in enumerate(self._all_gather(problem)) if p is not None]
+        if problems:
+            text = "; ".join(f"rank {r}: {p}" for r, p in problems)[:500]
+            reason = f"the in-memory copy of step {plan.step} did not load ({text})"
+            return RestorePlan(source=Source.STORAGE, step=None, reason=reason), None
+        restore_into(into, payload["state"], step=plan.step)
+        if streams is not None:  # else (a new rank, a node that lost it) it keeps its own
+            restore_into(rank_into, streams, step=plan.step)
+        source = plan.source_of(self.rank, held)
+        emit(
+            "snapshot.restored",
+            step=plan.step,
+            saved_world_size=payload["world_size"],
+            world_size=self.world_size,
+            source=source,
+        )
+        return plan, MemoryRestored(step=plan.step, state=payload["state"], source=source)
+
+    def _load(self, plan: RestorePlan, mine: int | None) -> tuple[dict[str, Any], str | None]:
+        """This node's copy, or (a mirror plan) the source rank's copy over the group."""
+        payload, problem = (None, None)
+        if mine == plan.step:
+            payload, problem = self._read(plan.step)
+        if plan.source is Source.MIRROR:
+            box = [(payload, problem) if self.rank == plan.src_rank else None]
+            dist.broadcast_object_list(box, src=plan.src_rank)
+            if mine != plan.step:
+                payload, problem = box[0]
+        return cast(dict[str, Any], payload), problem
+
+    def _read(self, step: int) -> tuple[Any, str | None]:
+        try:
+            payload = self.copies.read(step)
+            if payload.get("step") != step:
+                return None, f"the copy of step {step} says step {payload.get('step')}"
+        except Exception as exc:  # any failure means "use storage"; raising would strand peers
+            return None, " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return payload, None
+
+    def after_restore(self, step: int | None) -> None:
+        """Collective-free: the writer drops copies other than the restored step's (a copy
+        newer than the step the group resumed from belongs to an abandoned future)."""
+        if self.is_writer:
+            self.copies.keep_only(step)
+        self._streams.forget(lambda s: step is None or s != step)
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+
+def _plain(per_rank: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in per_rank.items()}

@@ -1,0 +1,141 @@
+"""The in-memory snapshot tier through the real launcher on gloo (``runtime.memory_tier``).
+
+The tiny DDP model of ``train_linear.py`` (18 steps); storage snapshots every 6 steps, so a
+restore from storage loses up to 5 steps where one from memory loses at most 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV
+from tests.conftest import clean_worker_env
+from tests.dist.workers.launcher import Launch, launch_workers
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+SCRIPT = str(Path(__file__).parent / "workers" / "train_linear.py")
+STORAGE_EVERY = 6
+
+
+def run(root: Path, env: dict[str, str], nproc: int, *extra: str) -> Launch:
+    args = [
+        "--snapshot-dir", str(root / "snapshots"),
+        "--snapshot-every", str(STORAGE_EVERY),
+        "--audit-dir", str(root / "audit"),
+        "--out", str(root / "final.pt"),
+        *extra,
+    ]  # fmt: skip
+    result = launch_workers(SCRIPT, nproc, args, env=env, max_restarts=1, timeout=150)
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def final(root: Path) -> dict[str, torch.Tensor]:
+    return torch.load(root / "final.pt", weights_only=True)
+
+
+def assert_bit_identical(root: Path, reference: Path) -> None:
+    ref = final(reference)
+    for name, value in final(root).items():
+        assert torch.equal(value, ref[name]), f"{name} differs from the uninterrupted run"
+
+
+def restored(result: Launch) -> list[dict[str, Any]]:
+    return sorted(result.named("snapshot.restored"), key=lambda e: e["rank"])
+
+
+DROPOUT = ("--dropout", "0.3")  # the steps draw from each rank's RNG
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, worker_env_module):
+    """The uninterrupted run's folder, for the given extra arguments (one run each)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def get(*extra: str) -> Path:
+        if extra not in runs:
+            root = tmp_path_factory.mktemp("reference")
+            assert run(root, worker_env_module, 2, *extra).named("snapshot.restored") == []
+            runs[extra] = root
+        return runs[extra]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def worker_env_module() -> dict[str, str]:
+    return clean_worker_env()
+
+
+def test_worker_crash_restores_from_memory_bit_identical(tmp_path, reference, worker_env_module):
+    extra = ("--crash-at-step", "9", "--crash-rank", "1")
+    result = run(tmp_path, worker_env_module, 2, *DROPOUT, *extra)
+    events = restored(result)
+    assert [e["source"] for e in events] == ["memory", "memory"]
+    assert {e["step"] for e in events} <= {8, 9}  # storage has only step 6
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] <= 1
+    assert_bit_identical(tmp_path, reference(*DROPOUT))  # RNG streams restored too
+
+
+def test_a_node_without_its_copy_gets_a_peers_copy(tmp_path, reference, worker_env_module):
+    """Each rank plays a node with a memory tier of its own; rank 1's is lost with the crash
+    (without dropout: rank 1's RNG streams are lost with its folder)."""
+    result = run(
+        tmp_path, worker_env_module, 2,
+        "--memory-dir-per-rank", "--crash-at-step", "9", "--drop-memory-on-restart", "1",
+    )  # fmt: skip
+    events = restored(result)
+    assert [e["source"] for e in events] == ["memory", "mirror"]
+    assert len({e["step"] for e in events}) == 1 and events[0]["step"] >= 8
+    assert_bit_identical(tmp_path, reference())
+
+
+def test_both_copies_lost_restores_from_storage_and_says_why(
+    tmp_path, reference, worker_env_module
+):
+    result = run(
+        tmp_path, worker_env_module, 2, *DROPOUT,
+        "--memory-dir-per-rank", "--crash-at-step", "9", "--drop-memory-on-restart", "0,1",
+    )  # fmt: skip
+    events = restored(result)
+    assert [(e["source"], e["step"]) for e in events] == [("storage", 6), ("storage", 6)]
+    assert all("no node holds an in-memory copy" in e["fallback_reason"] for e in events)
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] == 9 - 6
+    assert_bit_identical(tmp_path, reference(*DROPOUT))
+
+
+def test_a_kill_while_a_copy_is_written_never_uses_the_half_copy(
+    tmp_path, reference, worker_env_module
+):
+    env = {**worker_env_module, KILL_MID_WRITE_ENV: "9"}  # rank 0 writes the node's copy
+    result = run(tmp_path, env, 2, *DROPOUT)
+    events = restored(result)
+    assert [e["source"] for e in events] == ["memory", "memory"]
+    assert {e["step"] for e in events} <= {7, 8}  # the copy of step 9 was torn
+    assert_bit_identical(tmp_path, reference(*DROPOUT))
+
+
+def test_memory_stays_bounded_with_a_copy_every_step(tmp_path, worker_env_module):
+    probe = tmp_path / "rss.json"
+    run(
+        tmp_path, worker_env_module, 2,
+        "--memory-dir-per-rank", "--width", "1024", "--samples", "2400", "--epochs", "1",
+        "--max-micro-batch", "12", "--snapshot-every", "100", "--rss-out", str(probe),
+    )  # fmt: skip
+    figures = json.loads(probe.read_text())
+    rss, tier, state = figures["rss"], figures["tier"], figures["state_bytes"]
+    assert len(rss) == 200
+    # at most two copies on tmpfs (the latest and the one being written), whatever the step
+    assert max(tier) <= 2 * state * 1.2 + 1_000_000
+    # after warm-up the process holds one staging copy; one copy kept per step would grow
+    # by 180 copies: allow 10 (allocator and pickling noise)
+    warm = rss[20]
+    assert max(rss[20:]) - warm <= 10 * state, (warm, max(rss[20:]), state)

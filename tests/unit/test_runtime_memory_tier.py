@@ -1,0 +1,196 @@
+"""The in-memory tier's pure decisions (``memory_plan``) and its node folder (``NodeCopies``)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elastic_trainer import protocol
+from elastic_trainer.errors import EnvironmentProblem
+from elastic_trainer.runtime import memory_format
+from elastic_trainer.runtime.memory_plan import (
+    MARKER,
+    SLOTS,
+    Source,
+    committed_copy,
+    next_slot,
+    plan_restore,
+    writers,
+)
+from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
+from elastic_trainer.supervisor import args, workerenv
+
+
+# --- which rank writes its node's copy ---------------------------------------------------------
+def test_the_lowest_rank_of_each_node_writes_its_copy():
+    assert writers(["a", "a", "b", "b"]) == [True, False, True, False]
+    assert writers(["a", "b", "a", "b"]) == [True, True, False, False]  # any rank layout
+    assert writers(["x"]) == [True]
+
+
+# --- where a (re)started group restores from ---------------------------------------------------
+def test_every_node_holding_the_newest_copy_restores_it_locally():
+    plan = plan_restore([9, 9, 9, 9], storage_newest=6)
+    assert (plan.source, plan.step, plan.reason) == (Source.MEMORY, 9, None)
+    assert [plan.source_of(r, [9, 9, 9, 9]) for r in range(4)] == [Source.MEMORY] * 4
+
+
+def test_a_node_without_the_newest_copy_gets_it_from_the_lowest_holder():
+    held = [None, None, 8, 9, 9]  # node 0 replaced; node 1 was writing step 9 when killed
+    plan = plan_restore(held, storage_newest=6)
+    assert (plan.source, plan.step, plan.src_rank) == (Source.MIRROR, 9, 3)
+    assert [plan.source_of(r, held) for r in range(5)] == [
+        Source.MIRROR, Source.MIRROR, Source.MIRROR, Source.MEMORY, Source.MEMORY,
+    ]  # fmt: skip
+
+
+def test_no_copy_anywhere_falls_back_to_storage_and_says_why():
+    plan = plan_restore([None, None], storage_newest=6)
+    assert plan.source is Source.STORAGE and plan.step is None
+    assert "no node holds an in-memory copy" in (plan.reason or "")
+    assert plan_restore([None], storage_newest=None).source is Source.STORAGE  # fresh start
+
+
+def test_a_newer_storage_snapshot_wins_over_an_older_copy():
+    plan = plan_restore([5, 5], storage_newest=10)
+    assert plan.source is Source.STORAGE
+    assert "step 10" in (plan.reason or "") and "step 5" in (plan.reason or "")
+    assert plan_restore([10, 10], storage_newest=10).source is Source.MEMORY  # a tie: memory
+
+
+def test_the_next_copy_never_overwrites_the_committed_one():
+    assert next_slot(None) == SLOTS[0]
+    assert next_slot({"step": 4, "slot": SLOTS[0], "bytes": 10}) == SLOTS[1]
+    assert next_slot({"step": 5, "slot": SLOTS[1], "bytes": 10}) == SLOTS[0]
+    assert committed_copy({"step": 5, "slot": "elsewhere", "bytes": 1}) is None
+    assert committed_copy({"step": "5", "slot": SLOTS[0], "bytes": 1}) is None
+
+
+# --- the node folder -----------------------------------------------------------------------------
+def test_a_committed_copy_supersedes_the_previous_one_in_two_slots(tmp_path):
+    copies = NodeCopies(str(tmp_path / "node"))
+    assert copies.newest() is None
+    for step in range(1, 6):
+        copies.write(step, {"step": step, "w": torch.arange(step)})
+        assert copies.newest() == step
+        assert torch.equal(copies.read(step)["w"], torch.arange(step))
+    assert sorted(os.listdir(tmp_path / "node")) == sorted([MARKER, *SLOTS])  # two copies at most
+    with pytest.raises(FileNotFoundError):
+        copies.read(4)  # superseded
+
+
+def test_a_torn_slot_is_never_read(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(3, {"step": 3, "w": torch.ones(100)})
+    copies.write(4, {"step": 4, "w": torch.ones(100)})
+    with open(tmp_path / SLOTS[0], "r+b") as f:  # the next copy's slot, torn by a crash
+        f.truncate(10)
+    assert copies.newest() == 4 and torch.equal(copies.read(4)["w"], torch.ones(100))
+    with open(tmp_path / SLOTS[1], "r+b") as f:  # a committed slot of the wrong size
+        f.truncate(10)
+    with pytest.raises(ValueError, match="bytes"):
+        copies.read(4)
+
+
+def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(3, {"step": 3})
+    copies.write(4, {"step": 4})
+    copies.keep_only(4)
+    assert sorted(os.listdir(tmp_path)) == sorted([MARKER, SLOTS[1]])
+    assert copies.newest() == 4
+    copies.keep_only(2)  # the group resumed from an older step: this copy is of no use
+    assert os.listdir(tmp_path) == [] and copies.newest() is None
+
+
+def test_a_write_that_fails_leaves_the_previous_copy(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(1, {"step": 1})
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        copies.write(2, {"step": 2, "bad": lambda: None})  # cannot be pickled
+    assert copies.newest() == 1 and copies.read(1)["step"] == 1
+
+
+# --- the settings ---------------------------------------------------------------------------------
+def test_memory_settings_round_trip_and_zero_means_off():
+    settings = protocol.WorkerSettings(memory_dir="/dev/shm/x/1", memory_snapshot_every=0)
+    assert protocol.WorkerSettings.from_env(settings.to_env()) == settings
+    assert protocol.DEFAULT_MEMORY_SNAPSHOT_EVERY == 1
+    with pytest.raises(EnvironmentProblem, match=protocol.ENV_MEMORY_SNAPSHOT_EVERY):
+        protocol.WorkerSettings.from_env({protocol.ENV_MEMORY_SNAPSHOT_EVERY: "-1"})
+
+
+def test_the_supervisor_flag_and_variable_reach_the_workers_with_this_agents_folder():
+    cfg = args.parse(["--memory-snapshot-every", "0", "x.py"])
+    assert cfg.memory_snapshot_every == 0
+    cfg = args.parse(["x.py"], env={"ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY": "5"})
+    folder = workerenv.memory_dir(cfg)
+    assert str(os.getpid()) in folder and cfg.job_id in folder  # stable per agent, per job
+    env = cfg.worker_settings("/ctl", folder).to_env()
+    assert env[protocol.ENV_MEMORY_SNAPSHOT_EVERY] == "5"
+    assert env[protocol.ENV_MEMORY_DIR] == folder
+    assert (
+        protocol.ENV_MEMORY_SNAPSHOT_EVERY
+        not in args.parse(["x.py"]).worker_settings("/ctl").to_env()
+    )  # unset: the script's keyword, else the default
+
+
+def test_the_supervisor_removes_its_folder_at_exit_and_those_of_dead_agents():
+    cfg = args.parse(["--job-id", f"memtier-test-{os.getpid()}", "x.py"])
+    folder = workerenv.memory_dir(cfg)
+    job_dir = os.path.dirname(folder)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, os.getppid()):  # an agent that was SIGKILLed, one still running
+        NodeCopies(os.path.join(job_dir, str(pid))).write(1, {"step": 1})
+    NodeCopies(folder).write(1, {"step": 1})
+    workerenv.remove_stale_memory_dirs(cfg)
+    assert sorted(os.listdir(job_dir)) == sorted([str(os.getppid()), str(os.getpid())])
+    shutil.rmtree(os.path.join(job_dir, str(os.getppid())))
+    workerenv.remove_memory_dir(cfg)
+    assert not os.path.exists(folder) and not os.path.exists(job_dir)
+
+
+# --- the byte layout of a copy ---------------------------------------------------
+def test_a_copy_round_trips_every_kind_of_value():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    payload = {
+        "model": model.state_dict(),  # an OrderedDict with _metadata, 0-dim int tensors
+        "optimizer": optimizer.state_dict(),
+        "odd": [torch.ones(2, 3).t(), torch.zeros(2, dtype=torch.bfloat16), (1, "x", None)],
+    }
+    f = io.BytesIO()
+    memory_format.write(payload, f)
+    back = memory_format.read(bytearray(f.getvalue()))
+    for key in ("model", "optimizer"):
+        torch.testing.assert_close(back[key], payload[key], rtol=0, atol=0)
+    torch.testing.assert_close(back["odd"][:2], payload["odd"][:2], rtol=0, atol=0)
+    assert back["model"]._metadata == payload["model"]._metadata
+    assert back["odd"][2] == (1, "x", None)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(back["model"])
+    with pytest.raises(ValueError, match="truncated"):
+        memory_format.read(bytearray(f.getvalue()[:-5]))
+
+
+def test_a_ranks_streams_are_kept_from_its_nodes_committed_copy_on(tmp_path):
+    mine, other = RankStreams(str(tmp_path), 1), RankStreams(str(tmp_path), 10)
+    other.write(1, {"rng": torch.ones(1)}, committed=None)
+    for step, committed in [(1, None), (2, None), (3, 1), (4, 3)]:
+        mine.write(step, {"rng": torch.full((2,), step)}, committed=committed)
+    assert mine.read(2) is None  # older than the committed copy: of no use any more
+    assert torch.equal(mine.read(3)["rng"], torch.full((2,), 3))
+    assert torch.equal(mine.read(4)["rng"], torch.full((2,), 4))
+    (tmp_path / "ranks" / "1-000000000005.pt.dead.tmp").write_bytes(b"torn")
+    mine.forget(lambda s: s != 3)  # the group resumed from step 3
+    assert sorted(os.listdir(tmp_path / "ranks")) == ["1-000000000003.pt", "10-000000000001.pt"]
