@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from snapshots import SnapshotStore, layout
+from snapshots import SnapshotStore, _writer, layout
 from snapshots._local_storage import CHUNK, LocalStorage
 from snapshots.manifest import from_json
 from snapshots.serialization import serialize, serialize_into
@@ -54,3 +55,23 @@ def test_local_digest_reads_in_chunks_what_is_on_disk(tmp_path: Path) -> None:
     storage.write("a/file.bin", data)
     assert storage.digest("a/file.bin", "sha256") == (len(data), hashlib.sha256(data).hexdigest())
     assert (tmp_path / "a" / "file.bin").read_bytes() == data
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice values")
+def test_asynchronous_saves_are_written_at_a_lower_cpu_priority(tmp_path: Path) -> None:
+    seen: list[int] = []
+    real = SnapshotStore._write
+
+    def spy(self: SnapshotStore, job: object, **kwargs: object) -> object:
+        seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # 0: the calling (writer) thread
+        return real(self, job, **kwargs)  # type: ignore[arg-type]
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with pytest.MonkeyPatch.context() as mp, SnapshotStore(str(tmp_path)) as store:
+        mp.setattr(SnapshotStore, "_write", spy)
+        store.save(1, _state()).result()
+        store.save(2, _state(), blocking=True)
+    assert seen[0] == min(19, base + _writer.WRITER_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread keeps its own
+    if os.geteuid() == 0:  # raising a thread's priority back needs root (or RLIMIT_NICE)
+        assert seen[1] == base  # a blocking save (a final snapshot) is not slowed down
