@@ -14,7 +14,7 @@ import torch
 from snapshots import SnapshotStore, _writer, layout
 from snapshots._local_storage import CHUNK, LocalStorage
 from snapshots.manifest import from_json
-from snapshots.serialization import serialize, serialize_into
+from snapshots.serialization import OWN_PAGES_BYTES, Stager, serialize, serialize_into
 
 
 def _state() -> dict[str, object]:
@@ -75,3 +75,18 @@ def test_asynchronous_saves_are_written_at_a_lower_cpu_priority(tmp_path: Path) 
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread keeps its own
     if os.geteuid() == 0:  # raising a thread's priority back needs root (or RLIMIT_NICE)
         assert seen[1] == base  # a blocking save (a final snapshot) is not slowed down
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_large_staging_buffers_have_pages_of_their_own() -> None:
+    """Outside the malloc heap the training loop allocates from: long-lived buffers placed
+    there by the first save made every later step fault ~18 MB of fresh pages."""
+    stager = Stager()
+    big = torch.randn(OWN_PAGES_BYTES)  # 4x the threshold, in float32
+    staged = stager.capture({"w": {"big": big, "small": torch.ones(3)}})["w"]
+    with open("/proc/self/maps") as maps:
+        starts = {int(line.split("-", 1)[0], 16) for line in maps}
+    assert staged["big"].data_ptr() in starts  # a mapping starts exactly at its data
+    assert torch.equal(staged["big"], big) and torch.equal(staged["small"], torch.ones(3))
+    again = stager.capture({"w": {"big": big * 2, "small": torch.ones(3)}})["w"]
+    assert again["big"].data_ptr() == staged["big"].data_ptr()  # reused, not re-allocated
