@@ -13,6 +13,7 @@ import io
 import mmap
 import pickle
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -47,6 +48,8 @@ class Stager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._defer: frozenset[int] = frozenset()
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
+        self._copying = threading.Condition()
+        self._in_copy = 0  # deferred copies under way
 
     def capture_overlapped(
         self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer
@@ -61,10 +64,28 @@ class Stager:
             self._defer = frozenset()
 
     def copy_deferred(self) -> None:
+        """Copy what is left in ``deferred``; returns once every deferred copy is done.
+        Safe from two threads at once (the writer, and the training thread in the optimizer
+        hook): each tensor is copied by one of them, so training never waits on a writer
+        that a busy machine (or its lower CPU priority) keeps off the CPU."""
         with torch.no_grad():
-            for buf, source in self.deferred:
-                buf.copy_(source)
-        self.deferred = []
+            while (item := self._take_deferred()) is not None:
+                buf, source = item
+                try:
+                    buf.copy_(source)
+                finally:
+                    with self._copying:
+                        self._in_copy -= 1
+                        self._copying.notify_all()
+        with self._copying:
+            self._copying.wait_for(lambda: self._in_copy == 0)
+
+    def _take_deferred(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._copying:
+            if not self.deferred:
+                return None
+            self._in_copy += 1
+            return self.deferred.pop()
 
     def capture(self, state: Mapping[str, Any], *, prefix: tuple[Any, ...] = ()) -> dict[str, Any]:
         if not state:

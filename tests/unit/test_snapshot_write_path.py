@@ -6,12 +6,14 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from snapshots import SnapshotStore, _writer, layout
+from snapshots import SnapshotStore, UnsafeStateError, _writer, layout
+from snapshots._capture import Capturer
 from snapshots._local_storage import CHUNK, LocalStorage
 from snapshots.manifest import from_json
 from snapshots.serialization import OWN_PAGES_BYTES, Stager, serialize, serialize_into
@@ -90,3 +92,52 @@ def test_large_staging_buffers_have_pages_of_their_own() -> None:
     assert torch.equal(staged["big"], big) and torch.equal(staged["small"], torch.ones(3))
     again = stager.capture({"w": {"big": big * 2, "small": torch.ones(3)}})["w"]
     assert again["big"].data_ptr() == staged["big"].data_ptr()  # reused, not re-allocated
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # momentum buffers exist
+    return model, opt
+
+
+def _step_within(opt: torch.optim.Optimizer, seconds: float) -> bool:
+    """opt.step() on another thread; whether it returned in time (it hung before)."""
+    worker = threading.Thread(target=opt.step, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return not worker.is_alive()
+
+
+def test_optimizer_step_copies_itself_what_the_writer_has_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer kept off the CPU (busy node, low priority) must not hold up training."""
+    model, opt = _model_and_optimizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    release = threading.Event()
+    real = Capturer.finish_deferred
+
+    def held(self: Capturer, job: object) -> None:
+        assert release.wait(60)
+        real(self, job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Capturer, "finish_deferred", held)
+    with SnapshotStore(str(tmp_path)) as store:
+        handle = store.save(1, {"model": model, "optimizer": opt}, overlap_with=opt)
+        assert _step_within(opt, 30), "optimizer.step() waited for the held writer"
+        release.set()
+        handle.result()
+        saved = store.load(1).state["model"]
+    for key, value in before.items():
+        assert torch.equal(saved[key], value)  # the weights from before that step
+    assert not torch.equal(model.weight, before["weight"])
+
+
+def test_a_refused_overlapped_save_leaves_the_optimizer_free(tmp_path: Path) -> None:
+    model, opt = _model_and_optimizer()
+    with SnapshotStore(str(tmp_path)) as store:
+        with pytest.raises(UnsafeStateError):
+            store.save(1, {"model": model, "optimizer": opt, "bad": object()}, overlap_with=opt)
+        assert _step_within(opt, 30), "optimizer.step() waited for a save that never ran"
