@@ -161,7 +161,7 @@ class Stager:
 # Staging buffers from this size up get pages of their own (an anonymous mapping), outside
 # the malloc heap the training loop allocates its activations and gradients from. In that
 # heap, ~100 MB of long-lived buffers placed by the first save changed how glibc reuses and
-# trims it: every later training step faulted ~18 MB of fresh pages (+10% step time).
+# trims it: in our traces every later training step faulted ~18 MB of fresh pages.
 OWN_PAGES_BYTES = 1 << 16
 
 
