@@ -223,13 +223,9 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
 
     t = make_trainer(batch)
     state = {"model": t.model, "optimizer": t.opt}
-    if mode == "shm":
-        shm = tempfile.mkdtemp(prefix="snapshot-stall-", dir="/dev/shm")
-        snaps, every = SessionSnapshots(shm, keep=2), 1
-    elif mode == "session":
-        snaps = SessionSnapshots(tempfile.mkdtemp(prefix="session-", dir=root), keep=2)
-    else:
-        snaps = None
+    folder = tempfile.mkdtemp(prefix="snapshot-stall-", dir="/dev/shm" if mode == "shm" else root)
+    snaps = SessionSnapshots(folder, keep=2) if mode in ("shm", "session") else None
+    every = 1 if mode == "shm" else every
     faults = minor_faults()
     cpu, train_cpu, begun = time.process_time(), time.thread_time(), time.perf_counter()
     for step in range(1, steps + 1):
@@ -240,14 +236,13 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
             snaps.save(step, state, epoch=0, blocking=False)
         elif mode == "torch":
             sd = {"model": t.model.state_dict(), "optimizer": t.opt.state_dict()}
-            torch.save(sd, f"{root}/torch-{step % 2}.pt")
+            torch.save(sd, f"{folder}/torch-{step % 2}.pt")
     loop, train_cpu = time.perf_counter() - begun, time.thread_time() - train_cpu
     faults = minor_faults() - faults
     if snaps is not None:
         snaps.close()  # the last snapshot is durable before the job ends
     wall = time.perf_counter() - begun
-    if mode == "shm":
-        shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
     cpu = time.process_time() - cpu
     return {
         "wall": wall, "loop": loop, "tail": wall - loop, "cpu": cpu, "train_cpu": train_cpu,
