@@ -7,14 +7,26 @@ median stall per save (ms), stall as a fraction of a training step, time until t
 is persisted and the resulting MB/s, and the median time of the training step that runs
 while the save persists in the background (a writer thread competes for 2 cores).
 
+Then whole jobs, each in a fresh process, interleaved: the same ResNet-18 loop for
+``--steps`` steps with no snapshots, with a snapshot every ``--every`` steps through
+SessionSnapshots (TrainingSession's own path: DistributedSnapshotter, overlapped capture,
+background writer), with torch.save every ``--every`` steps, and with a snapshot every step
+to a SnapshotStore on /dev/shm (node-local memory, through the same asynchronous path): wall
+and process CPU as ratios to the job without snapshots.
+
     OMP_NUM_THREADS=1 python bench/snapshot_stall.py [--saves 5] [--dir /tmp/x]
+    OMP_NUM_THREADS=1 python bench/snapshot_stall.py --jobs-only [--steps 60] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -194,15 +206,122 @@ def table(results: list[Result], step_ms: float, nbytes: int) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- whole-job wall ratios
+# Each job runs in a fresh process (as a real one does: a long-lived benchmark process carries
+# allocator state from one job into the next, which moves a job's time by several percent).
+JOBS = {
+    "none": "no snapshots",
+    "session": "snapshots every {every} steps (SessionSnapshots)",
+    "torch": "torch.save every {every} steps (reference)",
+    "shm": "every step, SnapshotStore on /dev/shm",
+}
+
+
+def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, float]:
+    """One training job, start to finish (its last snapshot durable); its figures."""
+    from elastic_trainer.runtime.snapshotting import SessionSnapshots
+
+    t = make_trainer(batch)
+    state = {"model": t.model, "optimizer": t.opt}
+    folder = tempfile.mkdtemp(prefix="snapshot-stall-", dir="/dev/shm" if mode == "shm" else root)
+    snaps = SessionSnapshots(folder, keep=2) if mode in ("shm", "session") else None
+    every = 1 if mode == "shm" else every
+    faults = minor_faults()
+    cpu, train_cpu, begun = time.process_time(), time.thread_time(), time.perf_counter()
+    for step in range(1, steps + 1):
+        t.step()
+        if step % every:
+            continue
+        if snaps is not None:
+            snaps.save(step, state, epoch=0, blocking=False)
+        elif mode == "torch":
+            sd = {"model": t.model.state_dict(), "optimizer": t.opt.state_dict()}
+            torch.save(sd, f"{folder}/torch-{step % 2}.pt")
+    loop, train_cpu = time.perf_counter() - begun, time.thread_time() - train_cpu
+    faults = minor_faults() - faults
+    if snaps is not None:
+        snaps.close()  # the last snapshot is durable before the job ends
+    wall = time.perf_counter() - begun
+    shutil.rmtree(folder, ignore_errors=True)
+    cpu = time.process_time() - cpu
+    return {
+        "wall": wall, "loop": loop, "tail": wall - loop, "cpu": cpu, "train_cpu": train_cpu,
+        "train_faults": faults,
+    }  # fmt: skip
+
+
+def minor_faults() -> int:
+    """The calling thread's minor page faults so far (0 where /proc has no per-thread stat):
+    a training step that faults fresh pages runs ~10% slower, snapshots or not."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except OSError:
+        return 0
+
+
+def whole_jobs(args: argparse.Namespace, root: str) -> str:
+    modes = list(JOBS) if args.shm else [m for m in JOBS if m != "shm"]
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for rep in range(args.repeats):  # interleaved: machine noise falls on every mode alike
+        for mode in modes:
+            cmd = [sys.executable, __file__, "--job", mode, "--steps", str(args.steps)]
+            cmd += ["--every", str(args.every), "--batch", str(args.batch), "--dir", root]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"job {mode} failed:\n{done.stderr[-3000:]}")
+            runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"done: job {mode} (repeat {rep + 1})", flush=True)
+    return wall_table(runs, args)
+
+
+def wall_table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    base = {key: med("none", key) for key in ("wall", "loop", "cpu", "train_cpu")}
+    lines = [
+        f"whole job: {args.steps} steps of ResNet-18, batch {args.batch}, 1 process, "
+        f"median of {args.repeats} interleaved runs (each in a fresh process)",
+        f"{'job':<46}{'wall s':>8}{'x none':>8}{'loop':>7}{'tail s':>8}{'CPU':>7}{'train':>7}"
+        f"{'faults':>8}",
+    ]
+    for mode in runs:
+        ratio = {key: med(mode, key) / base[key] for key in base}
+        lines.append(
+            f"{JOBS[mode].format(every=args.every):<46}{med(mode, 'wall'):>8.2f}"
+            f"{ratio['wall']:>8.3f}{ratio['loop']:>7.3f}{med(mode, 'tail'):>8.2f}"
+            f"{ratio['cpu']:>7.3f}{ratio['train_cpu']:>7.3f}{med(mode, 'train_faults'):>8.0f}"
+        )
+    lines += [
+        "x none: wall ratio; loop: until the last step ends (x none); tail: then waiting for",
+        "the last snapshot to be durable; CPU: the process's CPU time, train: the training",
+        "thread's (x none); faults: the training thread's minor page faults",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--steps-between", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--steps", type=int, default=60, help="steps of one whole job")
+    parser.add_argument("--every", type=int, default=10, help="a snapshot every N steps")
+    parser.add_argument("--repeats", type=int, default=3, help="whole jobs per kind")
+    parser.add_argument("--no-shm", dest="shm", action="store_false", help="skip /dev/shm")
+    parser.add_argument("--jobs-only", action="store_true", help="only the whole-job table")
+    parser.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)  # one job, JSON
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.job:
+        print(json.dumps(job(args.job, args.steps, args.every, args.batch, args.dir)))
+        return
     root = tempfile.mkdtemp(prefix="snapshot-stall-", dir=args.dir)
+    if args.jobs_only:
+        print(whole_jobs(args, root))
+        return
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
     dcp_group = dist.new_group(backend="gloo")  # async_save on the training group crashes gloo
     t = make_trainer(args.batch)
@@ -227,6 +346,7 @@ def main() -> None:
     store.close()
     print(table(results, step_ms, nbytes))
     dist.destroy_process_group()
+    print(whole_jobs(args, root))
 
 
 if __name__ == "__main__":

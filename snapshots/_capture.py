@@ -1,8 +1,9 @@
 """Capturing a save's state into reused staging buffers, on the training thread.
 
 With an optimizer to overlap with (CheckFreq), its parameters and state are copied later, on
-the writer thread (``copy_deferred``), and ``optimizer.step()`` waits in a pre-hook until that
-copy is done: the only place an overlapped save makes training wait.
+the writer thread (``copy_deferred``), and ``optimizer.step()`` copies in a pre-hook whatever
+the writer has not copied yet: the only place an overlapped save makes training wait, and it
+never waits for the writer thread to be scheduled (a busy node, its lower priority).
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ class Capturer:
         optimizer.register_step_pre_hook(self.before_optimizer_step)
 
     def before_optimizer_step(self, *_: Any) -> None:
-        """The only place an overlapped save makes training wait: weights are about to change."""
+        """The only place an overlapped save makes training wait: weights are about to change.
+        Copies what the writer has not copied yet itself, rather than wait for the writer."""
         if self.copy_done.is_set():
             return
         begun = time.perf_counter()
-        self.copy_done.wait()
+        self.stager.copy_deferred()
+        self.copy_done.set()
         self.last_hook_wait_ms = (time.perf_counter() - begun) * 1000
 
 

@@ -42,8 +42,16 @@ from snapshots.errors import (
     SnapshotSaveError,
 )
 from snapshots.info import SnapshotInfo
-from snapshots.manifest import FORMAT_VERSION, FileEntry, Manifest, checksum, now_iso, to_json
-from snapshots.serialization import serialize
+from snapshots.manifest import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_VERSION,
+    FileEntry,
+    Manifest,
+    checksum,
+    now_iso,
+    to_json,
+)
+from snapshots.serialization import serialize, serialize_into
 from snapshots.storage import RetryingStorage
 
 VerifyMode = Literal["auto", "full", "listing"]
@@ -159,11 +167,18 @@ class Committer:
         rank: int | None = None,
     ) -> tuple[FileEntry, str | None]:
         _stop_if_cancelled(job)
+        path = f"{layout.step_dir(job.step)}/{name}"
+        if self._storage.streams and not etags:
+            # Serialised straight into the file and hashed on the way: no in-memory copy.
+            size, digest = self._storage.write_streamed(
+                path, lambda sink: serialize_into(value, sink, CHECKSUM_ALGORITHM)
+            )
+            return FileEntry(name=name, size=size, checksum=digest, key=key, rank=rank), None
         data = serialize(value)
         entry = FileEntry(name=name, size=len(data), checksum=checksum(data), key=key, rank=rank)
         # An MD5 pass only where a listing can be checked against it (object stores).
         etag = self._storage.etag_of(data) if etags else None
-        self._storage.write(f"{layout.step_dir(job.step)}/{name}", data)
+        self._storage.write(path, data)
         return entry, etag
 
     def _put_manifest(self, job: SaveJob, manifest: Manifest) -> bytes:
@@ -189,10 +204,34 @@ class Committer:
         return all(job.token in f.name for f in manifest.files) and bool(manifest.files)
 
     def _verify_fully(self, step: int) -> SnapshotInfo:
+        if self._storage.streams:
+            return self._verify_streamed(step)
         result = self._catalog.verify(step)
         if not result.ok or result.info is None:
             raise _unverified(step, result.problems)
         return result.info
+
+    def _verify_streamed(self, step: int) -> SnapshotInfo:
+        """The checks of ``Catalog.verify``, each file hashed in chunks as it is read back
+        (no whole copy in memory): the manifest parses, every file is listed at its size,
+        and its sha256 read back from storage equals the manifest's."""
+        try:
+            manifest = _reader.read_manifest(self._storage, step)
+        except (SnapshotCorruptError, FileNotFoundError) as exc:
+            raise _unverified(step, [f"{layout.MANIFEST_NAME}: {exc}"]) from exc
+        problems = _reader.check_sizes(self._storage, step, manifest.files)
+        for f in [] if problems else manifest.files:
+            path = f"{layout.step_dir(step)}/{f.name}"
+            try:
+                size, digest = self._storage.digest(path, manifest.checksum_algorithm)
+            except (FileNotFoundError, SnapshotCorruptError) as exc:
+                problems.append(f"file {f.name}: {exc}")
+                continue
+            if size != f.size or digest != f.checksum:
+                problems.append(f"file {f.name} does not read back as written (damaged)")
+        if problems:
+            raise _unverified(step, problems)
+        return SnapshotInfo.from_manifest(manifest, self._catalog.step_url(step))
 
     def _verify_listed(
         self, manifest: Manifest, body: bytes, etags: dict[str, str]

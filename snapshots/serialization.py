@@ -8,9 +8,12 @@ at the call rather than at restore time.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import mmap
 import pickle
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -45,6 +48,8 @@ class Stager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._defer: frozenset[int] = frozenset()
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
+        self._copying = threading.Condition()
+        self._in_copy = 0  # deferred copies under way
 
     def capture_overlapped(
         self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer
@@ -59,10 +64,28 @@ class Stager:
             self._defer = frozenset()
 
     def copy_deferred(self) -> None:
+        """Copy what is left in ``deferred``; returns once every deferred copy is done.
+        Safe from two threads at once (the writer, and the training thread in the optimizer
+        hook): each tensor is copied by one of them, so training never waits on a writer
+        that a busy machine (or its lower CPU priority) keeps off the CPU."""
         with torch.no_grad():
-            for buf, source in self.deferred:
-                buf.copy_(source)
-        self.deferred = []
+            while (item := self._take_deferred()) is not None:
+                buf, source = item
+                try:
+                    buf.copy_(source)
+                finally:
+                    with self._copying:
+                        self._in_copy -= 1
+                        self._copying.notify_all()
+        with self._copying:
+            self._copying.wait_for(lambda: self._in_copy == 0)
+
+    def _take_deferred(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._copying:
+            if not self.deferred:
+                return None
+            self._in_copy += 1
+            return self.deferred.pop()
 
     def capture(self, state: Mapping[str, Any], *, prefix: tuple[Any, ...] = ()) -> dict[str, Any]:
         if not state:
@@ -122,7 +145,7 @@ class Stager:
             return tensor.clone()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            buf = staging_buffer(tensor.shape, tensor.dtype)
             self._buffers[path] = buf
         if tensor.data_ptr() in self._defer and tensor.device.type == "cpu":
             self.deferred.append((buf, tensor))
@@ -133,6 +156,22 @@ class Stager:
     @property
     def staged_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+# Staging buffers from this size up get pages of their own (an anonymous mapping), outside
+# the malloc heap the training loop allocates its activations and gradients from. In that
+# heap, ~100 MB of long-lived buffers placed by the first save changed how glibc reuses and
+# trims it: in our traces every later training step faulted ~18 MB of fresh pages.
+OWN_PAGES_BYTES = 1 << 16
+
+
+def staging_buffer(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; large ones on their own pages, outside the malloc heap."""
+    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes < OWN_PAGES_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes)  # freed with the tensor's storage, which keeps it alive
+    return torch.frombuffer(pages, dtype=dtype, count=shape.numel()).view(shape)
 
 
 def _optimizer_tensor_ptrs(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -150,6 +189,35 @@ def serialize(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def serialize_into(obj: Any, sink: Any, algorithm: str) -> tuple[int, str]:
+    """``torch.save`` straight into ``sink`` (a file), hashed on the way in one pass:
+    (size, hex digest) of exactly the bytes written. The same bytes as ``serialize``."""
+    hashing = _Hashing(sink, algorithm)
+    torch.save(obj, hashing)
+    return hashing.size, hashing.hasher.hexdigest()
+
+
+class _Hashing:
+    """A write-only file that hashes what passes through it. torch.save hands over each
+    tensor's storage as one memoryview (no copy); hashlib releases the GIL while it hashes
+    a buffer that large, so the training thread keeps running meanwhile."""
+
+    def __init__(self, sink: Any, algorithm: str) -> None:
+        self._sink = sink
+        self.hasher = hashlib.new(algorithm)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        self._sink.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass  # the sink is flushed and fsynced by its storage once torch.save returns
 
 
 def deserialize(data: bytes, *, what: str) -> Any:

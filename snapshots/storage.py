@@ -14,7 +14,9 @@ Optional extras beyond the five protocol methods, read with ``getattr`` so that 
 Storage (a test's wrapper included) works without them: ``object_store`` (True: reads cost
 network traffic, so post-write verification may use listings), ``etag_of(data)`` (the
 ETag the backend's listing will show for ``data`` written by ``write``, or None) and
-``read_range`` (``snapshots._storage_base``).
+``read_range`` (``snapshots._storage_base``), and ``write_streamed(path, fill)`` with
+``digest(path, algorithm)`` (``snapshots._local_storage``: a save's bytes go from
+``torch.save`` straight into the file and are hashed on the way, never held in memory whole).
 """
 
 from __future__ import annotations
@@ -219,6 +221,22 @@ class RetryingStorage:
 
     def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         self._call("write", path, lambda: self.inner.write(path, data, exclusive=exclusive))
+
+    @property
+    def streams(self) -> bool:
+        """Whether ``write_streamed`` and ``digest`` are the backend's own (no whole copy)."""
+        return callable(getattr(self.inner, "write_streamed", None)) and callable(
+            getattr(self.inner, "digest", None)
+        )
+
+    def write_streamed(self, path: str, fill: Callable[[Any], T]) -> T:
+        """``fill(file)`` writes the bytes; run again from the start on a retry. Only where
+        ``streams``."""
+        return self._call("write", path, lambda: self.inner.write_streamed(path, fill))  # type: ignore[attr-defined]
+
+    def digest(self, path: str, algorithm: str) -> tuple[int, str]:
+        """(size, hex digest) of a file, read in chunks. Only where ``streams``."""
+        return self._call("read", path, lambda: self.inner.digest(path, algorithm))  # type: ignore[attr-defined]
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         return self._call("read", path, lambda: read_limited(self.inner, path, limit))

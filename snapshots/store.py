@@ -257,7 +257,11 @@ class SnapshotStore(StoreReading):
 
     def _submit(self, job: _commit.SaveJob, *, stall_started: float | None = None) -> SaveHandle:
         self._job = job
-        return self._writer.submit(job.step, lambda: self._write(job, stall_started=stall_started))
+        return self._writer.submit(
+            job.step,
+            lambda: self._write(job, stall_started=stall_started),
+            urgent=stall_started is not None,  # a blocking save: someone is waiting for it
+        )
 
     def deadline(self, seconds: float | None) -> contextlib.AbstractContextManager[None]:
         """Inside the block, ``save(blocking=True)`` and ``wait()`` give up after ``seconds``

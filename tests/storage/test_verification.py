@@ -6,6 +6,7 @@ listing (sizes + ETags) and downloads only what the listing cannot prove.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -28,9 +29,17 @@ class Faulty:
         self.url = inner.url
         self.damage: str | None = None
         self.reads: list[str] = []
+        if hasattr(inner, "write_streamed"):  # local disk: the same damage on that path
+            self.write_streamed = self._write_streamed
 
     def __getattr__(self, name: str) -> Any:  # check/list/delete, object_store, etag_of
         return getattr(self.inner, name)
+
+    def _write_streamed(self, path: str, fill: Any) -> Any:
+        buf = io.BytesIO()
+        result = fill(buf)
+        self.write(path, buf.getvalue())
+        return result
 
     def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         if self.damage and path.endswith(layout.DATA_SUFFIX):

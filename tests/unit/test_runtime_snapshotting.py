@@ -54,14 +54,14 @@ def test_a_final_save_past_its_deadline_raises_and_commits_nothing(tmp_path) -> 
     snaps = SessionSnapshots(str(tmp_path), keep=3, storage_timeout=5)
     assert snaps.store._storage.policy.deadline_s == 5
     entered, release = threading.Event(), threading.Event()
-    write = snaps.store._storage.inner.write
+    write = snaps.store._storage.inner.write_streamed  # the data files' path on local disk
 
-    def stalled(path, data, *, exclusive=False):
+    def stalled(path, fill, **kwargs):
         entered.set()
         assert release.wait(30)
-        write(path, data, exclusive=exclusive)
+        return write(path, fill, **kwargs)
 
-    snaps.store._storage.inner.write = stalled  # type: ignore[method-assign]
+    snaps.store._storage.inner.write_streamed = stalled  # type: ignore[method-assign]
     with pytest.raises(SnapshotSaveError, match=r"deadline_s=0\.1 s"):
         snaps.save(4, {"w": torch.ones(2)}, epoch=0, blocking=True, deadline_s=0.1)
     assert entered.is_set() and snaps.last_saved_step is None
