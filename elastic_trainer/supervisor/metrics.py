@@ -201,7 +201,16 @@ _MEMBERSHIP = _labelled(
     "elastic_train_membership_changes_total", "reason", "reason", MEMBERSHIP_REASONS
 )
 
+
 # event name -> its metric changes
+def _restored(event: Mapping[str, Any]) -> list[Change]:
+    """Only a storage snapshot is a "last snapshot": a restore from an in-memory copy
+    (source memory/mirror) leaves the storage figure as it was."""
+    if event.get("source", "storage") != "storage":
+        return []
+    return _set("elastic_train_last_snapshot_step", event.get("step"))
+
+
 _BY_EVENT: Mapping[str, Any] = {
     "rendezvous.completed": lambda e: _set("elastic_train_world_size", e.get("world_size")),
     "workers.started": lambda e: _set("elastic_train_world_size", e.get("world_size")),
@@ -220,7 +229,7 @@ _BY_EVENT: Mapping[str, Any] = {
     ),
     "recovery.completed": _recovery,
     "snapshot.saved": _snapshot_saved,
-    "snapshot.restored": lambda e: _set("elastic_train_last_snapshot_step", e.get("step")),
+    "snapshot.restored": _restored,
     "job.finished": lambda e: _set("elastic_train_goodput_ratio", e.get("goodput")),
 }
 

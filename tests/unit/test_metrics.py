@@ -187,3 +187,10 @@ def test_metric_names_follow_prometheus_conventions() -> None:
     for spec in M.METRICS.values():
         assert re.fullmatch(r"elastic_train_[a-z_]+", spec.name), spec.name
         assert spec.name.endswith("_total") == (spec.kind == M.Kind.COUNTER), spec.name
+
+
+def test_a_restore_from_memory_is_not_a_storage_snapshot() -> None:
+    storage = M.changes_for({"event": "snapshot.restored", "step": 7, "source": "storage"})
+    assert [(c.metric, c.value) for c in storage] == [("elastic_train_last_snapshot_step", 7)]
+    for source in ("memory", "mirror"):
+        assert M.changes_for({"event": "snapshot.restored", "step": 9, "source": source}) == []

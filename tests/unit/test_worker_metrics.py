@@ -42,7 +42,7 @@ def test_installing_again_replaces_the_forwarder_and_a_gone_folder_is_ignored(tm
     configure_logging(fmt="json", log_file=str(tmp_path / "log.jsonl"))
     EventForwarder.install(str(tmp_path / "gone"), 0)
     second = EventForwarder.install(str(tmp_path), 0)
-    emit("snapshot.restored", step=1, saved_world_size=1, world_size=1)
+    emit("snapshot.restored", step=1, saved_world_size=1, world_size=1, source="storage")
     assert second is not None
     assert len((tmp_path / protocol.events_file(0)).read_text().splitlines()) == 1
 
