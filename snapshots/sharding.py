@@ -249,6 +249,7 @@ def summary(table: ShardTable, files: Mapping[str, tuple[int, int]]) -> dict[str
         "world_size": table.world_size,
         "tensors": len(table.tensors),
         "chunks": sum(len(r.chunks) for r in table.tensors.values()),
+        "chunk_checksum": table.checksum_algorithm,
         "bytes": sum(r["bytes"] for r in ranks),
         "ranks": ranks,
     }

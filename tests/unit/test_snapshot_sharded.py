@@ -192,6 +192,7 @@ def test_show_summarises_a_sharded_snapshot_per_rank(
     shard = next((tmp_path / layout.step_dir(1)).glob("shard-*.bin"))
     tensors = len(model.state_dict()) + 2 * len(list(model.parameters()))  # + Adam's moments
     assert summary["world_size"] == 1 and summary["tensors"] >= tensors
+    assert summary["chunk_checksum"] == "blake3"
     assert summary["ranks"] == [
         {
             "rank": 0,

@@ -114,6 +114,9 @@ def test_a_format_1_table_with_sha256_chunks_still_loads_and_verifies(
     for ours, theirs in zip(saved.state_dict().values(), loaded.state_dict().values(), strict=True):
         assert torch.equal(ours, theirs)
     assert main(["verify", str(tmp_path), "--deep"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["sharded"]["chunk_checksum"] == "sha256"
     _flip_a_chunk_byte_and_resign_the_file(tmp_path)
     with pytest.raises(SnapshotCorruptError, match="fails its sha256 checksum"):
         _load(tmp_path)
