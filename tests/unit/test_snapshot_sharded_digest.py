@@ -15,7 +15,7 @@ from snapshots import SnapshotCorruptError, SnapshotStore, layout, sharding
 from snapshots.cli import main
 from snapshots.distributed import DistributedSnapshotter
 from snapshots.manifest import checksum
-from tests.tamper import resign
+from tests.tamper import damage, resign
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -138,3 +138,22 @@ def test_a_digest_of_the_wrong_length_for_its_algorithm_is_damage(tmp_path: Path
     body["checksum_algorithm"] = "sha512"  # allowed, but the chunks hold 32-byte digests
     with pytest.raises(SnapshotCorruptError, match="not a sha512 hex digest"):
         sharding.from_json(json.dumps(body).encode())
+
+
+def test_a_manifest_may_name_blake3_for_its_files(tmp_path: Path) -> None:
+    """blake3 is on the manifest's allow-list, so a manifest naming it must be checkable."""
+    store = SnapshotStore(str(tmp_path), async_save=False, keep=None)
+    store.save(1, {"w": torch.arange(4.0)})
+    path = tmp_path / layout.manifest_path(1)
+    body = json.loads(path.read_bytes())
+    body["checksum_algorithm"] = "blake3"
+    for entry in body["files"]:
+        raw = (tmp_path / layout.step_dir(1) / entry["name"]).read_bytes()
+        entry["checksum"] = blake3.blake3(raw).hexdigest()
+    path.write_text(json.dumps(body))
+    fresh = SnapshotStore(str(tmp_path), create=False)
+    assert fresh.verify(1).ok
+    assert torch.equal(fresh.load(1).state["w"], torch.arange(4.0))
+    entry = body["files"][0]
+    damage(tmp_path / layout.step_dir(1) / entry["name"], "flip")
+    assert not fresh.verify(1).ok
