@@ -2,23 +2,23 @@
 
 The manifest's checksum covers the shard table; each shard file is checked against the
 manifest's size from one listing before any chunk is read (a truncated or deleted file is
-named at once), and every chunk read is checked against its own sha256 before its bytes are
-viewed as a tensor. A rank reads only the chunks it needs, so it does not hash whole files
-it reads a part of: the unit of verification on load is the chunk, the bytes actually
-used. ``verify`` (and ``snapshots verify``) checks every whole file against the manifest.
+named at once), and every chunk read is checked against its own checksum (BLAKE3; sha256 in
+tables of format 1) before its bytes are viewed as a tensor. A rank reads only the chunks it
+needs, so it does not hash whole files it reads a part of: the unit of verification on load
+is the chunk, the bytes actually used. ``verify`` (and ``snapshots verify``) checks every
+whole file against the manifest.
 
 Nothing here imports torch until chunks are read: the read-only tools use the rest.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from snapshots import _reader, sharding
 from snapshots.errors import SnapshotCorruptError
-from snapshots.manifest import Manifest
+from snapshots.manifest import Manifest, checksum
 from snapshots.sharding import ShardTable
 from snapshots.storage import Storage
 
@@ -67,11 +67,11 @@ def chunk_problems(manifest: Manifest, data: Mapping[str, bytes]) -> list[str]:
         table = parse_table(manifest, data[table_file.name])
     except SnapshotCorruptError as exc:
         return [f"file {table_file.name}: {exc}"]
-    problems = []
+    problems, algorithm = [], table.checksum_algorithm
     for name, chunks in table.files().items():
         blob = data.get(name, b"")
         for fqn, chunk in chunks:
             part = blob[chunk.byte_offset : chunk.byte_offset + chunk.nbytes]
-            if len(part) != chunk.nbytes or hashlib.sha256(part).hexdigest() != chunk.sha256:
+            if len(part) != chunk.nbytes or checksum(part, algorithm) != chunk.checksum:
                 problems.append(f"file {name}: the chunk of tensor {fqn[:120]} is damaged")
     return problems

@@ -6,18 +6,18 @@ plan (``create_global_plan``, computed identically on every rank from the all-ga
 plans) deduplicates replicated items, giving each to the rank with the fewest bytes planned
 so far, so each rank writes about 1/W of the replicated bytes. Each rank stages its items'
 tensors into reused buffers (the only part the training loop waits for) and writes them as
-one raw file; every chunk gets its own sha256.
+one raw file; every chunk gets its own BLAKE3 checksum.
 
 Load: ``DefaultLoadPlanner`` is given templates (this rank's current DTensors, or full empty
 tensors) and a DCP ``Metadata`` built in memory from our JSON table (DCP's pickled
 ``.metadata`` file is never written nor read), and returns read items: which box of which
 stored chunk goes where in which local tensor. We range-read each needed chunk once, check
-its sha256, view it with ``torch.frombuffer`` (no unpickling), and copy the boxes in.
+its checksum (the table names the algorithm), view it with ``torch.frombuffer`` (no
+unpickling), and copy the boxes in.
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,7 +38,7 @@ from snapshots import layout, sharding
 from snapshots._storage_base import Storage, read_range
 from snapshots.errors import SnapshotCorruptError
 from snapshots.manifest import FileEntry, checksum
-from snapshots.sharding import Chunk, ShardTable, TensorRecord
+from snapshots.sharding import CHUNK_ALGORITHM, Chunk, ShardTable, TensorRecord
 
 # A stored chunk is at most this long: a local shard is cut into blocks of whole rows (dim 0)
 # so that a rank loading at another world size reads, and hashes, little it does not need.
@@ -212,7 +212,7 @@ def encode(staged: StagedShard, name: str, *, shard: int) -> tuple[FileEntry, di
             sizes=p.sizes,
             byte_offset=p.byte_offset,
             nbytes=p.nbytes,
-            sha256=hashlib.sha256(raw).hexdigest(),
+            checksum=checksum(raw, CHUNK_ALGORITHM),
         )
         known = records.get(p.fqn)
         chunks = (*known.chunks, chunk) if known is not None else (chunk,)
@@ -284,7 +284,7 @@ def read_into(
     storage: Storage, step: int, table: ShardTable, templates: Mapping[str, torch.Tensor]
 ) -> None:
     """Fill ``templates`` (local shards or full tensors) from the chunks overlapping them.
-    Every chunk's sha256 is checked before its bytes are viewed as a tensor."""
+    Every chunk's checksum is checked before its bytes are viewed as a tensor."""
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     planner.set_up_planner(dict(templates), to_dcp_metadata(table, list(templates)), False)
     by_chunk: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
@@ -295,7 +295,7 @@ def read_into(
     with torch.no_grad():
         for key, items in by_chunk.items():
             record, chunk = chunks[key]
-            source = _load_chunk(storage, step, record, chunk)
+            source = _load_chunk(storage, step, table, record, chunk)
             for item in items:
                 box = _narrow(source, item.storage_offsets, item.lengths)
                 dest = planner.resolve_tensor(item).detach()
@@ -303,13 +303,15 @@ def read_into(
                 planner.commit_tensor(item, dest)
 
 
-def _load_chunk(storage: Storage, step: int, record: TensorRecord, chunk: Chunk) -> torch.Tensor:
+def _load_chunk(
+    storage: Storage, step: int, table: ShardTable, record: TensorRecord, chunk: Chunk
+) -> torch.Tensor:
     path = f"{layout.step_dir(step)}/{chunk.file}"
     data = read_range(storage, path, chunk.byte_offset, chunk.nbytes)
-    if hashlib.sha256(data).hexdigest() != chunk.sha256:
+    if checksum(data, table.checksum_algorithm) != chunk.checksum:
         raise SnapshotCorruptError(
-            f"file {chunk.file}: the chunk at byte {chunk.byte_offset} fails its sha256 "
-            "checksum (damaged)"
+            f"file {chunk.file}: the chunk at byte {chunk.byte_offset} fails its "
+            f"{table.checksum_algorithm} checksum (damaged)"
         )
     dtype = dtype_of(record.dtype)
     count = 1

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import blake3
+
 from snapshots import layout
 from snapshots.errors import SnapshotCorruptError
 
@@ -26,9 +28,10 @@ SUPPORTED_VERSIONS = frozenset({1, 2})
 # on large buffers, so checksumming in the writer thread barely slows training.
 CHECKSUM_ALGORITHM = "sha256"
 # Readers accept only these: a manifest naming a weak (md5) or a variable-length (shake_128)
-# hash would let damage pass or make checksumming itself fail. sha256 and stronger.
+# hash would let damage pass or make checksumming itself fail. sha256 and stronger; blake3
+# (not in hashlib) hashes the chunks of sharded snapshots (``snapshots.sharding``).
 CHECKSUM_ALGORITHMS = frozenset(
-    {"sha256", "sha384", "sha512", "sha3_256", "sha3_384", "sha3_512", "blake2b"}
+    {"sha256", "sha384", "sha512", "sha3_256", "sha3_384", "sha3_512", "blake2b", "blake3"}
 )
 # Sizes, ranks, epochs: far beyond any real value, small enough to never overflow a C long.
 MAX_COUNT = 2**62
@@ -36,8 +39,24 @@ MAX_COUNT = 2**62
 MAX_MANIFEST_BYTES = 4 * 2**20
 
 
+def hasher(algorithm: str) -> Any:
+    """A fresh hash object for an allowed algorithm: hashlib's, or BLAKE3's (its own package;
+    single-threaded, it releases the GIL on large buffers like hashlib)."""
+    if algorithm == "blake3":
+        return blake3.blake3()
+    return hashlib.new(algorithm)
+
+
 def checksum(data: bytes | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    return hashlib.new(algorithm, data).hexdigest()
+    digest = hasher(algorithm)
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def is_hex_digest(value: Any, algorithm: str) -> bool:
+    """Whether ``value`` is a lowercase hex digest of ``algorithm``'s length."""
+    length = hasher(algorithm).digest_size * 2
+    return isinstance(value, str) and len(value) == length and not value.strip("0123456789abcdef")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,8 +253,7 @@ def _count(body: Mapping[str, Any], name: str, *, maximum: int = MAX_COUNT) -> i
 
 def _digest(item: Mapping[str, Any], algorithm: str) -> str:
     value = _typed(item, "checksum", str)
-    length = hashlib.new(algorithm).digest_size * 2
-    if len(value) != length or value.strip("0123456789abcdef"):
+    if not is_hex_digest(value, algorithm):
         raise ValueError(f"checksum {value[:80]!r} is not a {algorithm} hex digest")
     return value
 

@@ -76,7 +76,7 @@ def test_layout_is_skeletons_one_shard_file_per_rank_and_a_json_table(tmp_path: 
 def test_table_round_trips_and_refuses_escaping_file_names() -> None:
     chunk = sharding.Chunk(
         file="shard-00000.0badc0de.bin", offsets=(0,), sizes=(2,), byte_offset=0, nbytes=8,
-        sha256="0" * 64,
+        checksum="0" * 64,
     )  # fmt: skip
     record = sharding.TensorRecord(dtype="torch.float32", shape=(2,), chunks=(chunk,))
     table = sharding.ShardTable(world_size=1, tensors={'["a"]': record})
@@ -126,7 +126,8 @@ def _resign_table(root: Path, shard_name: str, data: bytes) -> None:
     for record in body["tensors"].values():
         for chunk in record["chunks"]:
             if chunk["file"] == shard_name:
-                chunk.update(byte_offset=0, nbytes=len(data), sha256=checksum(data))
+                algorithm = body["checksum_algorithm"]
+                chunk.update(byte_offset=0, nbytes=len(data), checksum=checksum(data, algorithm))
     resign(root, 1, lambda f: f.get("table", False), json.dumps(body).encode())
 
 
@@ -191,6 +192,7 @@ def test_show_summarises_a_sharded_snapshot_per_rank(
     shard = next((tmp_path / layout.step_dir(1)).glob("shard-*.bin"))
     tensors = len(model.state_dict()) + 2 * len(list(model.parameters()))  # + Adam's moments
     assert summary["world_size"] == 1 and summary["tensors"] >= tensors
+    assert summary["chunk_checksum"] == "blake3"
     assert summary["ranks"] == [
         {
             "rank": 0,
@@ -205,7 +207,7 @@ def test_show_summarises_a_sharded_snapshot_per_rank(
 def test_summary_counts_each_ranks_chunks_and_tensors() -> None:
     def chunk(file: str, at: int) -> sharding.Chunk:
         return sharding.Chunk(
-            file=file, offsets=(at,), sizes=(2,), byte_offset=0, nbytes=8, sha256="0" * 64
+            file=file, offsets=(at,), sizes=(2,), byte_offset=0, nbytes=8, checksum="0" * 64
         )
 
     split = sharding.TensorRecord(
