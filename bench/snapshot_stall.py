@@ -40,6 +40,7 @@ import torchvision
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from snapshots import SnapshotStore
+from snapshots.rng import RNGState
 
 
 @dataclass
@@ -214,6 +215,7 @@ JOBS = {
     "session": "snapshots every {every} steps (SessionSnapshots)",
     "torch": "torch.save every {every} steps (reference)",
     "shm": "every step, SnapshotStore on /dev/shm",
+    "memory": "every step, the in-memory tier (`--memory-snapshot-every 1`, the default)",
 }
 
 
@@ -223,9 +225,11 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
 
     t = make_trainer(batch)
     state = {"model": t.model, "optimizer": t.opt}
-    folder = tempfile.mkdtemp(prefix="snapshot-stall-", dir="/dev/shm" if mode == "shm" else root)
+    in_shm = mode in ("shm", "memory")
+    folder = tempfile.mkdtemp(prefix="snapshot-stall-", dir="/dev/shm" if in_shm else root)
     snaps = SessionSnapshots(folder, keep=2) if mode in ("shm", "session") else None
-    every = 1 if mode == "shm" else every
+    tier = memory_tier(folder) if mode == "memory" else None
+    every = 1 if in_shm else every
     faults = minor_faults()
     cpu, train_cpu, begun = time.process_time(), time.thread_time(), time.perf_counter()
     for step in range(1, steps + 1):
@@ -234,6 +238,8 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
             continue
         if snaps is not None:
             snaps.save(step, state, epoch=0, blocking=False)
+        elif tier is not None:
+            tier.save(step, state, {"rng": RNGState()})
         elif mode == "torch":
             sd = {"model": t.model.state_dict(), "optimizer": t.opt.state_dict()}
             torch.save(sd, f"{folder}/torch-{step % 2}.pt")
@@ -241,6 +247,8 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
     faults = minor_faults() - faults
     if snaps is not None:
         snaps.close()  # the last snapshot is durable before the job ends
+    if tier is not None:
+        tier.flush()
     wall = time.perf_counter() - begun
     shutil.rmtree(folder, ignore_errors=True)
     cpu = time.process_time() - cpu
@@ -248,6 +256,16 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
         "wall": wall, "loop": loop, "tail": wall - loop, "cpu": cpu, "train_cpu": train_cpu,
         "train_faults": faults,
     }  # fmt: skip
+
+
+def memory_tier(folder: str) -> Any:
+    """The session's in-memory tier; it needs a process group (here one gloo rank)."""
+    from elastic_trainer.runtime.memory_tier import MemoryTier
+
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(folder, "pg-store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return MemoryTier(os.path.join(folder, "tier"), every=1)
 
 
 def minor_faults() -> int:
@@ -261,7 +279,7 @@ def minor_faults() -> int:
 
 
 def whole_jobs(args: argparse.Namespace, root: str) -> str:
-    modes = list(JOBS) if args.shm else [m for m in JOBS if m != "shm"]
+    modes = list(JOBS) if args.shm else [m for m in JOBS if m not in ("shm", "memory")]
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for rep in range(args.repeats):  # interleaved: machine noise falls on every mode alike
         for mode in modes:
