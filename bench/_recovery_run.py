@@ -142,10 +142,20 @@ def tree(proc: subprocess.Popen) -> list[int]:
     return []
 
 
-def workers_of(proc: subprocess.Popen) -> list[int]:
+def workers_of(proc: subprocess.Popen, events: Path) -> list[int]:
+    """The node's worker processes: by command line (fresh processes), else the pids of our
+    newest ``workers.started`` (a worker forked from the warm pool has the pool's command line)."""
     with contextlib.suppress(psutil.Error):
         kids = psutil.Process(proc.pid).children(recursive=True)
-        return [c.pid for c in kids if any("proto_worker" in a for a in c.cmdline())]
+        found = [c.pid for c in kids if any("proto_worker" in a for a in c.cmdline())]
+        if found or not events.exists():
+            return found
+        started = [
+            e for e in map(json.loads, events.read_text().splitlines())
+            if e.get("event") == "workers.started"
+        ]  # fmt: skip
+        alive = {c.pid for c in kids}
+        return [pid for pid in started[-1]["pids"] if pid in alive] if started else []
     return []
 
 
@@ -238,7 +248,13 @@ def run_scenario(scenario: str, kind: str, timeout: float, *, keep_logs: str = "
 
                 if not wait_until(ready, 180):
                     raise RuntimeError(f"{kind}: never trained at world size 2")
-                victims = tree(procs[1]) if scenario == "node_loss" else workers_of(procs[1])
+                victims = (
+                    tree(procs[1])
+                    if scenario == "node_loss"
+                    else workers_of(procs[1], tmp / "b.jsonl")
+                )
+                if not victims:
+                    raise RuntimeError(f"{kind}: no worker of node b found to kill")
                 fault = time.time()
                 kill(victims)
             ws_after = 1 if scenario == "node_loss" else 2

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import shutil
 import stat
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
-from snapshots import _faults, layout
+from snapshots import _faults, layout, manifest
 from snapshots._storage_base import Entry, within
 from snapshots.errors import NotRegularFileError
 
@@ -114,7 +113,7 @@ class LocalStorage:
         """(size, hex digest) of a regular file, read through one small buffer: no copy of
         the whole file in memory, and hashlib releases the GIL on each chunk."""
         fd, _ = self._open_regular(path)
-        hasher = hashlib.new(algorithm)
+        hasher = manifest.hasher(algorithm)
         buf = memoryview(bytearray(CHUNK))
         size = 0
         with os.fdopen(fd, "rb", buffering=0) as fh:

@@ -8,7 +8,6 @@ at the call rather than at restore time.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import mmap
 import pickle
@@ -20,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from snapshots import manifest
 from snapshots.errors import SnapshotCorruptError, UnsafeStateError
 
 # Values copied as they are (matched by exact type) and the types a mapping's keys may have:
@@ -201,12 +201,12 @@ def serialize_into(obj: Any, sink: Any, algorithm: str) -> tuple[int, str]:
 
 class _Hashing:
     """A write-only file that hashes what passes through it. torch.save hands over each
-    tensor's storage as one memoryview (no copy); hashlib releases the GIL while it hashes
+    tensor's storage as one memoryview (no copy); the hash releases the GIL while it hashes
     a buffer that large, so the training thread keeps running meanwhile."""
 
     def __init__(self, sink: Any, algorithm: str) -> None:
         self._sink = sink
-        self.hasher = hashlib.new(algorithm)
+        self.hasher = manifest.hasher(algorithm)
         self.size = 0
 
     def write(self, data: Any) -> int:

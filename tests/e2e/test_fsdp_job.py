@@ -64,3 +64,31 @@ def test_fsdp_job_resumes_at_3_then_at_1_exactly_once_with_the_saved_model(
         torch.testing.assert_close(resumed, saved, rtol=0, atol=0)
     records = read_audit_log(str(tmp_path / "audit"))
     assert check_exactly_once(records, 48, complete_epochs=[0, 1]) == []
+
+
+@pytest.mark.timeout(480)
+def test_fsdp_resume_at_the_same_world_size_is_bit_identical_to_an_uninterrupted_run(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    """Stopped after step 3 and resumed at world size 2 again, the job ends with exactly the
+    model and optimizer state of the same job run through: exported, tensor by tensor."""
+    finals = {}
+    for name, stops in (("through", [None]), ("resumed", ["3", None])):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        env = {**worker_env, "FSDP_PROBE_DIR": str(run_dir)}
+        for stop in stops:
+            launch(run_dir, env, 2, *(["--max-steps", stop] if stop else []))
+        assert SnapshotStore(str(run_dir / "ckpt"), create=False).latest().step == 16  # type: ignore[union-attr]
+        out = run_dir / "final.pt"
+        assert (
+            snapshots_main(["export", str(run_dir / "ckpt"), "--step", "16", "-o", str(out)]) == 0
+        )
+        finals[name] = torch.load(out, weights_only=True)
+    assert {"model", "optimizer"} <= finals["through"].keys()
+    resumed, through = finals["resumed"], finals["through"]
+    torch.testing.assert_close(resumed["model"], through["model"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        resumed["optimizer"]["state"], through["optimizer"]["state"], rtol=0, atol=0
+    )
+    assert resumed["optimizer"]["param_groups"] == through["optimizer"]["param_groups"]

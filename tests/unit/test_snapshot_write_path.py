@@ -15,7 +15,7 @@ import torch
 from snapshots import SnapshotStore, UnsafeStateError, _writer, layout
 from snapshots._capture import Capturer
 from snapshots._local_storage import CHUNK, LocalStorage
-from snapshots.manifest import from_json
+from snapshots.manifest import checksum, from_json
 from snapshots.serialization import OWN_PAGES_BYTES, Stager, serialize, serialize_into
 
 
@@ -48,14 +48,16 @@ def test_local_save_never_holds_a_whole_serialised_copy(
     manifest = from_json((tmp_path / layout.manifest_path(3)).read_bytes(), expected_step=3)
     for f in manifest.files:
         data = (tmp_path / layout.step_dir(3) / f.name).read_bytes()
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (f.size, f.checksum)
+        assert manifest.checksum_algorithm == "blake3"  # what new snapshots use
+        assert (len(data), checksum(data, "blake3")) == (f.size, f.checksum)
 
 
 def test_local_digest_reads_in_chunks_what_is_on_disk(tmp_path: Path) -> None:
     storage = LocalStorage(str(tmp_path))
     data = bytes(range(256)) * (CHUNK // 100)  # a few chunks and a partial last one
     storage.write("a/file.bin", data)
-    assert storage.digest("a/file.bin", "sha256") == (len(data), hashlib.sha256(data).hexdigest())
+    for algorithm in ("sha256", "blake3"):  # old snapshots' files, new ones'
+        assert storage.digest("a/file.bin", algorithm) == (len(data), checksum(data, algorithm))
     assert (tmp_path / "a" / "file.bin").read_bytes() == data
 
 
