@@ -12,7 +12,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousS
 from elastic_trainer.supervisor.rendezvous import with_group_rank
 
 # what torch's rank 0 published: the address of the node *torch* numbered 0
-TORCHS_MASTER = RendezvousStoreInfo("198.18.0.12", 29511)
+TORCHS_MASTER = RendezvousStoreInfo("127.0.0.12", 29511)
 
 
 def _info(store: HashStore, torch_rank: int) -> RendezvousInfo:
@@ -22,7 +22,7 @@ def _info(store: HashStore, torch_rank: int) -> RendezvousInfo:
 @pytest.mark.parametrize("node_1_torch_rank", [0, 1])
 def test_every_node_gets_node_rank_0s_address_as_master(node_1_torch_rank) -> None:
     store = HashStore()  # the round's store, shared by both nodes
-    addrs = {0: "198.18.0.11", 1: "198.18.0.12"}
+    addrs = {0: "127.0.0.11", 1: "127.0.0.12"}
     torch_rank = {1: node_1_torch_rank, 0: 1 - node_1_torch_rank}
 
     def join(node_rank: int) -> RendezvousInfo:
@@ -44,4 +44,4 @@ def test_every_node_gets_node_rank_0s_address_as_master(node_1_torch_rank) -> No
 
 def test_elastic_mode_keeps_torchs_rank_and_master() -> None:
     info = _info(HashStore(), 1)
-    assert with_group_rank(info, None, local_addr="198.18.0.11") is info
+    assert with_group_rank(info, None, local_addr="127.0.0.11") is info
