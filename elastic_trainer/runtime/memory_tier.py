@@ -18,6 +18,7 @@ Sharded (FSDP2) state keeps to storage snapshots (its per-rank shards would need
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -42,12 +43,17 @@ from elastic_trainer.runtime.memory_plan import (
 )
 from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
 from elastic_trainer.runtime.memory_plan import writers as node_writers
+from snapshots import manifest
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
 
 # Test-only crash injection: SIGKILL the writer's process halfway through writing the copy of
 # this step (the temporary file is left torn). A no-op unless set.
 KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
+
+
+# A rank's streams (RNG states) are a few KB; anything near this is not one of ours.
+MAX_STREAMS_BYTES = 64 * 2**20
 
 
 class NodeCopies:
@@ -73,7 +79,8 @@ class NodeCopies:
         return committed[0] if committed is not None else None
 
     def read(self, step: int) -> dict[str, Any]:
-        committed = committed_copy(self.marker())
+        marker = self.marker()
+        committed = committed_copy(marker)
         if committed is None or committed[0] != step:
             raise FileNotFoundError(f"no committed in-memory copy of step {step}")
         _, slot, size = committed
@@ -83,6 +90,7 @@ class NodeCopies:
         with open(self._path(slot), "rb") as f:
             if f.readinto(data) != size:
                 raise ValueError(f"{slot} changed while it was read")
+        memory_format.verify(data, marker.get(memory_format.CHECKSUM_ALGORITHM), slot)  # type: ignore[union-attr]
         return memory_format.read(data)
 
     def write(self, step: int, payload: Mapping[str, Any]) -> None:
@@ -90,13 +98,19 @@ class NodeCopies:
         os.makedirs(self.directory, exist_ok=True)
         slot = next_slot(self.marker())
         with open(self._path(slot), "r+b" if os.path.exists(self._path(slot)) else "xb") as f:
-            memory_format.write(payload, f)
+            digest = memory_format.write(payload, f)
             f.truncate(f.tell())
             size = f.tell()
         _maybe_crash(step, self._path(slot))
         tmp = self._path(f".{MARKER}.{uuid.uuid4().hex}")
+        marker = {
+            "step": step,
+            "slot": slot,
+            "bytes": size,
+            memory_format.CHECKSUM_ALGORITHM: digest,
+        }
         with open(tmp, "w") as f:
-            json.dump({"step": step, "slot": slot, "bytes": size}, f)
+            json.dump(marker, f)
         os.replace(tmp, self._path(MARKER))
 
     def keep_only(self, step: int | None) -> None:
@@ -128,16 +142,27 @@ class RankStreams:
         """Write ``step``'s; drop those older than the node's committed copy (no longer of use)."""
         os.makedirs(self.directory, exist_ok=True)
         tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "xb") as f:
-            torch.save(dict(value), f)
+        body = io.BytesIO()
+        torch.save(dict(value), body)
+        digest = manifest.checksum(body.getbuffer(), memory_format.CHECKSUM_ALGORITHM)
+        with open(tmp, "xb") as f:  # the checksum's line, then what torch.save wrote
+            f.write(f"{digest}\n".encode())
+            f.write(body.getbuffer())
         os.replace(tmp, self._path(step))
         self.forget(lambda s: committed is not None and s < committed)
 
     def read(self, step: int) -> dict[str, Any] | None:
+        """None where this rank has no streams of ``step``; ValueError for a damaged file."""
         try:
-            return torch.load(self._path(step), weights_only=True)
+            with open(self._path(step), "rb") as f:
+                data = f.read(MAX_STREAMS_BYTES + 1)
         except FileNotFoundError:
             return None
+        if len(data) > MAX_STREAMS_BYTES:
+            raise ValueError(f"{self._path(step)} is over {MAX_STREAMS_BYTES} bytes")
+        digest, _, body = data.partition(b"\n")
+        memory_format.verify(body, digest.decode("ascii", "replace"), self._path(step))
+        return torch.load(io.BytesIO(body), weights_only=True)
 
     def forget(self, which: Callable[[int], bool]) -> None:
         """Delete this rank's files of the steps ``which`` selects, and its leftover
@@ -244,7 +269,10 @@ class MemoryTier:
         if plan.source is Source.STORAGE or plan.step is None:
             return plan, None
         payload, problem = self._load(plan, mine)
-        streams = self._streams.read(plan.step)  # before the agreement: then it may be gone
+        try:  # before the agreement: then it may be gone
+            streams = self._streams.read(plan.step)
+        except Exception as exc:  # never raise here: the peers are in the agreement below
+            streams, problem = None, problem or _one_line(exc)
         problems = [(r, p) for r, p in enumerate(self._all_gather(problem)) if p is not None]
         if problems:
             text = "; ".join(f"rank {r}: {p}" for r, p in problems)[:500]
@@ -281,7 +309,7 @@ class MemoryTier:
             if payload.get("step") != step:
                 return None, f"the copy of step {step} says step {payload.get('step')}"
         except Exception as exc:  # any failure means "use storage"; raising would strand peers
-            return None, " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            return None, _one_line(exc)
         return payload, None
 
     def after_restore(self, step: int | None) -> None:
@@ -295,6 +323,10 @@ class MemoryTier:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
 def _plain(per_rank: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -97,6 +98,42 @@ def test_a_torn_slot_is_never_read(tmp_path):
         f.truncate(10)
     with pytest.raises(ValueError, match="bytes"):
         copies.read(4)
+
+
+def _flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_copy_is_refused_before_its_skeleton_is_unpickled(tmp_path, monkeypatch):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(4, {"step": 4, "w": torch.ones(100)})
+    _flip_last_byte(tmp_path / SLOTS[0])  # same size: only the checksum can tell
+    unpickled = []
+    monkeypatch.setattr(memory_format.torch, "load", lambda *a, **k: unpickled.append(a))
+    with pytest.raises(ValueError, match="fails its blake3 checksum"):
+        copies.read(4)
+    assert unpickled == []
+
+
+def test_a_copy_whose_marker_has_no_checksum_is_not_used(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(4, {"step": 4})
+    marker = json.loads((tmp_path / MARKER).read_text())
+    del marker["blake3"]
+    (tmp_path / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ValueError, match="no valid blake3 checksum"):
+        copies.read(4)
+
+
+def test_a_damaged_streams_file_is_refused(tmp_path):
+    streams = RankStreams(str(tmp_path), 0)
+    streams.write(3, {"rng": torch.arange(8)}, committed=None)
+    assert torch.equal(streams.read(3)["rng"], torch.arange(8))
+    _flip_last_byte(tmp_path / "ranks" / "0-000000000003.pt")
+    with pytest.raises(ValueError, match="fails its blake3 checksum"):
+        streams.read(3)
 
 
 def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
