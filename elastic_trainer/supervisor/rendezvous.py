@@ -28,7 +28,6 @@ changes three things, each for a measured reason (shared/BASELINES.md):
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -43,9 +42,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_trainer import torch_compat
 from elastic_trainer.config import RunConfig
+from elastic_trainer.errors import first_line
+from elastic_trainer.events import emit
 from elastic_trainer.supervisor import decisions
-
-log = logging.getLogger(__name__)
+from elastic_trainer.supervisor.membership import node_name
 
 
 class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
@@ -89,7 +89,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         try:
             torch_compat.expire_nodes(self, set(self._dead), deadline)
         except Exception as exc:  # their heartbeats still expire: slower, not wrong
-            log.warning("could not expire lost nodes in the rendezvous: %s", exc)
+            emit(
+                "rendezvous.expire_failed",
+                level="warning",
+                nodes=sorted(node_name(n) for n in self._dead),
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="the next round waits for their heartbeats to expire",
+            )
 
     def _join_hook(self, view: torch_compat.RoundView, may_wait: bool) -> str | None:
         close = decisions.close_round_now(
@@ -146,7 +152,12 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             torch_compat.exit_round(self, deadline)
             return True
         except Exception as exc:  # the store may be gone: our heartbeat then simply expires
-            log.warning("could not leave the rendezvous cleanly: %s", exc)
+            emit(
+                "rendezvous.leave_failed",
+                level="warning",
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="the others drop this node once its heartbeats expire",
+            )
             return False
 
     def stale_peers(self, members: set[Any]) -> set[Any]:
