@@ -312,6 +312,8 @@ class Supervisor:
             outcome = agent.supervise()
         except RendezvousClosedError:
             return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None, None
+        except ConfigError as exc:  # found once the round closed (static: a node rank twice)
+            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, str(exc)
         except RendezvousTimeoutError:
             # too few nodes within --rdzv-conf join_timeout
             return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
