@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from torch.distributed import TCPStore
 
 from tests.e2e.workers.harness import (
     HERE,
@@ -92,6 +93,24 @@ def test_two_nodes_given_one_node_rank_exit_2_naming_it_instead_of_hanging(
         assert finished["error"].startswith("--node-rank=1 is given to 2 nodes (")
         assert "give each of the 3 nodes its own --node-rank" in finished["error"]
         assert not agent.events("workers.started")
+
+
+def test_a_second_node_rank_0_on_the_store_host_is_told_so(tmp_path, worker_env, agents):
+    """Node rank 0 hosts the store: a second --node-rank 0 on that host finds its port taken
+    (here by a store the test holds) and exits 2 saying what probably happened."""
+    port = free_port()
+    held = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    argv = [
+        "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "--nproc-per-node", "1", PROTO, "--steps", "2",
+    ]  # fmt: skip
+    agents.append(start_agent(tmp_path, "n0", argv, env_with(worker_env), port=0,
+                              endpoint=False))  # fmt: skip
+    assert agents[0].wait(120) == 2
+    (finished,) = agents[0].events("job.finished")
+    assert "cannot host the store here" in finished["error"]
+    assert "if another node was also given --node-rank 0" in finished["error"]
+    del held
 
 
 def test_log_dir_and_tee_give_torchruns_per_rank_files(tmp_path, worker_env, agents):
