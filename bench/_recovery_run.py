@@ -1,11 +1,10 @@
-"""One recovery scenario under one launcher, and its phases (bench/recovery.py's engine)."""
+"""One recovery scenario under one launcher and worker, and its phases (bench/recovery.py's
+engine: processes and files here, the arithmetic in _recovery_parse.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -14,33 +13,30 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import psutil
+from _recovery_parse import (
+    OUR_DETECT,
+    TORCHRUN_DETECT,
+    TORCHRUN_RDZV,
+    Result,
+    Row,
+    first_after,
+    parse_audit,
+    parse_events,
+    parse_glog,
+    parse_markers,
+    restore_after,
+    result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = str(ROOT / "tests" / "e2e" / "workers" / "proto_worker.py")
-PHASES = ("detect", "rendezvous", "worker_start", "restore", "first_step")
-
-# what each launcher says when it notices the fault, and when the new round has closed
-OUR_DETECT = {"worker.failed", "peer.lost", "peer.silent", "group.restarting"}
-TORCHRUN_DETECT = re.compile(r"Worker group (FAILED|UNHEALTHY)|Detected \d+ new nodes")
-TORCHRUN_RDZV = re.compile(r"Rendezvous complete for workers")
-GLOG = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Result:
-    total: float | None = None  # fault -> first completed step of the new group
-    pause: float | None = None  # the running group's last step before -> first step after
-    steps_lost: int | None = None
-    phases: dict[str, float | None] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        parts = [f"{k}={v:.2f}" for k, v in self.phases.items() if v is not None]
-        return f"total={self.total} pause={self.pause} lost={self.steps_lost} " + " ".join(parts)
+WORKERS = {  # --worker: the script each launcher runs
+    "plain": str(ROOT / "tests" / "e2e" / "workers" / "proto_worker.py"),
+    "session": str(ROOT / "bench" / "_session_worker.py"),
+}
 
 
 def free_port() -> int:
@@ -54,53 +50,20 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def rows(path: Path) -> list[tuple[int, int, int, float]]:
+def _text(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return ""
+
+
+def rows(path: Path) -> list[Row]:
     """(step, rank, world_size, time) of the audit file."""
-    out = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            p = line.split()
-            if len(p) == 4:
-                out.append((int(p[0]), int(p[1]), int(p[2]), float(p[3])))
-    return out
+    return parse_audit(_text(path))
 
 
-def markers(path: Path) -> list[tuple[str, float]]:
-    out = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            p = line.split()
-            if len(p) == 4:
-                out.append((p[0], float(p[1])))
-    return out
-
-
-def our_events(path: Path) -> list[tuple[str, float]]:
-    out = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError, KeyError):
-                ev = json.loads(line)
-                out.append((ev["event"], datetime.fromisoformat(ev["timestamp"]).timestamp()))
-    return out
-
-
-def torchrun_lines(path: Path) -> list[tuple[str, float]]:
-    """torchrun's glog-style lines (I1122 19:40:00.123456 pid file:line] text), local time."""
-    out = []
-    year = datetime.now().year
-    with contextlib.suppress(OSError):
-        for line in path.read_text(errors="replace").splitlines():
-            m = GLOG.match(line)
-            if m:
-                stamp = f"{year}-{m[1]}-{m[2]} {m[3]}"
-                out.append((line, datetime.fromisoformat(stamp).timestamp()))
-    return out
-
-
-def launcher_cmd(kind: str, port: int, node: str, tmp: Path) -> list[str]:
-    job = [WORKER, "--steps", "100000", "--step-time", "0.1", "--audit", str(tmp / "audit"),
-           "--markers", str(tmp / "markers")]  # fmt: skip
+def launcher_cmd(kind: str, worker: str, port: int, node: str, tmp: Path) -> list[str]:
+    job = [WORKERS[worker], "--steps", "100000", "--step-time", "0.1",
+           "--audit", str(tmp / "audit"), "--markers", str(tmp / "markers")]  # fmt: skip
     if kind == "torchrun":
         return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
@@ -142,18 +105,16 @@ def tree(proc: subprocess.Popen) -> list[int]:
     return []
 
 
-def workers_of(proc: subprocess.Popen, events: Path) -> list[int]:
+def workers_of(proc: subprocess.Popen, script: str, events: Path) -> list[int]:
     """The node's worker processes: by command line (fresh processes), else the pids of our
     newest ``workers.started`` (a worker forked from the warm pool has the pool's command line)."""
+    name = Path(script).name
     with contextlib.suppress(psutil.Error):
         kids = psutil.Process(proc.pid).children(recursive=True)
-        found = [c.pid for c in kids if any("proto_worker" in a for a in c.cmdline())]
-        if found or not events.exists():
+        found = [c.pid for c in kids if any(name in a for a in c.cmdline())]
+        if found:
             return found
-        started = [
-            e for e in map(json.loads, events.read_text().splitlines())
-            if e.get("event") == "workers.started"
-        ]  # fmt: skip
+        started = [e for e in parse_events(_text(events)) if e["event"] == "workers.started"]
         alive = {c.pid for c in kids}
         return [pid for pid in started[-1]["pids"] if pid in alive] if started else []
     return []
@@ -168,68 +129,45 @@ def wait_until(predicate: Callable[[], object], timeout: float) -> bool:
     return False
 
 
-def start(kind: str, port: int, node: str, tmp: Path) -> subprocess.Popen:
+def start(kind: str, worker: str, port: int, node: str, tmp: Path) -> subprocess.Popen:
     log = open(tmp / f"{node}.out", "wb")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(launcher_cmd(kind, port, node, tmp), env=env_for(kind, tmp, node),
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-
-
-def first_after(stamps: list[tuple[str, float]], match: Callable[[str], bool], t: float | None):
-    if t is None:
-        return None
-    return min((ts for name, ts in stamps if ts >= t and match(name)), default=None)
+    cmd = launcher_cmd(kind, worker, port, node, tmp)
+    return subprocess.Popen(cmd, env=env_for(kind, tmp, node), stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
 
 
 def phases(kind: str, tmp: Path, fault: float, ws_after: int) -> Result:
     """The phase boundaries on node 'a' (the one that keeps running) after ``fault``."""
+    restore = None
     if kind == "torchrun":
-        stamps = torchrun_lines(tmp / "a.out")
+        stamps = parse_glog(_text(tmp / "a.out"), datetime.now().year)
         detected = first_after(stamps, lambda s: bool(TORCHRUN_DETECT.search(s)), fault)
         formed = first_after(stamps, lambda s: bool(TORCHRUN_RDZV.search(s)), detected)
     else:
-        stamps = our_events(tmp / "a.jsonl")
+        events = parse_events(_text(tmp / "a.jsonl"))
+        stamps = [(e["event"], e["_t"]) for e in events]
         detected = first_after(stamps, lambda e: e in OUR_DETECT, fault)
         formed = first_after(stamps, lambda e: e == "rendezvous.completed", detected)
-    marks = markers(tmp / "markers")
-    ready = _last_of_first(marks, "group_ready", formed)
-    restored = _last_of_first(marks, "restored", ready)
-    audit = rows(tmp / "audit")
-    after = [r for r in audit if r[2] == ws_after and restored is not None and r[3] > restored]
-    if not after:
-        return Result()
-    first = min(after, key=lambda r: r[3])
-    before = [r for r in audit if r[3] < restored]  # the old group (it may train on a while)
-    last_before = max((r[0] for r in before), default=0)
-    last_t = max((r[3] for r in before), default=None)
-    bounds = [fault, detected, formed, ready, restored, first[3]]
-    spans = {
-        name: (b - a if a is not None and b is not None else None)
-        for name, a, b in zip(PHASES, bounds[:-1], bounds[1:], strict=True)
-    }
-    return Result(
-        total=round(first[3] - fault, 3),
-        pause=None if last_t is None else round(first[3] - last_t, 3),
-        steps_lost=max(0, last_before - (first[0] - 1)),
-        phases=spans,
+        # both nodes' workers log their restore (node b's too, after a worker crash)
+        restore = restore_after(events + parse_events(_text(tmp / "b.jsonl")), fault)
+    return result(
+        fault=fault,
+        detected=detected,
+        formed=formed,
+        marks=parse_markers(_text(tmp / "markers")),
+        audit=rows(tmp / "audit"),
+        restore=restore,
+        ws_after=ws_after,
     )
 
 
-def _last_of_first(marks: list[tuple[str, float]], name: str, after: float | None):
-    """The latest rank's first ``name`` marker after ``after`` (the group waits for all)."""
-    if after is None:
-        return None
-    hits = [t for n, t in marks if n == name and t >= after]
-    if not hits:
-        return None
-    first = min(hits)
-    return max(t for t in hits if t - first < 30)  # one per rank of this start
-
-
-def run_scenario(scenario: str, kind: str, timeout: float, *, keep_logs: str = "") -> Result:
-    with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmpdir:
+def run_scenario(
+    scenario: str, kind: str, timeout: float, *, worker: str = "plain", keep_logs: str = ""
+) -> Result:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-{worker}-") as tmpdir:
         tmp = Path(tmpdir)
         port = free_port()
-        procs = [start(kind, port, "a", tmp)]
+        procs = [start(kind, worker, port, "a", tmp)]
         try:
             if not wait_until(lambda: listening(port), 60):
                 raise RuntimeError(f"{kind}: the first agent never hosted the store")
@@ -238,9 +176,9 @@ def run_scenario(scenario: str, kind: str, timeout: float, *, keep_logs: str = "
                 if not wait_until(lambda: any(r[0] >= 8 for r in rows(audit)), 180):
                     raise RuntimeError(f"{kind}: never trained alone")
                 fault = time.time()
-                procs.append(start(kind, port, "b", tmp))
+                procs.append(start(kind, worker, port, "b", tmp))
             else:
-                procs.append(start(kind, port, "b", tmp))
+                procs.append(start(kind, worker, port, "b", tmp))
 
                 # between two snapshots (every 5 steps): 3 steps past one, so work is lost
                 def ready() -> bool:
@@ -251,7 +189,7 @@ def run_scenario(scenario: str, kind: str, timeout: float, *, keep_logs: str = "
                 victims = (
                     tree(procs[1])
                     if scenario == "node_loss"
-                    else workers_of(procs[1], tmp / "b.jsonl")
+                    else workers_of(procs[1], WORKERS[worker], tmp / "b.jsonl")
                 )
                 if not victims:
                     raise RuntimeError(f"{kind}: no worker of node b found to kill")
@@ -269,4 +207,5 @@ def run_scenario(scenario: str, kind: str, timeout: float, *, keep_logs: str = "
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
             if keep_logs:
-                shutil.copytree(tmp, Path(keep_logs) / f"{scenario}-{kind}-{int(time.time())}")
+                name = f"{scenario}-{kind}-{worker}-{int(time.time())}"
+                shutil.copytree(tmp, Path(keep_logs) / name)

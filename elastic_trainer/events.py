@@ -38,6 +38,9 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "membership.changed": ("old_world_size", "new_world_size", "reason"),
     "peer.lost": ("nodes", "how"),
     "peer.silent": ("nodes", "silent_s"),
+    "presence.unavailable": ("error", "consequence"),
+    "rendezvous.expire_failed": ("nodes", "error", "consequence"),
+    "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
     "preemption.received": ("signal", "grace_s"),
     "recovery.completed": (

@@ -244,3 +244,24 @@ def preemption_kill_at(received_at: float, grace_s: float) -> float:
     """When to stop waiting for workers to finish their final snapshot and kill them: the
     grace period minus a margin (at most 2 s) so the kill itself fits inside it."""
     return received_at + max(0.0, grace_s - min(2.0, grace_s * 0.2))
+
+
+def static_rank_conflict(declared: Mapping[str, int], num_nodes: int) -> str | None:
+    """torchrun's static mode: the one-line error when nodes of a round declared the same
+    ``--node-rank`` (node name -> its declared rank), else None.
+
+    Node rank N is group rank N, so two nodes with one rank would both host (or both wait for)
+    the workers' store and hand out the same worker ranks: a hang, never an error, in torch."""
+    by_rank: dict[int, list[str]] = {}
+    for node, rank in sorted(declared.items()):
+        by_rank.setdefault(rank, []).append(node)
+    duplicates = {rank: nodes for rank, nodes in sorted(by_rank.items()) if len(nodes) > 1}
+    if not duplicates:
+        return None
+    rank, nodes = next(iter(duplicates.items()))
+    unused = sorted(set(range(num_nodes)) - set(by_rank))
+    hint = f" (unused: {', '.join(map(str, unused))})" if unused else ""
+    return (
+        f"--node-rank={rank} is given to {len(nodes)} nodes ({', '.join(nodes)}): give each "
+        f"of the {num_nodes} nodes its own --node-rank, 0 .. {num_nodes - 1}{hint}"
+    )

@@ -15,7 +15,6 @@ heartbeat on a loaded machine is not a lost node.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +22,6 @@ from typing import Any
 from elastic_trainer.errors import first_line
 from elastic_trainer.events import emit
 from elastic_trainer.supervisor import presence
-
-log = logging.getLogger(__name__)
 
 CONFIRMATIONS = 2  # consecutive checks that must see the same peers silent
 
@@ -61,7 +58,12 @@ class MembershipWatch:
             host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
             self._handler.publish_presence(presence.format_address(host, server.port))
         except Exception as exc:
-            log.warning("presence off (lost nodes are found by heartbeat expiry): %s", exc)
+            emit(
+                "presence.unavailable",
+                level="warning",
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="lost nodes are found by heartbeat expiry only",
+            )
             return
         self._server, self.peers = server, presence.PeerWatch()
 

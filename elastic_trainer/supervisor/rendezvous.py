@@ -18,7 +18,9 @@ changes three things, each for a measured reason (shared/BASELINES.md):
   workers' store (``MASTER_ADDR:MASTER_PORT``) is hosted by global rank 0, which is then on
   node rank 0, so node rank 0 publishes its own address for it (torch's published the address
   of the node *it* numbered 0: on separate machines the other workers would dial a host where
-  no store runs).
+  no store runs). Each node publishes its declared node rank before it joins, and every node
+  checks the closed round's ranks (``decisions.static_rank_conflict``): two nodes given one
+  ``--node-rank`` end with ``ConfigError`` (exit 2) on each of them instead of a hang.
 - no idle waits: a re-forming round closes as soon as every node still alive from the previous
   round (and every node already waiting) has joined (``decisions.close_round_now``); nodes the
   agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
@@ -28,7 +30,7 @@ changes three things, each for a measured reason (shared/BASELINES.md):
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -43,9 +45,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_trainer import torch_compat
 from elastic_trainer.config import RunConfig
+from elastic_trainer.errors import ConfigError, first_line
+from elastic_trainer.events import emit
 from elastic_trainer.supervisor import decisions
-
-log = logging.getLogger(__name__)
+from elastic_trainer.supervisor.membership import node_name
 
 
 class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
@@ -75,9 +78,31 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         self._rounds_joined += 1
         if self._dead:
             self._expire_dead()
+        if self._static_rank is not None and self.store is not None:
+            self._publish("node-rank", str(self._static_rank))  # before joining: see check
         info = super().next_rendezvous()
         self._known, self._dead = frozenset(self.participants()), frozenset()
+        if self._static_rank is not None and self.store is not None:
+            self._check_static_ranks(info.world_size)
         return with_group_rank(info, self._static_rank, local_addr=self.this_node.addr)
+
+    def _check_static_ranks(self, num_nodes: int) -> None:
+        """Every member published its rank before it joined, so all are readable now."""
+        published = self._published("node-rank", set(self._known))
+        declared = {_member_name(n): int(rank) for n, rank in published.items()}
+        problem = decisions.static_rank_conflict(declared, num_nodes)
+        if problem is not None:
+            self._await_all_checked()
+            raise ConfigError(problem)
+
+    def _await_all_checked(self) -> None:
+        """Every member finds the same conflict; the one hosting the store must not exit (and
+        take the store along) before the others have read the ranks, or they would report a
+        lost store instead. Bounded: a member that never says so is not waited for long."""
+        self._publish("node-rank-checked", "1")
+        keys = [self._key("node-rank-checked", n) for n in self._known]
+        with contextlib.suppress(Exception):  # timed out, or the store went: exit all the same
+            self.store.wait(keys, timedelta(seconds=CHECKED_WAIT_S))
 
     def mark_dead(self, nodes: set[Any]) -> None:
         """Nodes known gone: expired in the shared state before our next join, and not waited
@@ -89,7 +114,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         try:
             torch_compat.expire_nodes(self, set(self._dead), deadline)
         except Exception as exc:  # their heartbeats still expire: slower, not wrong
-            log.warning("could not expire lost nodes in the rendezvous: %s", exc)
+            emit(
+                "rendezvous.expire_failed",
+                level="warning",
+                nodes=sorted(node_name(n) for n in self._dead),
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="the next round waits for their heartbeats to expire",
+            )
 
     def _join_hook(self, view: torch_compat.RoundView, may_wait: bool) -> str | None:
         close = decisions.close_round_now(
@@ -146,7 +177,12 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             torch_compat.exit_round(self, deadline)
             return True
         except Exception as exc:  # the store may be gone: our heartbeat then simply expires
-            log.warning("could not leave the rendezvous cleanly: %s", exc)
+            emit(
+                "rendezvous.leave_failed",
+                level="warning",
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="the others drop this node once its heartbeats expire",
+            )
             return False
 
     def stale_peers(self, members: set[Any]) -> set[Any]:
@@ -165,18 +201,33 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def this_node(self) -> Any:
         return torch_compat.this_node(self)
 
-    # ---- presence addresses (see presence.py) ---------------------------------------------
-    def _presence_key(self, node: Any) -> str:
-        return f"elastic-train/{self.get_run_id()}/presence/{node!r}"
+    # ---- what each node publishes about itself (presence address, static node rank) --------
+    def _key(self, kind: str, node: Any) -> str:
+        return f"elastic-train/{self.get_run_id()}/{kind}/{node!r}"
 
-    def publish_presence(self, address: str) -> None:
-        self.store.set(self._presence_key(self.this_node), address)
+    def _publish(self, kind: str, value: str) -> None:
+        self.store.set(self._key(kind, self.this_node), value)
 
-    def presence_addresses(self, nodes: set[Any]) -> dict[Any, str]:
-        """node -> its published presence address, for the nodes that published one."""
-        keys = {node: self._presence_key(node) for node in nodes}
+    def _published(self, kind: str, nodes: set[Any]) -> dict[Any, str]:
+        """node -> the value it published, for the nodes that published one."""
+        keys = {node: self._key(kind, node) for node in nodes}
         return {n: self.store.get(k).decode() for n, k in keys.items() if self.store.check([k])}
 
+    def publish_presence(self, address: str) -> None:
+        self._publish("presence", address)
+
+    def presence_addresses(self, nodes: set[Any]) -> dict[Any, str]:
+        """node -> its published presence address (see presence.py)."""
+        return self._published("presence", nodes)
+
+
+def _member_name(node: Any) -> str:
+    """``node_name``, told apart from another handler of the same process (tests run several)."""
+    local_id = getattr(node, "local_id", 0)
+    return node_name(node) + (f"/{local_id}" if local_id else "")
+
+
+CHECKED_WAIT_S = 10.0  # how long a node waits for the others to see a --node-rank conflict
 
 # Under the round's own store prefix, apart from the keys torch's rank 0 already wrote.
 STATIC_MASTER_PREFIX = "elastic-train/static-master/"

@@ -191,6 +191,14 @@ def check_endpoint(host: str, port: int, *, read_timeout_s: float) -> None:
     endpoint.check(host, port, read_timeout_s=read_timeout_s)
 
 
+def _static_host_hint(cfg: RunConfig) -> str:
+    """Static mode's node rank 0 hosts the store: a second node given --node-rank 0 on the
+    same host finds the port taken (the rendezvous' own check never sees it)."""
+    if cfg.torchrun.node_rank != 0:
+        return ""
+    return " (static mode: if another node was also given --node-rank 0, give each its own)"
+
+
 def _route_torch_logs() -> None:
     """torch gives its loggers their own stderr handlers; send them through ours."""
     import torch.distributed.elastic  # noqa: F401  # installs torch's handlers first
@@ -277,7 +285,8 @@ class Supervisor:
         except StopRequested:
             return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None, None
         except EndpointError as exc:  # bad input found only now (the port was taken, ...)
-            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, str(exc)
+            line = str(exc) + _static_host_hint(cfg)
+            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, line
         except StoreUnreachable as exc:  # waited the join timeout (one warning said so)
             return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, str(exc)
         except Exception as exc:
@@ -312,6 +321,8 @@ class Supervisor:
             outcome = agent.supervise()
         except RendezvousClosedError:
             return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None, None
+        except ConfigError as exc:  # found once the round closed (static: a node rank twice)
+            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, str(exc)
         except RendezvousTimeoutError:
             # too few nodes within --rdzv-conf join_timeout
             return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, None

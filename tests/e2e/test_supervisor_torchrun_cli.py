@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from torch.distributed import TCPStore
 
 from tests.e2e.workers.harness import (
     HERE,
@@ -67,6 +68,49 @@ def test_static_mode_group_rank_is_the_node_rank_even_when_node_1_joins_first(
             assert seen["GROUP_RANK"] == str(node)
             assert seen["RANK"] == str(seen["pg_rank"]) == str(node * 2 + local)
             assert seen["all_ranks_once"] and seen["WORLD_SIZE"] == "4"
+
+
+def test_two_nodes_given_one_node_rank_exit_2_naming_it_instead_of_hanging(
+    tmp_path, worker_env, agents
+):
+    """--node-rank 0, 1, 1 of --nnodes 3 (torchrun hangs: two nodes share group rank 1): the
+    round closes, every node sees the duplicate and exits 2 with one line naming it. Three
+    nodes because node rank 0 hosts the store: two nodes at rank 0 on one host collide on its
+    port first, and two at rank 1 have no store at all."""
+    port = free_port()
+    for name, rank in (("n0", 0), ("n1", 1), ("n1b", 1)):
+        argv = [
+            "--nnodes", "3", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--nproc-per-node", "1", PROTO, "--steps", "2",
+        ]  # fmt: skip
+        agents.append(start_agent(tmp_path, name, argv, env_with(worker_env), port=0,
+                                  endpoint=False))  # fmt: skip
+    codes = [a.wait(150) for a in agents]  # the bug was a hang: a generous bound
+    assert codes == [2, 2, 2], agents[0].stderr_file.read_text()[-2000:]
+    for agent in agents:
+        (finished,) = agent.events("job.finished")
+        assert finished["status"] == "config_error"
+        assert finished["error"].startswith("--node-rank=1 is given to 2 nodes (")
+        assert "give each of the 3 nodes its own --node-rank" in finished["error"]
+        assert not agent.events("workers.started")
+
+
+def test_a_second_node_rank_0_on_the_store_host_is_told_so(tmp_path, worker_env, agents):
+    """Node rank 0 hosts the store: a second --node-rank 0 on that host finds its port taken
+    (here by a store the test holds) and exits 2 saying what probably happened."""
+    port = free_port()
+    held = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    argv = [
+        "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "--nproc-per-node", "1", PROTO, "--steps", "2",
+    ]  # fmt: skip
+    agents.append(start_agent(tmp_path, "n0", argv, env_with(worker_env), port=0,
+                              endpoint=False))  # fmt: skip
+    assert agents[0].wait(120) == 2
+    (finished,) = agents[0].events("job.finished")
+    assert "cannot host the store here" in finished["error"]
+    assert "if another node was also given --node-rank 0" in finished["error"]
+    del held
 
 
 def test_log_dir_and_tee_give_torchruns_per_rank_files(tmp_path, worker_env, agents):

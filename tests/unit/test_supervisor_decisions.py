@@ -165,3 +165,25 @@ def test_gone_peers_are_a_free_node_lost_membership_change() -> None:
     assert out.verdict == Verdict.RESTART
     assert out.state.membership_reason == MembershipReason.NODE_LOST
     assert out.state.restarts == 0 and out.recovery_cause == "node_lost"
+
+
+# ---- static mode: one --node-rank per node ------------------------------------------------
+def test_distinct_static_node_ranks_are_fine() -> None:
+    declared = {"127.0.0.1:10": 1, "127.0.0.2:20": 0, "127.0.0.3:30": 2}
+    assert decisions.static_rank_conflict(declared, 3) is None
+
+
+def test_two_nodes_with_one_node_rank_are_named_with_the_fix() -> None:
+    declared = {"127.0.0.2:20": 1, "127.0.0.1:10": 1}
+    line = decisions.static_rank_conflict(declared, 2)
+    assert line == (
+        "--node-rank=1 is given to 2 nodes (127.0.0.1:10, 127.0.0.2:20): give each of the 2 "
+        "nodes its own --node-rank, 0 .. 1 (unused: 0)"
+    )
+
+
+def test_the_lowest_duplicate_rank_is_reported_first() -> None:
+    declared = {"a:1": 2, "b:2": 2, "c:3": 0, "d:4": 0}
+    line = decisions.static_rank_conflict(declared, 4)
+    assert line is not None and line.startswith("--node-rank=0 is given to 2 nodes (c:3, d:4)")
+    assert line.endswith("(unused: 1, 3)")

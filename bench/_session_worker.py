@@ -1,0 +1,72 @@
+"""bench/recovery.py's worker as a ``TrainingSession`` script (``--worker session``).
+
+The same job as tests/e2e/workers/proto_worker.py (one all-reduce per step through a tiny DDP
+model, 0.1 s steps, the same audit lines and timing markers), but its state is a model and an
+optimizer kept by ``elastic_trainer.TrainingSession``: restored from the in-memory tier or the
+snapshot directory, and copied to memory every ``--memory-snapshot-every`` steps (default 1),
+as a script written against the README's Python API gets it.
+
+    elastic-train ... bench/_session_worker.py --steps N --step-time S --audit F --markers F
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED_AT = time.time()  # before ``import torch``: bench/recovery.py times the worker start
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import elastic_trainer as et  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--audit", default="", help="append 'step rank world_size time' lines here")
+    p.add_argument("--markers", default="", help="append 'name time rank world' lines here")
+    return p.parse_args()
+
+
+def mark(path: str, name: str, at: float, ctx: et.WorkerContext) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{name} {at:.3f} {ctx.rank} {ctx.world_size}\n")
+
+
+def main() -> None:
+    args = parse()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 4)
+    # built before the process group, so its cost counts as worker start, not restore: the
+    # first optimizer of a process imports torch._dynamo (~1.8 s here, not in the warm pool)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    ctx = et.init_worker()
+    mark(args.markers, "began", STARTED_AT, ctx)
+    mark(args.markers, "group_ready", time.time(), ctx)
+    model = DDP(net)  # same parameters as the optimizer's
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    session = et.TrainingSession(
+        {"model": model, "optimizer": optimizer}, context=ctx, max_steps=args.steps
+    )
+    mark(args.markers, "restored", time.time(), ctx)
+    while not session.should_stop:
+        torch.nn.functional.mse_loss(model(x), y).backward()  # DDP: the step's all-reduce
+        time.sleep(args.step_time)
+        optimizer.step()
+        optimizer.zero_grad()
+        session.step_done()
+        if args.audit:
+            with open(args.audit, "a") as f:
+                f.write(f"{session.step} {ctx.rank} {ctx.world_size} {time.time():.3f}\n")
+    session.finish()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
