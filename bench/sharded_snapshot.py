@@ -8,9 +8,14 @@ Adam state as a plain replicated model), (c) DCP ``save``, (d) DCP ``async_save`
 gloo group (on the training group it crashes gloo). For each: wall time from the call until
 the snapshot is committed/durable, and the training stall (how long the call blocks); the
 slowest rank counts. Then 3 fresh processes (FSDP2 at 3) load what (a) and (c) wrote: ours
-vs DCP ``load`` + ``set_state_dict``. Medians of --trials, after one warm-up save each.
+vs DCP ``load`` + ``set_state_dict``, each from a cold page cache (both snapshots' files are
+dropped from it first: a restore after a lost node; ours are written past the page cache
+anyway). Medians of --trials, after one warm-up save each.
 
-    OMP_NUM_THREADS=1 python bench/sharded_snapshot.py [--trials 2] [--dir /tmp/x]
+    OMP_NUM_THREADS=1 python bench/sharded_snapshot.py [--trials 2] [--dir /tmp/x] [--phases]
+
+``--phases`` adds, for (a) and (b), the seconds each rank spent per phase of a save (medians
+of the trials; ``bench/_save_phases.py`` says what each phase times).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _save_phases
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -64,11 +70,16 @@ def state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 1e6  # global sizes
 
 
+def every_rank(value: Any) -> list[Any]:
+    """Collective: every rank's value, by rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def slowest(seconds: float) -> float:
     """Collective: the largest value over the ranks."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, seconds)
-    return max(out)
+    return max(every_rank(seconds))
 
 
 # A save starts at the call and returns a function that blocks until it is committed.
@@ -98,8 +109,9 @@ def dcp_saver(root: str, model: Any, opt: Any, group: Any = None) -> Save:
     return save
 
 
-def measure(save: Save, trials: int) -> tuple[list[float], list[float]]:
-    walls, stalls = [], []
+def measure(save: Save, trials: int) -> tuple[list[float], list[float], list[Any]]:
+    """Walls and stalls of the trials (slowest rank), and every rank's phases per trial."""
+    walls, stalls, phases = [], [], []
     for step in range(trials + 1):  # step 0 warms up (threads, groups, staging buffers)
         dist.barrier()
         begun = time.perf_counter()
@@ -107,10 +119,12 @@ def measure(save: Save, trials: int) -> tuple[list[float], list[float]]:
         stall = time.perf_counter() - begun
         done()
         wall, stall = slowest(time.perf_counter() - begun), slowest(stall)
+        ranks = every_rank(_save_phases.take())
         if step:
             walls.append(wall)
             stalls.append(stall)
-    return walls, stalls
+            phases.append(ranks)
+    return walls, stalls, phases
 
 
 def save_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
@@ -146,6 +160,9 @@ def load_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
     for name, load in (("ours", load_ours), ("dcp.load", load_dcp)):
         times = []
         for _ in range(trials):
+            if rank == 0:  # a restore after a lost node reads from a cold page cache
+                evict(f"{root}/ours-True")
+                evict(f"{root}/dcp-False-{trials}")
             dist.barrier()
             begun = time.perf_counter()
             load()
@@ -155,8 +172,23 @@ def load_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, world: int, root: str, trials: int) -> None:
+def evict(folder: str) -> None:
+    """Drop a folder's files from the page cache, as after a reboot or on another node
+    (POSIX_FADV_DONTNEED drops clean pages: fsynced first)."""
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def worker(rank: int, world: int, root: str, trials: int, phases: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    if phases:
+        _save_phases.install()
     torch.set_num_threads(1)
     pg = f"file://{root}/pg-{world}"
     dist.init_process_group("gloo", init_method=pg, rank=rank, world_size=world)
@@ -197,19 +229,36 @@ def table(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[str, dict[str,
     return "\n".join(lines), met
 
 
+def phase_table(saved: dict[str, Any]) -> str:
+    """Seconds per phase and rank of (a) and (b): medians over the trials."""
+    lines = []
+    for name in SAVES[:2]:
+        trials = saved[name][2]
+        ranks = range(len(trials[0]))
+        phases = sorted({p for trial in trials for per_rank in trial for p in per_rank})
+        lines.append(f"{name + ' (s)':<26}" + "".join(f"{f'rank {r}':>9}" for r in ranks))
+        for phase in phases:
+            cells = [statistics.median(t[r].get(phase, 0.0) for t in trials) for r in ranks]
+            lines.append(f"  {phase:<24}" + "".join(f"{c:>9.3f}" for c in cells))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--phases", action="store_true", help="per-phase seconds of (a), (b)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="sharded-snapshot-", dir=args.dir)
     try:
         for world in (2, 3):
-            mp.spawn(worker, args=(world, root, args.trials), nprocs=world)
+            mp.spawn(worker, args=(world, root, args.trials, args.phases), nprocs=world)
             print(f"done: {world} ranks", flush=True)
         saved = json.loads(Path(root, "result-2.json").read_text())
         loaded = json.loads(Path(root, "result-3.json").read_text())
         print(table(saved, loaded)[0])
+        if args.phases:
+            print(phase_table(saved))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
