@@ -55,9 +55,8 @@ class _TimedHasher:
 # their module or class attribute, so patching these covers every caller.
 _PHASES: list[tuple[Any, str, str]] = [
     (_shards.ShardStager, "stage", "stage copy"),
-    (_local_storage._Sink, "_write_large", "write"),
-    (_local_storage._Sink, "flush", "write"),
     (_local_storage, "_fsync_dir", "fsync dir"),
+    (_sharded_commit, "_check_written", "read-back (own shard)"),  # before O_DIRECT only
     (_sharded_commit, "_verify_commit", "verify commit (rank 0)"),
     (_commit.Committer, "_verify_fully", "verify (read back)"),
     (_sharded_commit, "_gather", "gather reports"),
@@ -72,7 +71,15 @@ def install() -> None:
     """Wrap the phases' functions (once per process). ``fsync`` times every file fsync
     (directory fsyncs are ``fsync dir``, counted in both)."""
     for owner, name, phase in _PHASES:
-        setattr(owner, name, _timed(phase, getattr(owner, name)))
+        if hasattr(owner, name):  # an older checkout (a before/after comparison) may lack it
+            setattr(owner, name, _timed(phase, getattr(owner, name)))
+    if hasattr(_local_storage._Sink, "_write_large"):  # large writes, O_DIRECT where possible
+        for name in ("_write_large", "flush"):
+            setattr(
+                _local_storage._Sink, name, _timed("write", getattr(_local_storage._Sink, name))
+            )
+    else:  # an older checkout: every write went through _write_all
+        _local_storage._write_all = _timed("write", _local_storage._write_all)
     os.fsync = _timed("fsync", os.fsync)
     real_hasher = manifest.hasher
     manifest.hasher = lambda algorithm: _TimedHasher(real_hasher(algorithm))

@@ -39,9 +39,11 @@ def kill_point(path: str) -> str:
 class LocalStorage:
     """A local (or network-mounted POSIX) folder, with durable atomic file writes."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, direct_io: bool = True) -> None:
+        """``direct_io``: large aligned writes go past the page cache (``_direct_part``)."""
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
+        self.direct_io = direct_io
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *[p for p in path.split("/") if p])
@@ -74,7 +76,7 @@ class LocalStorage:
         self._makedirs(folder)
         tmp = os.path.join(folder, layout.temp_name(os.path.basename(target), os.getpid()))
         try:
-            result = _fill_temp(tmp, fill, kill_point(path))
+            result = _fill_temp(tmp, fill, kill_point(path), direct=self.direct_io)
             if exclusive:
                 # link() fails with EEXIST instead of replacing: an atomic "create if absent".
                 os.link(tmp, target)
@@ -170,10 +172,10 @@ def _local_entry(item: os.DirEntry[str]) -> Entry:
     )
 
 
-def _fill_temp(tmp: str, fill: Callable[[BinaryIO], T], point: str) -> T:
+def _fill_temp(tmp: str, fill: Callable[[BinaryIO], T], point: str, *, direct: bool) -> T:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        sink = _Sink(fd, point)
+        sink = _Sink(fd, point, direct=direct)
         result = fill(sink)  # type: ignore[arg-type]
         sink.flush()
         os.fsync(fd)
@@ -187,12 +189,12 @@ class _Sink:
     they are (os.write releases the GIL), past the page cache where they can be (see
     ``_write_direct``). The mid_file kill point follows the first write."""
 
-    def __init__(self, fd: int, point: str) -> None:
+    def __init__(self, fd: int, point: str, *, direct: bool) -> None:
         self._fd = fd
         self._point: str | None = point
         self._small = bytearray()
         self._offset = 0  # bytes written to the file so far
-        self._direct = _DIRECT_FLAG != 0
+        self._direct = direct and _DIRECT_FLAG != 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")

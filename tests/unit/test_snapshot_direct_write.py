@@ -14,7 +14,9 @@ import torch
 
 from snapshots import _local_storage
 from snapshots._local_storage import DIRECT_ALIGN, DIRECT_MIN, LocalStorage
+from snapshots.errors import StorageError
 from snapshots.serialization import staging_buffer
+from snapshots.storage import open_storage
 
 needs_o_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
 
@@ -106,3 +108,15 @@ def test_a_short_direct_write_is_finished_buffered_from_where_it_stopped(
     data = _buffer(2 * DIRECT_MIN)
     LocalStorage(str(tmp_path)).write("f.bin", data)
     assert (tmp_path / "f.bin").read_bytes() == bytes(data)
+
+
+def test_direct_io_can_be_turned_off_per_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lengths = _spy(monkeypatch)
+    storage = open_storage(str(tmp_path), storage_options={"direct_io": False})
+    data = _buffer(2 * DIRECT_MIN)
+    storage.write("f.bin", data)
+    assert (tmp_path / "f.bin").read_bytes() == bytes(data) and lengths == []
+    with pytest.raises(StorageError, match=r"direct_io.*True or False"):
+        open_storage(str(tmp_path), storage_options={"direct_io": "no"})
