@@ -13,9 +13,13 @@ dropped from it first: a restore after a lost node; ours are written past the pa
 anyway). Medians of --trials, after one warm-up save each.
 
     OMP_NUM_THREADS=1 python bench/sharded_snapshot.py [--trials 2] [--dir /tmp/x] [--phases]
+        [--hot-load] [--buffered]
 
 ``--phases`` adds, for (a) and (b), the seconds each rank spent per phase of a save (medians
-of the trials; ``bench/_save_phases.py`` says what each phase times).
+of the trials; ``bench/_save_phases.py`` says what each phase times). ``--hot-load`` loads
+without dropping the snapshots from the page cache first (ours, written past it, come from
+the disk anyway unless ``--buffered``); ``--buffered`` saves ours with
+``storage_options={"direct_io": False}``, through the page cache.
 """
 
 from __future__ import annotations
@@ -82,12 +86,17 @@ def slowest(seconds: float) -> float:
     return max(every_rank(seconds))
 
 
+Opts = dict[str, Any]  # the command line's options, as a dict (it crosses mp.spawn)
 # A save starts at the call and returns a function that blocks until it is committed.
 Save = Callable[[int], Callable[[], None]]
 
 
-def ours(root: str, state: dict[str, Any], *, sharded: bool) -> tuple[Save, Callable[[], None]]:
-    snap = DistributedSnapshotter(SnapshotStore(f"{root}/ours-{sharded}", keep=2), sharded=sharded)
+def ours(
+    root: str, state: dict[str, Any], *, sharded: bool, buffered: bool
+) -> tuple[Save, Callable[[], None]]:
+    options = {"direct_io": False} if buffered else None
+    store = SnapshotStore(f"{root}/ours-{sharded}", keep=2, storage_options=options)
+    snap = DistributedSnapshotter(store, sharded=sharded)
 
     def save(step: int) -> Callable[[], None]:
         snap.save(step, state)
@@ -127,12 +136,17 @@ def measure(save: Save, trials: int) -> tuple[list[float], list[float], list[Any
     return walls, stalls, phases
 
 
-def save_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
+def save_phase(rank: int, world: int, root: str, trials: int, opts: Opts) -> dict[str, Any]:
     model, opt = make(world, fsdp=True)
     plain, plain_opt = make(world, fsdp=False)  # (b): same tensors, replicated
     dcp_group = dist.new_group(backend="gloo")
-    sharded, close_a = ours(root, {"model": model, "optimizer": opt}, sharded=True)
-    rank0, close_b = ours(root, {"model": plain, "optimizer": plain_opt}, sharded=False)
+    buffered = opts["buffered"]
+    sharded, close_a = ours(
+        root, {"model": model, "optimizer": opt}, sharded=True, buffered=buffered
+    )
+    rank0, close_b = ours(
+        root, {"model": plain, "optimizer": plain_opt}, sharded=False, buffered=buffered
+    )
     out: dict[str, Any] = {"mb": state_mb(model, opt)}
     runs = [sharded, rank0, dcp_saver(root, model, opt), dcp_saver(root, model, opt, dcp_group)]
     for name, save in zip(SAVES, runs, strict=True):
@@ -144,7 +158,7 @@ def save_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
     return out
 
 
-def load_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
+def load_phase(rank: int, world: int, root: str, trials: int, opts: Opts) -> dict[str, Any]:
     model, opt = make(world, fsdp=True)
     snap = DistributedSnapshotter(SnapshotStore(f"{root}/ours-True", keep=None))
 
@@ -160,7 +174,7 @@ def load_phase(rank: int, world: int, root: str, trials: int) -> dict[str, Any]:
     for name, load in (("ours", load_ours), ("dcp.load", load_dcp)):
         times = []
         for _ in range(trials):
-            if rank == 0:  # a restore after a lost node reads from a cold page cache
+            if rank == 0 and not opts["hot_load"]:  # a restore after a lost node: cold
                 evict(f"{root}/ours-True")
                 evict(f"{root}/dcp-False-{trials}")
             dist.barrier()
@@ -185,16 +199,16 @@ def evict(folder: str) -> None:
                 os.close(fd)
 
 
-def worker(rank: int, world: int, root: str, trials: int, phases: bool) -> None:
+def worker(rank: int, world: int, root: str, trials: int, opts: Opts) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
-    if phases:
+    if opts["phases"]:
         _save_phases.install()
     torch.set_num_threads(1)
     pg = f"file://{root}/pg-{world}"
     dist.init_process_group("gloo", init_method=pg, rank=rank, world_size=world)
     try:
         phase = save_phase if world == 2 else load_phase
-        result = phase(rank, world, root, trials)
+        result = phase(rank, world, root, trials, opts)
         if rank == 0:
             Path(root, f"result-{world}.json").write_text(json.dumps(result))
     finally:
@@ -248,11 +262,19 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--phases", action="store_true", help="per-phase seconds of (a), (b)")
+    parser.add_argument(
+        "--hot-load",
+        action="store_true",
+        help="load without dropping the files from the page cache",
+    )
+    parser.add_argument(
+        "--buffered", action="store_true", help="ours with storage_options={'direct_io': False}"
+    )
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="sharded-snapshot-", dir=args.dir)
     try:
         for world in (2, 3):
-            mp.spawn(worker, args=(world, root, args.trials, args.phases), nprocs=world)
+            mp.spawn(worker, args=(world, root, args.trials, vars(args)), nprocs=world)
             print(f"done: {world} ranks", flush=True)
         saved = json.loads(Path(root, "result-2.json").read_text())
         loaded = json.loads(Path(root, "result-3.json").read_text())
