@@ -73,6 +73,12 @@ class StagedShard:
     # writer thread and step hook copy them
     deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
+    def copy_deferred(self) -> None:
+        """Copy what is still deferred here (nothing once a SnapshotStore's capture took the
+        copies over); for callers that stage shards outside a SnapshotStore."""
+        _copy(self.deferred)
+        self.deferred.clear()
+
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
