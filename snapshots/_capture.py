@@ -52,6 +52,12 @@ class Capturer:
         ranks = None
         if per_rank is not None:
             ranks = [self.stager.copy_tree(v, ("__rank__", r)) for r, v in enumerate(per_rank)]
+        part = shards() if shards is not None else None
+        if part is not None:
+            # One list of deferred copies, shared by the writer and the optimizer.step() hook:
+            # the hook must copy the shards' tensors too before the step changes them.
+            self.stager.deferred.extend(part.staged.deferred)
+            part.staged.deferred.clear()
         return _commit.SaveJob(
             step=step,
             epoch=epoch,
@@ -62,7 +68,7 @@ class Capturer:
             stall_ms=(time.perf_counter() - started) * 1000,
             token=token or layout.new_token(),
             overlapped=overlap is not None,
-            shards=shards() if shards is not None else None,
+            shards=part,
         )
 
     def finish_deferred(self, job: _commit.SaveJob) -> None:
@@ -70,9 +76,7 @@ class Capturer:
         if not job.overlapped:
             return
         try:
-            self.stager.copy_deferred()
-            if job.shards is not None:  # a sharded save's shards (snapshots._shards)
-                job.shards.staged.copy_deferred()
+            self.stager.copy_deferred()  # a sharded save's too (see ``capture``)
         finally:
             self.copy_done.set()  # never leave optimizer.step() waiting
 

@@ -12,7 +12,10 @@ older snapshots. What "verified" means depends on the verification mode (``"auto
   does not declare ``object_store``): the manifest is read back and parses; every file it
   lists appears in the step folder's listing at the manifest's size; every file is read back
   and its sha256 equals the manifest's. On local disk the reads hit the page cache (the data
-  was fsynced before the manifest was written), so this costs little.
+  was fsynced before the manifest was written), so this costs little. The shard files of a
+  sharded save are the exception: listed at their size, not read back (their chunks are
+  hashed from the very buffer written, and written past the page cache; see
+  ``_sharded_commit._write_own``); every load verifies each chunk it uses.
 - ``"listing"`` (object stores: s3, gs, az...; reading back would double the traffic): the
   manifest is read back and is byte for byte the one this save wrote; one listing of the
   step folder shows every file at the manifest's size; on S3 each file's listed ETag must

@@ -11,9 +11,10 @@ one raw file; every chunk gets its own BLAKE3 checksum.
 Load: ``DefaultLoadPlanner`` is given templates (this rank's current DTensors, or full empty
 tensors) and a DCP ``Metadata`` built in memory from our JSON table (DCP's pickled
 ``.metadata`` file is never written nor read), and returns read items: which box of which
-stored chunk goes where in which local tensor. We range-read each needed chunk once, check
-its checksum (the table names the algorithm), view it with ``torch.frombuffer`` (no
-unpickling), and copy the boxes in.
+stored chunk goes where in which local tensor. We range-read each needed chunk once (runs
+of consecutive chunks in one read, ``snapshots._spans``), check its checksum (the table
+names the algorithm), view it with ``torch.frombuffer`` (no unpickling), and copy the boxes
+in.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from snapshots import layout, sharding
+from snapshots import _spans, layout, sharding
 from snapshots._storage_base import Storage, read_range
 from snapshots.errors import SnapshotCorruptError
 from snapshots.manifest import FileEntry, checksum
+from snapshots.serialization import staging_buffer
 from snapshots.sharding import CHUNK_ALGORITHM, Chunk, ShardTable, TensorRecord
 
 # A stored chunk is at most this long: a local shard is cut into blocks of whole rows (dim 0)
@@ -66,11 +68,14 @@ class StagedShard:
 
     pieces: list[Piece]
     data: memoryview
-    # (buffer view, source) copies left to the writer thread: an overlapped save's tensors
-    # that change only in ``optimizer.step()``, which waits for them (``snapshots._capture``)
+    # (buffer view, source) copies left for later: an overlapped save's tensors that change
+    # only in ``optimizer.step()``; ``snapshots._capture`` hands them to its Stager, whose
+    # writer thread and step hook copy them
     deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def copy_deferred(self) -> None:
+        """Copy what is still deferred here (nothing once a SnapshotStore's capture took the
+        copies over); for callers that stage shards outside a SnapshotStore."""
         _copy(self.deferred)
         self.deferred.clear()
 
@@ -112,7 +117,8 @@ class ShardStager:
         defer: frozenset[int] = frozenset(),
     ) -> StagedShard:
         """``defer``: data pointers (``step_tensors``) of tensors to copy later, on the
-        writer thread (``StagedShard.copy_deferred``); the rest is copied now."""
+        writer thread or in ``optimizer.step()``'s hook (``StagedShard.deferred``); the rest
+        is copied now."""
         pieces, blocks, later, size = [], [], [], 0
         for item, source in _sources(planner, plan):
             where = tuple(item.tensor_data.chunk.offsets)
@@ -146,7 +152,8 @@ class ShardStager:
 
     def _arena_for(self, pieces: list[Piece], size: int) -> torch.Tensor:
         if pieces != self._layout or self._arena.numel() < size:
-            self._arena = torch.empty(size, dtype=torch.uint8)
+            # its own pages: page-aligned, so the file can be written past the page cache
+            self._arena = staging_buffer(torch.Size([size]), torch.uint8)
             self._layout = pieces
         return self._arena
 
@@ -291,23 +298,29 @@ def read_into(
     for item in planner.create_local_plan().items:
         key = (item.storage_index.fqn, tuple(item.storage_index.offset))
         by_chunk.setdefault(key, []).append(item)
-    chunks = {(n, c.offsets): (r, c) for n, r in table.tensors.items() for c in r.chunks}
+    stored = {(n, c.offsets): (r, c) for n, r in table.tensors.items() for c in r.chunks}
+    keys = {stored[key][1]: key for key in by_chunk}
     with torch.no_grad():
-        for key, items in by_chunk.items():
-            record, chunk = chunks[key]
-            source = _load_chunk(storage, step, table, record, chunk)
-            for item in items:
-                box = _narrow(source, item.storage_offsets, item.lengths)
-                dest = planner.resolve_tensor(item).detach()
-                dest.copy_(box)
-                planner.commit_tensor(item, dest)
+        for span in _spans.spans(keys):
+            data = read_range(
+                storage, f"{layout.step_dir(step)}/{span.file}", span.start, span.length
+            )
+            for chunk in span.chunks:
+                begin = chunk.byte_offset - span.start
+                raw = memoryview(data)[begin : begin + chunk.nbytes]
+                key = keys[chunk]
+                source = _chunk_tensor(raw, table, stored[key][0], chunk)
+                for item in by_chunk[key]:
+                    box = _narrow(source, item.storage_offsets, item.lengths)
+                    dest = planner.resolve_tensor(item).detach()
+                    dest.copy_(box)
+                    planner.commit_tensor(item, dest)
 
 
-def _load_chunk(
-    storage: Storage, step: int, table: ShardTable, record: TensorRecord, chunk: Chunk
+def _chunk_tensor(
+    data: memoryview, table: ShardTable, record: TensorRecord, chunk: Chunk
 ) -> torch.Tensor:
-    path = f"{layout.step_dir(step)}/{chunk.file}"
-    data = read_range(storage, path, chunk.byte_offset, chunk.nbytes)
+    """The chunk's bytes as its tensor (no copy), once they pass its checksum."""
     if checksum(data, table.checksum_algorithm) != chunk.checksum:
         raise SnapshotCorruptError(
             f"file {chunk.file}: the chunk at byte {chunk.byte_offset} fails its "

@@ -317,6 +317,16 @@ def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
     return within(path, storage.read(path), limit)
 
 
+def _local_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Local disk reads one option: ``direct_io`` (default True: large aligned writes go past
+    the page cache; False: every write through it, e.g. on a mount that handles O_DIRECT
+    badly). Other keys are ignored there, as before."""
+    direct = (options or {}).get("direct_io", True)
+    if not isinstance(direct, bool):
+        raise StorageError(f"storage_options['direct_io'] must be True or False, got {direct!r}")
+    return {"direct_io": direct}
+
+
 def open_storage(
     url: str,
     *,
@@ -329,7 +339,9 @@ def open_storage(
         raise StorageError(f"snapshot URL must be a non-empty string, got {url!r}")
     policy = retry or RetryPolicy()
     if "://" not in url or url.startswith("file://"):
-        inner: Storage = LocalStorage(url.removeprefix("file://"))
+        inner: Storage = LocalStorage(
+            url.removeprefix("file://"), **_local_options(storage_options)
+        )
     else:
         scheme = url.split("://", 1)[0].lower()
         options = dict(storage_options or {})

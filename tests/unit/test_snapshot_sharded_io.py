@@ -1,5 +1,6 @@
 """How a sharded save writes and checks its files: row-block chunks that tile the shard file,
-each rank's read-back of its own file, and a commit that does not re-read other ranks' files."""
+no read-back of any shard file at save time (damage is caught at load and by verify), and
+no commit when a rank's write fails."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from snapshots import SnapshotSaveError, SnapshotStore, _shards, layout, sharding
 from snapshots.distributed import DistributedSnapshotter
+from snapshots.serialization import Stager
 
 
 class Recording:
@@ -100,52 +102,99 @@ def test_tensors_are_stored_as_row_blocks_that_tile_the_shard_file(
     )
 
 
-def test_the_writer_reads_its_own_shard_file_back_and_the_commit_reads_none_whole(
-    tmp_path: Path,
+def test_a_load_reads_consecutive_chunks_in_one_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(_shards, "CHUNK_BYTES", 256)  # dozens of chunks, one shard file
+    _save(SnapshotStore(str(tmp_path), keep=None))
+    store = SnapshotStore(str(tmp_path), create=False)
+    recording = Recording(store._storage.inner)
+    store._storage.inner = recording
+    calls = []
+    read_range = recording.read_range
+
+    def counted(path: str, start: int, length: int) -> bytes:
+        calls.append(path)
+        return read_range(path, start, length)
+
+    recording.read_range = counted  # type: ignore[method-assign]
+    fresh, fresh_opt = _model()
+    DistributedSnapshotter(store).load(into={"model": fresh, "optimizer": fresh_opt})
+    (shard,) = (tmp_path / layout.step_dir(1)).glob("shard-*.bin")
+    assert len(calls) == 1 and recording.range_bytes == shard.stat().st_size
+
+
+def test_a_sharded_save_reads_no_shard_file_back(tmp_path: Path) -> None:
     store = SnapshotStore(str(tmp_path), keep=None)
     recording = Recording(store._storage.inner)
     store._storage.inner = recording
     _save(store)
-    (shard,) = (tmp_path / layout.step_dir(1)).glob("shard-*.bin")
-    assert recording.whole_reads == []
-    assert recording.range_bytes == shard.stat().st_size
+    assert recording.whole_reads == [] and recording.range_bytes == 0
     assert SnapshotStore(str(tmp_path), create=False).verify(1).ok
 
 
-def test_a_shard_file_stored_damaged_fails_the_save_and_commits_nothing(tmp_path: Path) -> None:
+def test_a_shard_file_stored_damaged_is_caught_at_load_and_by_verify(tmp_path: Path) -> None:
+    """The save no longer reads its shard file back (its chunks were hashed from the buffer
+    it wrote): damage on the way to storage commits, and every reader catches it."""
+    _save(SnapshotStore(str(tmp_path), keep=None))
     store = SnapshotStore(str(tmp_path), keep=None)
     store._storage.inner = Recording(store._storage.inner, damage_shards=True)
-    with pytest.raises(SnapshotSaveError, match="differs from what was written"):
+    model, optimizer = _model()
+    snap = DistributedSnapshotter(store, sharded=True)
+    snap.save(2, {"model": model, "optimizer": optimizer}, blocking=True)
+    snap.close()
+    reader = SnapshotStore(str(tmp_path), create=False)
+    assert reader.committed_steps() == [1, 2]  # the damaged save committed
+    result = reader.verify(2)
+    (shard,) = (tmp_path / layout.step_dir(2)).glob("shard-*.bin")
+    assert not result.ok and any(shard.name in p for p in result.problems)
+    fresh, fresh_opt = _model()
+    loaded = DistributedSnapshotter(reader).load(into={"model": fresh, "optimizer": fresh_opt})
+    assert loaded is not None and loaded.info.step == 1  # fell back past the damaged one
+
+
+def test_a_rank_whose_shard_write_fails_commits_nothing(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path), keep=None)
+    inner = store._storage.inner
+
+    class Failing(Recording):
+        def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+            if _is_shard(path):
+                raise OSError(28, "No space left on device")
+            super().write(path, data, exclusive=exclusive)
+
+    store._storage.inner = Failing(inner)
+    with pytest.raises(SnapshotSaveError, match="No space left"):
         _save(store)
     assert SnapshotStore(str(tmp_path), create=False).committed_steps() == []
 
 
-def test_an_overlapped_sharded_save_copies_step_tensors_on_the_writer_and_step_waits(
+def test_an_overlapped_sharded_save_copies_step_tensors_before_the_step_changes_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The writer thread is held before its deferred copy: optimizer.step()'s hook copies the
+    shards' tensors itself (it used to copy only format-1 tensors, and the step changed the
+    weights before the writer copied them)."""
     held, gate = threading.Event(), threading.Event()
-    copy_deferred = _shards.StagedShard.copy_deferred
+    copy_deferred = Stager.copy_deferred
 
-    def hold(staged: _shards.StagedShard) -> None:
-        if staged.deferred:
+    def hold_the_writer(stager: Stager) -> None:
+        if threading.current_thread() is not threading.main_thread() and stager.deferred:
             held.set()
             gate.wait(timeout=60)
-        copy_deferred(staged)
+        copy_deferred(stager)
 
-    monkeypatch.setattr(_shards.StagedShard, "copy_deferred", hold)
+    monkeypatch.setattr(Stager, "copy_deferred", hold_the_writer)
     model, optimizer = _model()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     store = SnapshotStore(str(tmp_path), keep=None)
     snap = DistributedSnapshotter(store, sharded=True)
     snap.save(1, {"model": model, "optimizer": optimizer}, overlap_with=optimizer)
-    # The call returned before the parameters were copied: the writer thread holds that copy,
-    # and optimizer.step() must wait for it.
-    assert held.wait(timeout=30)
+    assert held.wait(timeout=30)  # the call returned before the parameters were copied
     assert not store._capturer.copy_done.is_set()
-    gate.set()
     model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()  # waits for the copy, then changes the weights
+    optimizer.step()  # copies what is left, then changes the weights
+    gate.set()
     snap.close()
     assert not torch.equal(model.state_dict()["0.weight"], saved["0.weight"])
     fresh, _ = _model()
