@@ -1,14 +1,16 @@
 """The in-memory snapshot tier: the latest state copy of every node, in node-local memory.
 
 Every ``memory_snapshot_every`` steps (default 1) each node's writer rank (``memory_plan``)
-captures the state into reused staging buffers (the only time the loop waits) and a
-background thread writes it to the node's memory folder, a tmpfs the supervisor owns
-(``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
-the supervisor exits). A node has two slot files: a copy overwrites the slot that is not
-committed, and is committed by atomically replacing a small marker that names its slot and
-step, so a crash mid-write never leaves a copy that is used, and a node never holds more than
-two copies (the committed one and the one being written). When the previous write is still
-running, the step's copy is skipped instead of waited for.
+copies the state straight into a slot file of the node's memory folder, a tmpfs the
+supervisor owns (``WorkerSettings.memory_dir``: stable across worker restarts on one live
+agent, removed when the supervisor exits). The slot stays mapped from step to step
+(``memory_slots``): one memory copy per tensor, checksummed while it is still in the cache
+(``memory_format.write_into``), on the training thread; no staging buffer, no writer thread
+(on 2 cores it competed with training for a core: the whole job took ~1.27x as long). A node
+has two slot files: a copy overwrites the slot that is not committed, and is committed by
+atomically replacing a small marker that names its slot, step and checksum, so a crash
+mid-copy never leaves a copy that is used, and a node never holds more than two copies (the
+committed one and the one being written).
 
 Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
 so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
@@ -22,7 +24,6 @@ import io
 import json
 import os
 import signal
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,12 +44,12 @@ from elastic_trainer.runtime.memory_plan import (
 )
 from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
 from elastic_trainer.runtime.memory_plan import writers as node_writers
-from snapshots import manifest
+from elastic_trainer.runtime.memory_slots import MappedFile
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
 
-# Test-only crash injection: SIGKILL the writer's process halfway through writing the copy of
-# this step (the temporary file is left torn). A no-op unless set.
+# Test-only crash injection: SIGKILL the writer's process halfway through copying the state of
+# this step into its slot (the slot is left torn: half this step's bytes). A no-op unless set.
 KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
 
 
@@ -57,12 +58,14 @@ MAX_STREAMS_BYTES = 64 * 2**20
 
 
 class NodeCopies:
-    """One node's copies in a node-local folder: two slot files overwritten in place (a
-    fresh tmpfs file per copy costs its page allocation: ~4x the write here) and a commit
-    marker naming the slot and step of the committed one, replaced atomically."""
+    """One node's copies in a node-local folder: two slot files overwritten in place through
+    mappings kept from copy to copy (a fresh tmpfs file per copy costs its page allocation:
+    ~4x the copy here) and a commit marker naming the slot, step and checksum of the committed
+    one, replaced atomically."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self.slots = {slot: MappedFile(os.path.join(directory, slot)) for slot in SLOTS}
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -84,7 +87,7 @@ class NodeCopies:
         if committed is None or committed[0] != step:
             raise FileNotFoundError(f"no committed in-memory copy of step {step}")
         _, slot, size = committed
-        if os.path.getsize(self._path(slot)) != size:
+        if os.path.getsize(self._path(slot)) < size:  # a slot is rounded up to its mapping's
             raise ValueError(f"{slot} has {os.path.getsize(self._path(slot))} bytes, not {size}")
         data = bytearray(size)
         with open(self._path(slot), "rb") as f:
@@ -94,19 +97,18 @@ class NodeCopies:
         return memory_format.read(data)
 
     def write(self, step: int, payload: Mapping[str, Any]) -> None:
-        """Overwrite the uncommitted slot, then commit it by replacing the marker."""
+        """Copy into the uncommitted slot, then commit it by replacing the marker."""
+        layout = memory_format.plan(payload)  # before the slot is touched: it may fail
         os.makedirs(self.directory, exist_ok=True)
         slot = next_slot(self.marker())
-        with open(self._path(slot), "r+b" if os.path.exists(self._path(slot)) else "xb") as f:
-            digest = memory_format.write(payload, f)
-            f.truncate(f.tell())
-            size = f.tell()
-        _maybe_crash(step, self._path(slot))
+        mapped = self.slots[slot].tensor(layout.size)
+        digest = memory_format.write_into(layout, mapped)
+        _maybe_crash(step, mapped, layout.size)
         tmp = self._path(f".{MARKER}.{uuid.uuid4().hex}")
         marker = {
             "step": step,
             "slot": slot,
-            "bytes": size,
+            "bytes": layout.size,
             memory_format.CHECKSUM_ALGORITHM: digest,
         }
         with open(tmp, "w") as f:
@@ -118,6 +120,9 @@ class NodeCopies:
         keep = committed_copy(self.marker())
         if keep is not None and keep[0] != step:
             keep = None
+        for slot, mapped in self.slots.items():
+            if keep is None or slot != keep[1]:
+                mapped.close()  # else the removed file's pages stay with the mapping
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
                 ours = name in (MARKER, *SLOTS) or name.startswith(f".{MARKER}.")
@@ -144,9 +149,9 @@ class RankStreams:
         tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
         body = io.BytesIO()
         torch.save(dict(value), body)
-        digest = manifest.checksum(body.getbuffer(), memory_format.CHECKSUM_ALGORITHM)
-        with open(tmp, "xb") as f:  # the checksum's line, then what torch.save wrote
-            f.write(f"{digest}\n".encode())
+        digest = memory_format.checksum(body.getbuffer())
+        with open(tmp, "xb") as f:  # "<algorithm> <checksum>" on a line, then torch.save's
+            f.write(f"{memory_format.CHECKSUM_ALGORITHM} {digest}\n".encode())
             f.write(body.getbuffer())
         os.replace(tmp, self._path(step))
         self.forget(lambda s: committed is not None and s < committed)
@@ -160,8 +165,11 @@ class RankStreams:
             return None
         if len(data) > MAX_STREAMS_BYTES:
             raise ValueError(f"{self._path(step)} is over {MAX_STREAMS_BYTES} bytes")
-        digest, _, body = data.partition(b"\n")
-        memory_format.verify(body, digest.decode("ascii", "replace"), self._path(step))
+        line, _, body = data.partition(b"\n")
+        algorithm, _, digest = line.decode("ascii", "replace").partition(" ")
+        if algorithm != memory_format.CHECKSUM_ALGORITHM:  # no digest would be valid then
+            digest = ""
+        memory_format.verify(body, digest, self._path(step))
         return torch.load(io.BytesIO(body), weights_only=True)
 
     def forget(self, which: Callable[[int], bool]) -> None:
@@ -178,11 +186,10 @@ class RankStreams:
                         os.unlink(os.path.join(self.directory, name))
 
 
-def _maybe_crash(step: int, path: str) -> None:
+def _maybe_crash(step: int, mapped: torch.Tensor, size: int) -> None:
     if os.environ.get(KILL_MID_WRITE_ENV) != str(step):
         return
-    with open(path, "r+b") as f:  # a torn copy: what a kill halfway through leaves
-        f.truncate(f.seek(0, os.SEEK_END) // 2)
+    mapped[size // 2 : size] = 0xEE  # a torn copy: the bytes a kill halfway through leaves
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -203,9 +210,7 @@ class MemoryTier:
         self._streams = RankStreams(directory, self.rank)
         keys = self._all_gather(os.path.realpath(directory))
         self.is_writer = node_writers(keys)[self.rank]
-        self.skipped = 0  # steps whose copy was skipped because the previous write still ran
-        self._stager = Stager()
-        self._thread: threading.Thread | None = None
+        self._walker = _TreeOnly()
         self._failing = False
 
     # --- save -------------------------------------------------------------------------------
@@ -214,24 +219,15 @@ class MemoryTier:
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
         """No collective: every rank writes its per-rank state; the node's writer then copies
-        the state into staging buffers and hands it to its thread."""
+        the state into the node's uncommitted slot and commits it."""
         self._streams.write(step, _plain(per_rank), self.copies.newest())
         if not self.is_writer:
-            return
-        if self._thread is not None and self._thread.is_alive():
-            self.skipped += 1  # its staging buffers are still being written: never wait
             return
         payload = {
             "step": step,
             "world_size": self.world_size,
-            "state": self._stager.capture(state),
+            "state": self._walker.capture(state),  # state_dicts; tensors not copied
         }
-        self._thread = threading.Thread(
-            target=self._write, args=(step, payload), name="memory-tier", daemon=True
-        )
-        self._thread.start()
-
-    def _write(self, step: int, payload: Mapping[str, Any]) -> None:
         try:
             self.copies.write(step, payload)
         except Exception as exc:  # tmpfs full, folder removed: storage stays the fallback
@@ -248,9 +244,7 @@ class MemoryTier:
         self._failing = False
 
     def flush(self) -> None:
-        """Local: wait for the copy being written."""
-        if self._thread is not None:
-            self._thread.join()
+        """Local: nothing to wait for (a copy is made and committed within ``save``)."""
 
     # --- restore ----------------------------------------------------------------------------
     def restore(
@@ -323,6 +317,17 @@ class MemoryTier:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
+
+
+class _TreeOnly(Stager):
+    """The stager's walk and its checks (what the weights-only loader reads back), without
+    its copies: ``NodeCopies.write`` copies the tensors straight into the slot."""
+
+    def _stage(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        odd = tensor.layout != torch.strided or tensor.is_quantized
+        if odd or tensor.is_nested or tensor.is_meta:
+            return super()._stage(tensor, path)  # refused, or cloned into the skeleton
+        return tensor.detach()
 
 
 def _one_line(exc: Exception) -> str:

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import blake3
 import pytest
 import torch
 
@@ -27,6 +28,8 @@ from elastic_trainer.runtime.memory_plan import (
 )
 from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
 from elastic_trainer.supervisor import args, workerenv
+
+ALGORITHM = memory_format.CHECKSUM_ALGORITHM
 
 
 # --- which rank writes its node's copy ---------------------------------------------------------
@@ -100,19 +103,21 @@ def test_a_torn_slot_is_never_read(tmp_path):
         copies.read(4)
 
 
-def _flip_last_byte(path) -> None:
+def _flip_last_byte(path, size: int | None = None) -> None:
+    """Flip the last byte of the file's first ``size`` bytes (all of them: None)."""
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
+    data[(size or len(data)) - 1] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
 def test_a_damaged_copy_is_refused_before_its_skeleton_is_unpickled(tmp_path, monkeypatch):
     copies = NodeCopies(str(tmp_path))
     copies.write(4, {"step": 4, "w": torch.ones(100)})
-    _flip_last_byte(tmp_path / SLOTS[0])  # same size: only the checksum can tell
+    size = json.loads((tmp_path / MARKER).read_text())["bytes"]
+    _flip_last_byte(tmp_path / SLOTS[0], size)  # same size: only the checksum can tell
     unpickled = []
     monkeypatch.setattr(memory_format.torch, "load", lambda *a, **k: unpickled.append(a))
-    with pytest.raises(ValueError, match="fails its blake3 checksum"):
+    with pytest.raises(ValueError, match=f"fails its {ALGORITHM} checksum"):
         copies.read(4)
     assert unpickled == []
 
@@ -121,9 +126,9 @@ def test_a_copy_whose_marker_has_no_checksum_is_not_used(tmp_path):
     copies = NodeCopies(str(tmp_path))
     copies.write(4, {"step": 4})
     marker = json.loads((tmp_path / MARKER).read_text())
-    del marker["blake3"]
+    del marker[ALGORITHM]
     (tmp_path / MARKER).write_text(json.dumps(marker))
-    with pytest.raises(ValueError, match="no valid blake3 checksum"):
+    with pytest.raises(ValueError, match=f"no valid {ALGORITHM} checksum"):
         copies.read(4)
 
 
@@ -132,8 +137,19 @@ def test_a_damaged_streams_file_is_refused(tmp_path):
     streams.write(3, {"rng": torch.arange(8)}, committed=None)
     assert torch.equal(streams.read(3)["rng"], torch.arange(8))
     _flip_last_byte(tmp_path / "ranks" / "0-000000000003.pt")
-    with pytest.raises(ValueError, match="fails its blake3 checksum"):
+    with pytest.raises(ValueError, match=f"fails its {ALGORITHM} checksum"):
         streams.read(3)
+
+
+def test_a_streams_file_checksummed_by_another_algorithm_is_refused(tmp_path):
+    streams = RankStreams(str(tmp_path), 0)
+    streams.write(3, {"rng": torch.arange(8)}, committed=None)
+    path = tmp_path / "ranks" / "0-000000000003.pt"
+    body = path.read_bytes().partition(b"\n")[2]
+    for line in (f"blake3 {blake3.blake3(body).hexdigest()}", memory_format.checksum(body)):
+        path.write_bytes(line.encode() + b"\n" + body)  # another's, or unnamed (older files)
+        with pytest.raises(ValueError, match=f"no valid {ALGORITHM} checksum"):
+            streams.read(3)
 
 
 def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
