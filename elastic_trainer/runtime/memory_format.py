@@ -66,6 +66,7 @@ class Layout:
     offsets: list[int]
     skeleton: bytes
     skeleton_offset: int
+    split_from: int  # where the tensors known to be equal on every rank start (``plan``)
 
     @property
     def size(self) -> int:
@@ -75,20 +76,32 @@ class Layout:
         return _HEADER.pack(self.skeleton_offset, len(self.skeleton))
 
 
-def plan(payload: Mapping[str, Any]) -> Layout:
+def plan(
+    payload: Mapping[str, Any], replicated: Callable[[torch.Tensor], bool] | None = None
+) -> Layout:
     """Lay out ``payload``: its strided tensors (on any device) go raw, the rest of it into the
-    skeleton (pickled; it must be what ``torch.load(weights_only=True)`` reads back)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = _walk(dict(payload), lambda obj: _strip(obj, tensors))
-    table, offsets, end = [], [], _HEADER.size
-    for t in tensors:
+    skeleton (pickled; it must be what ``torch.load(weights_only=True)`` reads back). Tensors
+    that ``replicated`` says are equal on every rank (DDP's parameters and optimizer state, not
+    its buffers) go last, from ``split_from``: the ranks of a node may split those bytes."""
+    found: list[torch.Tensor] = []
+    skeleton = _walk(dict(payload), lambda obj: _strip(obj, found))
+    same = [replicated is not None and replicated(t) for t in found]
+    order = sorted(range(len(found)), key=lambda i: same[i])  # stable: the others first
+    table: list[Any] = [None] * len(found)  # in the skeleton's order: its placeholders index it
+    offsets, end, split_from = [], _HEADER.size, None
+    for i in order:
+        t = found[i]
         offset, nbytes = _aligned(end), t.numel() * t.element_size()
-        table.append((str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes))
+        if same[i] and split_from is None:
+            split_from = offset
+        table[i] = (str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes)
         offsets.append(offset)
         end = offset + nbytes
     head = io.BytesIO()
     torch.save({"skeleton": skeleton, "tensors": table}, head)
-    return Layout(tensors, offsets, head.getvalue(), _aligned(end))
+    tensors = [found[i] for i in order]
+    end = _aligned(end)
+    return Layout(tensors, offsets, head.getvalue(), end, end if split_from is None else split_from)
 
 
 def write(payload: Mapping[str, Any], f: IO[bytes]) -> str:
@@ -102,24 +115,30 @@ def write(payload: Mapping[str, Any], f: IO[bytes]) -> str:
     return str(digest.hexdigest())
 
 
-def write_into(layout: Layout, slot: torch.Tensor) -> str:
-    """Copy the copy into ``slot`` (a uint8 CPU tensor of at least ``layout.size`` bytes: a
-    mapped slot file) with one copy per tensor, checksumming each region right after copying
-    it. ``copy_`` takes any source: a CUDA tensor is copied to the host on the way."""
+def write_into(layout: Layout, slot: torch.Tensor, start: int = 0, stop: int | None = None) -> str:
+    """Copy bytes [start, stop) of the copy (all of it by default; a part starts at a tensor's
+    offset, ``memory_plan.part_bounds``) into ``slot``, a uint8 CPU tensor of at least
+    ``layout.size`` bytes (a mapped slot file), with one copy per tensor, checksumming each
+    region right after copying it; returns the checksum of those bytes. ``copy_`` takes any
+    source: a CUDA tensor is copied to the host on the way."""
+    end = layout.size if stop is None else stop
     if slot.numel() < layout.size:
         raise ValueError(f"the slot has {slot.numel()} bytes; the copy needs {layout.size}")
     view = slot.numpy()  # zero-copy: the hasher reads its slices, small writes go through it
-    view[: _HEADER.size] = np.frombuffer(layout.header(), dtype=np.uint8)
-    digest, done = hasher(), 0  # bytes [0, done) are copied and checksummed
+    if start == 0:
+        view[: _HEADER.size] = np.frombuffer(layout.header(), dtype=np.uint8)
+    digest, done = hasher(), start  # bytes [start, done) are copied and checksummed
     with torch.no_grad():
         for t, offset in zip(layout.tensors, layout.offsets, strict=True):
-            view[max(done, _HEADER.size) : offset] = 0
-            for stop in _copy_tensor(t, slot, offset):
-                digest.update(view[done:stop])
-                done = stop
-    end = layout.size
-    view[max(done, _HEADER.size) : layout.skeleton_offset] = 0
-    view[layout.skeleton_offset : end] = np.frombuffer(layout.skeleton, dtype=np.uint8)
+            if start <= offset < end:
+                view[max(done, _HEADER.size) : offset] = 0
+                for stop_at in _copy_tensor(t, slot, offset):
+                    digest.update(view[done:stop_at])
+                    done = stop_at
+    view[max(done, _HEADER.size) : min(end, layout.skeleton_offset)] = 0
+    if end == layout.size:
+        skeleton = np.frombuffer(layout.skeleton, dtype=np.uint8)
+        view[layout.skeleton_offset : layout.size] = skeleton
     digest.update(view[done:end])
     return str(digest.hexdigest())
 

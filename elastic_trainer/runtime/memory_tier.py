@@ -1,16 +1,18 @@
 """The in-memory snapshot tier: the latest state copy of every node, in node-local memory.
 
-Every ``memory_snapshot_every`` steps (default 1) each node's writer rank (``memory_plan``)
-copies the state straight into a slot file of the node's memory folder, a tmpfs the
-supervisor owns (``WorkerSettings.memory_dir``: stable across worker restarts on one live
-agent, removed when the supervisor exits). The slot stays mapped from step to step
-(``memory_slots``): one memory copy per tensor, checksummed while it is still in the cache
-(``memory_format.write_into``), on the training thread; no staging buffer, no writer thread
-(on 2 cores it competed with training for a core: the whole job took ~1.27x as long). A node
-has two slot files: a copy overwrites the slot that is not committed, and is committed by
-atomically replacing a small marker that names its slot, step and checksum, so a crash
-mid-copy never leaves a copy that is used, and a node never holds more than two copies (the
-committed one and the one being written).
+Every ``memory_snapshot_every`` steps (default 1) the ranks of each node copy the state
+straight into a slot file of the node's memory folder, a tmpfs the supervisor owns
+(``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
+the supervisor exits), each rank about 1/L of the bytes (L: the node's ranks; the node's first
+rank also copies the tensors that may differ between ranks, such as DDP's buffers). The slot
+stays mapped from step to step (``memory_slots``): one memory copy per tensor, checksummed
+while it is still in the cache (``memory_format.write_into``), on the training thread; no
+staging buffer, no writer thread (on 2 cores it competed with training for a core: the whole
+job took ~1.27x as long). A node has two slot files: a copy overwrites the slot that does not
+hold the newest whole copy, and each rank commits its part by atomically replacing a small
+marker (step, byte range, checksum), without a collective; a copy is whole once every part
+names its step, so a crash mid-copy never leaves a copy that is used, and a node never holds
+more than two copies (the newest whole one and the one being written).
 
 Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
 so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
@@ -21,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
-import signal
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,101 +34,15 @@ import torch.distributed as dist
 
 from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_format
-from elastic_trainer.runtime.memory_plan import (
-    MARKER,
-    SLOTS,
-    RestorePlan,
-    Source,
-    committed_copy,
-    next_slot,
-)
+from elastic_trainer.runtime.memory_plan import RestorePlan, Source, shares
 from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
-from elastic_trainer.runtime.memory_plan import writers as node_writers
-from elastic_trainer.runtime.memory_slots import MappedFile
+from elastic_trainer.runtime.memory_slots import KILL_MID_WRITE_ENV as KILL_MID_WRITE_ENV
+from elastic_trainer.runtime.memory_slots import NodeCopies as NodeCopies
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
 
-# Test-only crash injection: SIGKILL the writer's process halfway through copying the state of
-# this step into its slot (the slot is left torn: half this step's bytes). A no-op unless set.
-KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
-
-
 # A rank's streams (RNG states) are a few KB; anything near this is not one of ours.
 MAX_STREAMS_BYTES = 64 * 2**20
-
-
-class NodeCopies:
-    """One node's copies in a node-local folder: two slot files overwritten in place through
-    mappings kept from copy to copy (a fresh tmpfs file per copy costs its page allocation:
-    ~4x the copy here) and a commit marker naming the slot, step and checksum of the committed
-    one, replaced atomically."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.slots = {slot: MappedFile(os.path.join(directory, slot)) for slot in SLOTS}
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def marker(self) -> dict[str, Any] | None:
-        try:
-            with open(self._path(MARKER)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
-    def newest(self) -> int | None:
-        committed = committed_copy(self.marker())
-        return committed[0] if committed is not None else None
-
-    def read(self, step: int) -> dict[str, Any]:
-        marker = self.marker()
-        committed = committed_copy(marker)
-        if committed is None or committed[0] != step:
-            raise FileNotFoundError(f"no committed in-memory copy of step {step}")
-        _, slot, size = committed
-        if os.path.getsize(self._path(slot)) < size:  # a slot is rounded up to its mapping's
-            raise ValueError(f"{slot} has {os.path.getsize(self._path(slot))} bytes, not {size}")
-        data = bytearray(size)
-        with open(self._path(slot), "rb") as f:
-            if f.readinto(data) != size:
-                raise ValueError(f"{slot} changed while it was read")
-        memory_format.verify(data, marker.get(memory_format.CHECKSUM_ALGORITHM), slot)  # type: ignore[union-attr]
-        return memory_format.read(data)
-
-    def write(self, step: int, payload: Mapping[str, Any]) -> None:
-        """Copy into the uncommitted slot, then commit it by replacing the marker."""
-        layout = memory_format.plan(payload)  # before the slot is touched: it may fail
-        os.makedirs(self.directory, exist_ok=True)
-        slot = next_slot(self.marker())
-        mapped = self.slots[slot].tensor(layout.size)
-        digest = memory_format.write_into(layout, mapped)
-        _maybe_crash(step, mapped, layout.size)
-        tmp = self._path(f".{MARKER}.{uuid.uuid4().hex}")
-        marker = {
-            "step": step,
-            "slot": slot,
-            "bytes": layout.size,
-            memory_format.CHECKSUM_ALGORITHM: digest,
-        }
-        with open(tmp, "w") as f:
-            json.dump(marker, f)
-        os.replace(tmp, self._path(MARKER))
-
-    def keep_only(self, step: int | None) -> None:
-        """Forget every copy but ``step``'s (None: all), and free the other slot."""
-        keep = committed_copy(self.marker())
-        if keep is not None and keep[0] != step:
-            keep = None
-        for slot, mapped in self.slots.items():
-            if keep is None or slot != keep[1]:
-                mapped.close()  # else the removed file's pages stay with the mapping
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.directory):
-                ours = name in (MARKER, *SLOTS) or name.startswith(f".{MARKER}.")
-                if ours and (keep is None or name not in (MARKER, keep[1])):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path(name))
 
 
 class RankStreams:
@@ -186,13 +100,6 @@ class RankStreams:
                         os.unlink(os.path.join(self.directory, name))
 
 
-def _maybe_crash(step: int, mapped: torch.Tensor, size: int) -> None:
-    if os.environ.get(KILL_MID_WRITE_ENV) != str(step):
-        return
-    mapped[size // 2 : size] = 0xEE  # a torn copy: the bytes a kill halfway through leaves
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 @dataclass(frozen=True, kw_only=True)
 class MemoryRestored:
     step: int
@@ -205,11 +112,11 @@ class MemoryTier:
 
     def __init__(self, directory: str, *, every: int) -> None:
         self.every = every
-        self.copies = NodeCopies(directory)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._streams = RankStreams(directory, self.rank)
-        keys = self._all_gather(os.path.realpath(directory))
-        self.is_writer = node_writers(keys)[self.rank]
+        part, parts = shares(self._all_gather(os.path.realpath(directory)))[self.rank]
+        self.copies = NodeCopies(directory, part=part, parts=parts)
+        self.is_writer = part == 0  # it tidies the node's folder after a restore
         self._walker = _TreeOnly()
         self._failing = False
 
@@ -218,18 +125,16 @@ class MemoryTier:
         return step % self.every == 0
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
-        """No collective: every rank writes its per-rank state; the node's writer then copies
-        the state into the node's uncommitted slot and commits it."""
+        """No collective: every rank writes its per-rank state, then copies its part of the
+        state into the node's slot being written and commits that part."""
         self._streams.write(step, _plain(per_rank), self.copies.newest())
-        if not self.is_writer:
-            return
         payload = {
             "step": step,
             "world_size": self.world_size,
             "state": self._walker.capture(state),  # state_dicts; tensors not copied
         }
         try:
-            self.copies.write(step, payload)
+            self.copies.write(step, payload, _replicated(state))
         except Exception as exc:  # tmpfs full, folder removed: storage stays the fallback
             if not self._failing:  # once per streak of failures, not once per step
                 emit(
@@ -317,6 +222,19 @@ class MemoryTier:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
+
+
+def _replicated(state: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
+    """Which tensors are equal on every rank, so the node's ranks may split their copy: the
+    parameters and optimizer state of the state's optimizers (DDP keeps them in step). Buffers
+    are not (BatchNorm's running statistics are each rank's own until the next forward)."""
+    ptrs = set()
+    for value in state.values():
+        if isinstance(value, torch.optim.Optimizer):
+            ptrs.update(p.data_ptr() for group in value.param_groups for p in group["params"])
+            for per_param in value.state.values():
+                ptrs.update(v.data_ptr() for v in per_param.values() if torch.is_tensor(v))
+    return lambda t: t.data_ptr() in ptrs
 
 
 class _TreeOnly(Stager):

@@ -17,12 +17,21 @@ import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
-from elastic_trainer.runtime import memory_format, memory_slots
-from elastic_trainer.runtime.memory_plan import MARKER, SLOTS
+from elastic_trainer.runtime import memory_format, memory_slots, memory_tier
+from elastic_trainer.runtime.memory_plan import (
+    SLOTS,
+    Copy,
+    part_bounds,
+    part_marker,
+    shares,
+    stale_file,
+    writers,
+)
 from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV, MemoryTier, NodeCopies
 from snapshots import serialization
 
 ALGORITHM = memory_format.CHECKSUM_ALGORITHM
+MARKER = part_marker(SLOTS[0], 0)  # a one-rank node's marker of the copy in its first slot
 
 
 def _trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -94,10 +103,16 @@ def test_a_slot_keeps_its_mapping_while_the_copy_changes_size_a_little():
     assert not memory_slots.fits(10 * grain, grain)  # far too big: re-made smaller
 
 
+def _flip_last_byte(path, size: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[size - 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def _recommit(folder, algorithm: str, digest: str) -> None:
     """The marker, with ``digest`` under ``algorithm`` as the only checksum."""
     marker = json.loads((folder / MARKER).read_text())
-    marker = {k: v for k, v in marker.items() if k in ("step", "slot", "bytes")}
+    marker = {k: v for k, v in marker.items() if k != ALGORITHM}
     marker[algorithm] = digest
     (folder / MARKER).write_text(json.dumps(marker))
 
@@ -185,3 +200,77 @@ def test_a_full_tmpfs_skips_the_copy_and_training_goes_on(tmp_path, one_rank, mo
     failed = [e for e in logs if e["event"] == "snapshot.memory_failed"]
     assert len(failed) == 1 and "No space left" in failed[0]["error"]  # once per streak
     assert tier.copies.newest() == 1  # storage, or this older copy, is the fallback
+
+
+# --- the ranks of a node split its copy ------------------------------------------------------
+def test_a_nodes_ranks_take_parts_in_rank_order():
+    assert shares(["a", "a", "b", "a"]) == [(0, 3), (1, 3), (0, 1), (2, 3)]
+    assert writers(["a", "a", "b", "a"]) == [True, False, True, False]
+
+
+def test_parts_tile_the_copy_in_about_equal_shares_after_the_per_rank_bytes():
+    offsets = [64, 128, 1024, 2048, 3072, 4096]  # 1 KB tensors from 1024 on
+    bounds = part_bounds(offsets, split_from=1024, end=5120, size=5200, parts=4)
+    assert bounds == [0, 1024, 3072, 4096, 5200]  # nearest tensor starts to 1300, 2600, 3900
+    assert part_bounds(offsets, 1024, 5120, 5200, parts=1) == [0, 5200]
+    tiny = part_bounds([64], split_from=64, end=128, size=200, parts=4)
+    assert tiny[0] == 0 and tiny[-1] == 200 and tiny == sorted(tiny)  # some parts empty
+
+
+def _split_state(buffer: float) -> tuple[dict, object]:
+    """A state whose parameters and optimizer state are replicated (as under DDP) and whose
+    buffer is the rank's own (BatchNorm's running statistics before the next forward)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.BatchNorm1d(300))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 300)).sum().backward()
+    optimizer.step()
+    model[1].running_mean.fill_(buffer)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return state, memory_tier._replicated({"model": model, "optimizer": optimizer})
+
+
+def _markers(folder, slot: str) -> list[dict]:
+    return [json.loads((folder / part_marker(slot, p)).read_text()) for p in (0, 1)]
+
+
+def test_two_ranks_copy_one_half_each_and_the_copy_is_whole_only_with_both(tmp_path):
+    ranks = [NodeCopies(str(tmp_path), part=p, parts=2) for p in (0, 1)]
+    states = [_split_state(buffer=float(p)) for p in (0, 1)]
+    for step in (1, 2):
+        ranks[0].write(step, {"step": step, "state": states[0][0]}, states[0][1])
+        assert ranks[1].newest() == (step - 1 or None)  # not whole yet
+        ranks[1].write(step, {"step": step, "state": states[1][0]}, states[1][1])
+        assert NodeCopies(str(tmp_path)).newest() == step
+    back = NodeCopies(str(tmp_path)).read(2)["state"]
+    _assert_same(back["optimizer"], states[0][0]["optimizer"])
+    _assert_same(back["model"], states[0][0]["model"])  # rank 0's buffer, not rank 1's
+    first, second = _markers(tmp_path, SLOTS[1])
+    assert first["stop"] == second["start"] and second["stop"] == first["bytes"]
+    assert abs(first["stop"] - second["stop"] / 2) < 0.2 * second["stop"]  # about half each
+
+
+def test_a_part_torn_or_missing_leaves_the_previous_whole_copy(tmp_path):
+    ranks = [NodeCopies(str(tmp_path), part=p, parts=2) for p in (0, 1)]
+    state, replicated = _split_state(buffer=0.0)
+    for rank in ranks:
+        rank.write(1, {"step": 1, "state": state}, replicated)
+    ranks[0].write(2, {"step": 2, "state": state}, replicated)  # rank 1 killed before its part
+    assert ranks[1].newest() == 1 and ranks[1].read(1)["step"] == 1
+    ranks[1].write(2, {"step": 2, "state": state}, replicated)  # the same slot: now whole
+    assert ranks[0].newest() == 2
+    second = _markers(tmp_path, SLOTS[1])[1]
+    _flip_last_byte(tmp_path / SLOTS[1], second["stop"])  # rank 1's bytes, after its commit
+    with pytest.raises(ValueError, match=f"bytes {second['start']}-{second['stop']}.*fails"):
+        ranks[0].read(2)
+
+
+def test_forgetting_copies_removes_other_parts_and_leftovers(tmp_path):
+    keep = Copy(step=4, slot=SLOTS[1], size=10, parts=({},))
+    names = {
+        SLOTS[0]: True, SLOTS[1]: False, part_marker(SLOTS[1], 0): False,
+        part_marker(SLOTS[1], 1): True, part_marker(SLOTS[0], 0): True,
+        f"{part_marker(SLOTS[1], 0)}.abc.tmp": True, "ranks": False,
+    }  # fmt: skip
+    assert {name: stale_file(name, keep) for name in names} == names
+    assert stale_file(SLOTS[1], None) and not stale_file("ranks", None)

@@ -18,18 +18,20 @@ from elastic_trainer import protocol
 from elastic_trainer.errors import EnvironmentProblem
 from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime.memory_plan import (
-    MARKER,
     SLOTS,
+    Copy,
     Source,
-    committed_copy,
     next_slot,
+    part_marker,
     plan_restore,
+    whole_copy,
     writers,
 )
 from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
 from elastic_trainer.supervisor import args, workerenv
 
 ALGORITHM = memory_format.CHECKSUM_ALGORITHM
+MARKER = part_marker(SLOTS[0], 0)  # a one-rank node's marker of the copy in its first slot
 
 
 # --- which rank writes its node's copy ---------------------------------------------------------
@@ -71,10 +73,13 @@ def test_a_newer_storage_snapshot_wins_over_an_older_copy():
 
 def test_the_next_copy_never_overwrites_the_committed_one():
     assert next_slot(None) == SLOTS[0]
-    assert next_slot({"step": 4, "slot": SLOTS[0], "bytes": 10}) == SLOTS[1]
-    assert next_slot({"step": 5, "slot": SLOTS[1], "bytes": 10}) == SLOTS[0]
-    assert committed_copy({"step": 5, "slot": "elsewhere", "bytes": 1}) is None
-    assert committed_copy({"step": "5", "slot": SLOTS[0], "bytes": 1}) is None
+    assert next_slot(Copy(step=4, slot=SLOTS[0], size=10, parts=())) == SLOTS[1]
+    assert next_slot(Copy(step=5, slot=SLOTS[1], size=10, parts=())) == SLOTS[0]
+    part = {"step": 5, "slot": SLOTS[0], "bytes": 10, "part": 0, "parts": 1, "start": 0}
+    assert whole_copy(SLOTS[0], {0: {**part, "stop": 10}}) is not None
+    assert whole_copy(SLOTS[1], {0: {**part, "stop": 10}}) is None  # another slot's
+    assert whole_copy(SLOTS[0], {0: {**part, "stop": 9}}) is None  # short of its size
+    assert whole_copy(SLOTS[0], {0: {**part, "step": "5", "stop": 10}}) is None
 
 
 # --- the node folder -----------------------------------------------------------------------------
@@ -85,7 +90,9 @@ def test_a_committed_copy_supersedes_the_previous_one_in_two_slots(tmp_path):
         copies.write(step, {"step": step, "w": torch.arange(step)})
         assert copies.newest() == step
         assert torch.equal(copies.read(step)["w"], torch.arange(step))
-    assert sorted(os.listdir(tmp_path / "node")) == sorted([MARKER, *SLOTS])  # two copies at most
+    assert sorted(os.listdir(tmp_path / "node")) == sorted(
+        [*SLOTS, *(part_marker(slot, 0) for slot in SLOTS)]
+    )  # two copies at most
     with pytest.raises(FileNotFoundError):
         copies.read(4)  # superseded
 
@@ -157,7 +164,7 @@ def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
     copies.write(3, {"step": 3})
     copies.write(4, {"step": 4})
     copies.keep_only(4)
-    assert sorted(os.listdir(tmp_path)) == sorted([MARKER, SLOTS[1]])
+    assert sorted(os.listdir(tmp_path)) == sorted([part_marker(SLOTS[1], 0), SLOTS[1]])
     assert copies.newest() == 4
     copies.keep_only(2)  # the group resumed from an older step: this copy is of no use
     assert os.listdir(tmp_path) == [] and copies.newest() is None
