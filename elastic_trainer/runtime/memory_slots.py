@@ -185,14 +185,17 @@ class NodeCopies:
             json.dump(body, f)
         os.replace(tmp, marker)
 
+    def unmap(self) -> None:
+        """Let go of the slot mappings (the next copy maps its slot again)."""
+        for mapped in self.slots.values():
+            mapped.close()
+
     def keep_only(self, step: int | None) -> None:
         """Forget every copy but ``step``'s (None: all), and free the other slot. Only while no
         rank of the node writes (after a restore, before training goes on)."""
         keep = self.newest_copy()
         kept = keep.slot if keep is not None and keep.step == step else None
-        for slot, mapped in self.slots.items():
-            if slot != kept:
-                mapped.close()  # else the removed file's pages stay with the mapping
+        self.unmap()  # else a removed file's pages stay with its mapping
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
                 if stale_file(name, keep if kept is not None else None):

@@ -212,8 +212,10 @@ class MemoryTier:
         return payload, None
 
     def after_restore(self, step: int | None) -> None:
-        """Collective-free: the writer drops copies other than the restored step's (a copy
-        newer than the step the group resumed from belongs to an abandoned future)."""
+        """Collective-free: the node's first rank drops copies other than the restored step's
+        (a copy newer than the step the group resumed from belongs to an abandoned future);
+        every rank lets go of its slot mappings (a removed file's pages stay while mapped)."""
+        self.copies.unmap()
         if self.is_writer:
             self.copies.keep_only(step)
         self._streams.forget(lambda s: step is None or s != step)

@@ -92,6 +92,8 @@ def test_a_slot_removed_while_mapped_is_made_again(tmp_path):
     copies.write(2, {"step": 2, "w": torch.ones(10)})
     copies.keep_only(None)  # a restore from storage forgets every copy
     assert os.listdir(tmp_path) == []
+    with open("/proc/self/maps") as f:  # no mapping keeps a removed slot's pages
+        assert str(tmp_path) not in f.read()
     copies.write(3, {"step": 3, "w": torch.full((10,), 3.0)})
     assert torch.equal(copies.read(3)["w"], torch.full((10,), 3.0))
 
