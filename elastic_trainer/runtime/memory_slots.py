@@ -194,11 +194,12 @@ class NodeCopies:
         """Forget every copy but ``step``'s (None: all), and free the other slot. Only while no
         rank of the node writes (after a restore, before training goes on)."""
         keep = self.newest_copy()
-        kept = keep.slot if keep is not None and keep.step == step else None
+        if keep is not None and keep.step != step:
+            keep = None
         self.unmap()  # else a removed file's pages stay with its mapping
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
-                if stale_file(name, keep if kept is not None else None):
+                if stale_file(name, keep):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._path(name))
 
