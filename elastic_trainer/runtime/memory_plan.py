@@ -137,13 +137,6 @@ def shares(node_keys: Sequence[str]) -> list[tuple[int, int]]:
     return out
 
 
-def writers(node_keys: Sequence[str]) -> list[bool]:
-    """Per rank: is it its node's first rank (it tidies the node's folder after a restore)?
-    The lowest rank of each node key is (the key is the node's memory folder, so it holds
-    for any rank layout)."""
-    return [part == 0 for part, _ in shares(node_keys)]
-
-
 @dataclass(frozen=True, kw_only=True)
 class RestorePlan:
     source: Source

@@ -25,7 +25,6 @@ from elastic_trainer.runtime.memory_plan import (
     part_marker,
     shares,
     stale_file,
-    writers,
 )
 from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV, MemoryTier, NodeCopies
 from snapshots import serialization
@@ -207,7 +206,6 @@ def test_a_full_tmpfs_skips_the_copy_and_training_goes_on(tmp_path, one_rank, mo
 # --- the ranks of a node split its copy ------------------------------------------------------
 def test_a_nodes_ranks_take_parts_in_rank_order():
     assert shares(["a", "a", "b", "a"]) == [(0, 3), (1, 3), (0, 1), (2, 3)]
-    assert writers(["a", "a", "b", "a"]) == [True, False, True, False]
 
 
 def test_parts_tile_the_copy_in_about_equal_shares_after_the_per_rank_bytes():

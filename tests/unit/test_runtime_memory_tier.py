@@ -24,8 +24,8 @@ from elastic_trainer.runtime.memory_plan import (
     next_slot,
     part_marker,
     plan_restore,
+    shares,
     whole_copy,
-    writers,
 )
 from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
 from elastic_trainer.supervisor import args, workerenv
@@ -34,11 +34,11 @@ ALGORITHM = memory_format.CHECKSUM_ALGORITHM
 MARKER = part_marker(SLOTS[0], 0)  # a one-rank node's marker of the copy in its first slot
 
 
-# --- which rank writes its node's copy ---------------------------------------------------------
-def test_the_lowest_rank_of_each_node_writes_its_copy():
-    assert writers(["a", "a", "b", "b"]) == [True, False, True, False]
-    assert writers(["a", "b", "a", "b"]) == [True, True, False, False]  # any rank layout
-    assert writers(["x"]) == [True]
+# --- which part of its node's copy each rank copies --------------------------------------------
+def test_the_ranks_of_each_node_split_its_copy_in_rank_order():
+    assert shares(["a", "a", "b", "b"]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert shares(["a", "b", "a", "b"]) == [(0, 2), (0, 2), (1, 2), (1, 2)]  # any rank layout
+    assert shares(["x"]) == [(0, 1)]
 
 
 # --- where a (re)started group restores from ---------------------------------------------------
