@@ -1,14 +1,18 @@
 """The in-memory snapshot tier: the latest state copy of every node, in node-local memory.
 
-Every ``memory_snapshot_every`` steps (default 1) each node's writer rank (``memory_plan``)
-captures the state into reused staging buffers (the only time the loop waits) and a
-background thread writes it to the node's memory folder, a tmpfs the supervisor owns
+Every ``memory_snapshot_every`` steps (default 1) the ranks of each node copy the state
+straight into a slot file of the node's memory folder, a tmpfs the supervisor owns
 (``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
-the supervisor exits). A node has two slot files: a copy overwrites the slot that is not
-committed, and is committed by atomically replacing a small marker that names its slot and
-step, so a crash mid-write never leaves a copy that is used, and a node never holds more than
-two copies (the committed one and the one being written). When the previous write is still
-running, the step's copy is skipped instead of waited for.
+the supervisor exits), each rank about 1/L of the bytes (L: the node's ranks; the node's first
+rank also copies the tensors that may differ between ranks, such as DDP's buffers). The slot
+stays mapped from step to step (``memory_slots``): one memory copy per tensor, checksummed
+while it is still in the cache (``memory_format.write_into``), on the training thread; no
+staging buffer, no writer thread (on 2 cores it competed with training for a core: the whole
+job took ~1.27x as long). A node has two slot files: a copy overwrites the slot that does not
+hold the newest whole copy, and each rank commits its part by atomically replacing a small
+marker (step, byte range, checksum), without a collective; a copy is whole once every part
+names its step, so a crash mid-copy never leaves a copy that is used, and a node never holds
+more than two copies (the newest whole one and the one being written).
 
 Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
 so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
@@ -19,10 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
-import signal
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,97 +34,15 @@ import torch.distributed as dist
 
 from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_format
-from elastic_trainer.runtime.memory_plan import (
-    MARKER,
-    SLOTS,
-    RestorePlan,
-    Source,
-    committed_copy,
-    next_slot,
-)
+from elastic_trainer.runtime.memory_plan import RestorePlan, Source, shares
 from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
-from elastic_trainer.runtime.memory_plan import writers as node_writers
-from snapshots import manifest
+from elastic_trainer.runtime.memory_slots import KILL_MID_WRITE_ENV as KILL_MID_WRITE_ENV
+from elastic_trainer.runtime.memory_slots import NodeCopies as NodeCopies
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
 
-# Test-only crash injection: SIGKILL the writer's process halfway through writing the copy of
-# this step (the temporary file is left torn). A no-op unless set.
-KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
-
-
 # A rank's streams (RNG states) are a few KB; anything near this is not one of ours.
 MAX_STREAMS_BYTES = 64 * 2**20
-
-
-class NodeCopies:
-    """One node's copies in a node-local folder: two slot files overwritten in place (a
-    fresh tmpfs file per copy costs its page allocation: ~4x the write here) and a commit
-    marker naming the slot and step of the committed one, replaced atomically."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def marker(self) -> dict[str, Any] | None:
-        try:
-            with open(self._path(MARKER)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
-    def newest(self) -> int | None:
-        committed = committed_copy(self.marker())
-        return committed[0] if committed is not None else None
-
-    def read(self, step: int) -> dict[str, Any]:
-        marker = self.marker()
-        committed = committed_copy(marker)
-        if committed is None or committed[0] != step:
-            raise FileNotFoundError(f"no committed in-memory copy of step {step}")
-        _, slot, size = committed
-        if os.path.getsize(self._path(slot)) != size:
-            raise ValueError(f"{slot} has {os.path.getsize(self._path(slot))} bytes, not {size}")
-        data = bytearray(size)
-        with open(self._path(slot), "rb") as f:
-            if f.readinto(data) != size:
-                raise ValueError(f"{slot} changed while it was read")
-        memory_format.verify(data, marker.get(memory_format.CHECKSUM_ALGORITHM), slot)  # type: ignore[union-attr]
-        return memory_format.read(data)
-
-    def write(self, step: int, payload: Mapping[str, Any]) -> None:
-        """Overwrite the uncommitted slot, then commit it by replacing the marker."""
-        os.makedirs(self.directory, exist_ok=True)
-        slot = next_slot(self.marker())
-        with open(self._path(slot), "r+b" if os.path.exists(self._path(slot)) else "xb") as f:
-            digest = memory_format.write(payload, f)
-            f.truncate(f.tell())
-            size = f.tell()
-        _maybe_crash(step, self._path(slot))
-        tmp = self._path(f".{MARKER}.{uuid.uuid4().hex}")
-        marker = {
-            "step": step,
-            "slot": slot,
-            "bytes": size,
-            memory_format.CHECKSUM_ALGORITHM: digest,
-        }
-        with open(tmp, "w") as f:
-            json.dump(marker, f)
-        os.replace(tmp, self._path(MARKER))
-
-    def keep_only(self, step: int | None) -> None:
-        """Forget every copy but ``step``'s (None: all), and free the other slot."""
-        keep = committed_copy(self.marker())
-        if keep is not None and keep[0] != step:
-            keep = None
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.directory):
-                ours = name in (MARKER, *SLOTS) or name.startswith(f".{MARKER}.")
-                if ours and (keep is None or name not in (MARKER, keep[1])):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path(name))
 
 
 class RankStreams:
@@ -144,9 +63,9 @@ class RankStreams:
         tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
         body = io.BytesIO()
         torch.save(dict(value), body)
-        digest = manifest.checksum(body.getbuffer(), memory_format.CHECKSUM_ALGORITHM)
-        with open(tmp, "xb") as f:  # the checksum's line, then what torch.save wrote
-            f.write(f"{digest}\n".encode())
+        digest = memory_format.checksum(body.getbuffer())
+        with open(tmp, "xb") as f:  # "<algorithm> <checksum>" on a line, then torch.save's
+            f.write(f"{memory_format.CHECKSUM_ALGORITHM} {digest}\n".encode())
             f.write(body.getbuffer())
         os.replace(tmp, self._path(step))
         self.forget(lambda s: committed is not None and s < committed)
@@ -160,8 +79,11 @@ class RankStreams:
             return None
         if len(data) > MAX_STREAMS_BYTES:
             raise ValueError(f"{self._path(step)} is over {MAX_STREAMS_BYTES} bytes")
-        digest, _, body = data.partition(b"\n")
-        memory_format.verify(body, digest.decode("ascii", "replace"), self._path(step))
+        line, _, body = data.partition(b"\n")
+        algorithm, _, digest = line.decode("ascii", "replace").partition(" ")
+        if algorithm != memory_format.CHECKSUM_ALGORITHM:  # no digest would be valid then
+            digest = ""
+        memory_format.verify(body, digest, self._path(step))
         return torch.load(io.BytesIO(body), weights_only=True)
 
     def forget(self, which: Callable[[int], bool]) -> None:
@@ -178,14 +100,6 @@ class RankStreams:
                         os.unlink(os.path.join(self.directory, name))
 
 
-def _maybe_crash(step: int, path: str) -> None:
-    if os.environ.get(KILL_MID_WRITE_ENV) != str(step):
-        return
-    with open(path, "r+b") as f:  # a torn copy: what a kill halfway through leaves
-        f.truncate(f.seek(0, os.SEEK_END) // 2)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 @dataclass(frozen=True, kw_only=True)
 class MemoryRestored:
     step: int
@@ -198,14 +112,12 @@ class MemoryTier:
 
     def __init__(self, directory: str, *, every: int) -> None:
         self.every = every
-        self.copies = NodeCopies(directory)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._streams = RankStreams(directory, self.rank)
-        keys = self._all_gather(os.path.realpath(directory))
-        self.is_writer = node_writers(keys)[self.rank]
-        self.skipped = 0  # steps whose copy was skipped because the previous write still ran
-        self._stager = Stager()
-        self._thread: threading.Thread | None = None
+        part, parts = shares(self._all_gather(os.path.realpath(directory)))[self.rank]
+        self.copies = NodeCopies(directory, part=part, parts=parts)
+        self.is_writer = part == 0  # it tidies the node's folder after a restore
+        self._walker = _TreeOnly()
         self._failing = False
 
     # --- save -------------------------------------------------------------------------------
@@ -213,27 +125,16 @@ class MemoryTier:
         return step % self.every == 0
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
-        """No collective: every rank writes its per-rank state; the node's writer then copies
-        the state into staging buffers and hands it to its thread."""
+        """No collective: every rank writes its per-rank state, then copies its part of the
+        state into the node's slot being written and commits that part."""
         self._streams.write(step, _plain(per_rank), self.copies.newest())
-        if not self.is_writer:
-            return
-        if self._thread is not None and self._thread.is_alive():
-            self.skipped += 1  # its staging buffers are still being written: never wait
-            return
         payload = {
             "step": step,
             "world_size": self.world_size,
-            "state": self._stager.capture(state),
+            "state": self._walker.capture(state),  # state_dicts; tensors not copied
         }
-        self._thread = threading.Thread(
-            target=self._write, args=(step, payload), name="memory-tier", daemon=True
-        )
-        self._thread.start()
-
-    def _write(self, step: int, payload: Mapping[str, Any]) -> None:
         try:
-            self.copies.write(step, payload)
+            self.copies.write(step, payload, _replicated(state))
         except Exception as exc:  # tmpfs full, folder removed: storage stays the fallback
             if not self._failing:  # once per streak of failures, not once per step
                 emit(
@@ -248,9 +149,7 @@ class MemoryTier:
         self._failing = False
 
     def flush(self) -> None:
-        """Local: wait for the copy being written."""
-        if self._thread is not None:
-            self._thread.join()
+        """Local: nothing to wait for (a copy is made and committed within ``save``)."""
 
     # --- restore ----------------------------------------------------------------------------
     def restore(
@@ -313,8 +212,10 @@ class MemoryTier:
         return payload, None
 
     def after_restore(self, step: int | None) -> None:
-        """Collective-free: the writer drops copies other than the restored step's (a copy
-        newer than the step the group resumed from belongs to an abandoned future)."""
+        """Collective-free: the node's first rank drops copies other than the restored step's
+        (a copy newer than the step the group resumed from belongs to an abandoned future);
+        every rank lets go of its slot mappings (a removed file's pages stay while mapped)."""
+        self.copies.unmap()
         if self.is_writer:
             self.copies.keep_only(step)
         self._streams.forget(lambda s: step is None or s != step)
@@ -323,6 +224,30 @@ class MemoryTier:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
+
+
+def _replicated(state: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
+    """Which tensors are equal on every rank, so the node's ranks may split their copy: the
+    parameters and optimizer state of the state's optimizers (DDP keeps them in step). Buffers
+    are not (BatchNorm's running statistics are each rank's own until the next forward)."""
+    ptrs = set()
+    for value in state.values():
+        if isinstance(value, torch.optim.Optimizer):
+            ptrs.update(p.data_ptr() for group in value.param_groups for p in group["params"])
+            for per_param in value.state.values():
+                ptrs.update(v.data_ptr() for v in per_param.values() if torch.is_tensor(v))
+    return lambda t: t.data_ptr() in ptrs
+
+
+class _TreeOnly(Stager):
+    """The stager's walk and its checks (what the weights-only loader reads back), without
+    its copies: ``NodeCopies.write`` copies the tensors straight into the slot."""
+
+    def _stage(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        odd = tensor.layout != torch.strided or tensor.is_quantized
+        if odd or tensor.is_nested or tensor.is_meta:
+            return super()._stage(tensor, path)  # refused, or cloned into the skeleton
+        return tensor.detach()
 
 
 def _one_line(exc: Exception) -> str:

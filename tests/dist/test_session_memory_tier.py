@@ -115,7 +115,7 @@ def test_both_copies_lost_restores_from_storage_and_says_why(
 def test_a_kill_while_a_copy_is_written_never_uses_the_half_copy(
     tmp_path, reference, worker_env_module
 ):
-    env = {**worker_env_module, KILL_MID_WRITE_ENV: "9"}  # rank 0 writes the node's copy
+    env = {**worker_env_module, KILL_MID_WRITE_ENV: "9"}  # each rank, mid-copy of its part
     result = run(tmp_path, env, 2, *DROPOUT)
     events = restored(result)
     assert [e["source"] for e in events] == ["memory", "memory"]

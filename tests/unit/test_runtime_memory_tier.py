@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import blake3
 import pytest
 import torch
 
@@ -17,23 +18,27 @@ from elastic_trainer import protocol
 from elastic_trainer.errors import EnvironmentProblem
 from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime.memory_plan import (
-    MARKER,
     SLOTS,
+    Copy,
     Source,
-    committed_copy,
     next_slot,
+    part_marker,
     plan_restore,
-    writers,
+    shares,
+    whole_copy,
 )
 from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
 from elastic_trainer.supervisor import args, workerenv
 
+ALGORITHM = memory_format.CHECKSUM_ALGORITHM
+MARKER = part_marker(SLOTS[0], 0)  # a one-rank node's marker of the copy in its first slot
 
-# --- which rank writes its node's copy ---------------------------------------------------------
-def test_the_lowest_rank_of_each_node_writes_its_copy():
-    assert writers(["a", "a", "b", "b"]) == [True, False, True, False]
-    assert writers(["a", "b", "a", "b"]) == [True, True, False, False]  # any rank layout
-    assert writers(["x"]) == [True]
+
+# --- which part of its node's copy each rank copies --------------------------------------------
+def test_the_ranks_of_each_node_split_its_copy_in_rank_order():
+    assert shares(["a", "a", "b", "b"]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert shares(["a", "b", "a", "b"]) == [(0, 2), (0, 2), (1, 2), (1, 2)]  # any rank layout
+    assert shares(["x"]) == [(0, 1)]
 
 
 # --- where a (re)started group restores from ---------------------------------------------------
@@ -68,10 +73,13 @@ def test_a_newer_storage_snapshot_wins_over_an_older_copy():
 
 def test_the_next_copy_never_overwrites_the_committed_one():
     assert next_slot(None) == SLOTS[0]
-    assert next_slot({"step": 4, "slot": SLOTS[0], "bytes": 10}) == SLOTS[1]
-    assert next_slot({"step": 5, "slot": SLOTS[1], "bytes": 10}) == SLOTS[0]
-    assert committed_copy({"step": 5, "slot": "elsewhere", "bytes": 1}) is None
-    assert committed_copy({"step": "5", "slot": SLOTS[0], "bytes": 1}) is None
+    assert next_slot(Copy(step=4, slot=SLOTS[0], size=10, parts=())) == SLOTS[1]
+    assert next_slot(Copy(step=5, slot=SLOTS[1], size=10, parts=())) == SLOTS[0]
+    part = {"step": 5, "slot": SLOTS[0], "bytes": 10, "part": 0, "parts": 1, "start": 0}
+    assert whole_copy(SLOTS[0], {0: {**part, "stop": 10}}) is not None
+    assert whole_copy(SLOTS[1], {0: {**part, "stop": 10}}) is None  # another slot's
+    assert whole_copy(SLOTS[0], {0: {**part, "stop": 9}}) is None  # short of its size
+    assert whole_copy(SLOTS[0], {0: {**part, "step": "5", "stop": 10}}) is None
 
 
 # --- the node folder -----------------------------------------------------------------------------
@@ -82,7 +90,9 @@ def test_a_committed_copy_supersedes_the_previous_one_in_two_slots(tmp_path):
         copies.write(step, {"step": step, "w": torch.arange(step)})
         assert copies.newest() == step
         assert torch.equal(copies.read(step)["w"], torch.arange(step))
-    assert sorted(os.listdir(tmp_path / "node")) == sorted([MARKER, *SLOTS])  # two copies at most
+    assert sorted(os.listdir(tmp_path / "node")) == sorted(
+        [*SLOTS, *(part_marker(slot, 0) for slot in SLOTS)]
+    )  # two copies at most
     with pytest.raises(FileNotFoundError):
         copies.read(4)  # superseded
 
@@ -100,19 +110,21 @@ def test_a_torn_slot_is_never_read(tmp_path):
         copies.read(4)
 
 
-def _flip_last_byte(path) -> None:
+def _flip_last_byte(path, size: int | None = None) -> None:
+    """Flip the last byte of the file's first ``size`` bytes (all of them: None)."""
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
+    data[(size or len(data)) - 1] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
 def test_a_damaged_copy_is_refused_before_its_skeleton_is_unpickled(tmp_path, monkeypatch):
     copies = NodeCopies(str(tmp_path))
     copies.write(4, {"step": 4, "w": torch.ones(100)})
-    _flip_last_byte(tmp_path / SLOTS[0])  # same size: only the checksum can tell
+    size = json.loads((tmp_path / MARKER).read_text())["bytes"]
+    _flip_last_byte(tmp_path / SLOTS[0], size)  # same size: only the checksum can tell
     unpickled = []
     monkeypatch.setattr(memory_format.torch, "load", lambda *a, **k: unpickled.append(a))
-    with pytest.raises(ValueError, match="fails its blake3 checksum"):
+    with pytest.raises(ValueError, match=f"fails its {ALGORITHM} checksum"):
         copies.read(4)
     assert unpickled == []
 
@@ -121,9 +133,9 @@ def test_a_copy_whose_marker_has_no_checksum_is_not_used(tmp_path):
     copies = NodeCopies(str(tmp_path))
     copies.write(4, {"step": 4})
     marker = json.loads((tmp_path / MARKER).read_text())
-    del marker["blake3"]
+    del marker[ALGORITHM]
     (tmp_path / MARKER).write_text(json.dumps(marker))
-    with pytest.raises(ValueError, match="no valid blake3 checksum"):
+    with pytest.raises(ValueError, match=f"no valid {ALGORITHM} checksum"):
         copies.read(4)
 
 
@@ -132,8 +144,19 @@ def test_a_damaged_streams_file_is_refused(tmp_path):
     streams.write(3, {"rng": torch.arange(8)}, committed=None)
     assert torch.equal(streams.read(3)["rng"], torch.arange(8))
     _flip_last_byte(tmp_path / "ranks" / "0-000000000003.pt")
-    with pytest.raises(ValueError, match="fails its blake3 checksum"):
+    with pytest.raises(ValueError, match=f"fails its {ALGORITHM} checksum"):
         streams.read(3)
+
+
+def test_a_streams_file_checksummed_by_another_algorithm_is_refused(tmp_path):
+    streams = RankStreams(str(tmp_path), 0)
+    streams.write(3, {"rng": torch.arange(8)}, committed=None)
+    path = tmp_path / "ranks" / "0-000000000003.pt"
+    body = path.read_bytes().partition(b"\n")[2]
+    for line in (f"blake3 {blake3.blake3(body).hexdigest()}", memory_format.checksum(body)):
+        path.write_bytes(line.encode() + b"\n" + body)  # another's, or unnamed (older files)
+        with pytest.raises(ValueError, match=f"no valid {ALGORITHM} checksum"):
+            streams.read(3)
 
 
 def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
@@ -141,7 +164,7 @@ def test_forgetting_copies_keeps_only_the_restored_step(tmp_path):
     copies.write(3, {"step": 3})
     copies.write(4, {"step": 4})
     copies.keep_only(4)
-    assert sorted(os.listdir(tmp_path)) == sorted([MARKER, SLOTS[1]])
+    assert sorted(os.listdir(tmp_path)) == sorted([part_marker(SLOTS[1], 0), SLOTS[1]])
     assert copies.newest() == 4
     copies.keep_only(2)  # the group resumed from an older step: this copy is of no use
     assert os.listdir(tmp_path) == [] and copies.newest() is None
