@@ -24,6 +24,7 @@ import torch.distributed as dist
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.context import WorkerContext
 from elastic_trainer.runtime.memory_plan import Source
+from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
 from elastic_trainer.runtime.memory_tier import MemoryTier
 from snapshots import (
     Owner,
@@ -179,17 +180,23 @@ def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
 
 def open_memory_tier(
     directory: str | None, every: int, state: Mapping[str, Any]
-) -> MemoryTier | None:
+) -> MemoryTier | ShardedMemoryTier | None:
     """Collective when it opens one. None: no folder (not under elastic-train), ``every`` 0,
-    no process group, or sharded state (its shards keep to storage snapshots for now)."""
+    or no process group. Sharded (FSDP2) state: each rank keeps its own shards
+    (``memory_shards``); replicated state: one copy per node (``memory_tier``)."""
     from snapshots._sharded_state import has_dtensors
 
-    usable = directory and every > 0 and dist.is_initialized() and not has_dtensors(state)
-    return MemoryTier(directory, every=every) if usable else None  # type: ignore[arg-type]
+    if not (directory and every > 0 and dist.is_initialized()):
+        return None
+    if has_dtensors(state):
+        return ShardedMemoryTier(directory, every=every)
+    return MemoryTier(directory, every=every)
 
 
 def restore_state(
-    memory: MemoryTier | None, snapshots: SessionSnapshots | None, into: Mapping[str, Any]
+    memory: MemoryTier | ShardedMemoryTier | None,
+    snapshots: SessionSnapshots | None,
+    into: Mapping[str, Any],
 ) -> tuple[int, dict[str, Any]] | None:
     """Collective: (step, saved state) from the memory tier, else from storage; None when
     there is nothing to restore (a fresh start)."""
