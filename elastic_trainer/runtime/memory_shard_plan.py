@@ -152,3 +152,91 @@ def layout_problem(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str 
         if was != now:
             return f"tensor {fqn[:120]} was saved as {was} but is now {now}"[:400]
     return None
+
+
+# --- mirrors: each rank's copy also lives on another node -------------------------------------
+def mirror_targets(node_keys: Sequence[str]) -> list[int | None]:
+    """Per rank: the rank (of another node) that keeps a mirror of its copies. Nodes in order
+    of their lowest rank form a ring; a rank's mirror is the rank with the same local index
+    on the next node (modulo that node's size). None when there is one node."""
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(node_keys):
+        nodes.setdefault(key, []).append(rank)
+    ring = list(nodes.values())
+    if len(ring) < 2:
+        return [None] * len(node_keys)
+    out: list[int | None] = [None] * len(node_keys)
+    for n, ranks in enumerate(ring):
+        following = ring[(n + 1) % len(ring)]
+        for index, rank in enumerate(ranks):
+            out[rank] = following[index % len(following)]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebuildPlan:
+    """A lost node's shards from the survivors' copies (their own and their mirrors): which
+    rank of the new world reads which old rank's copy of ``step`` (``holders[old rank]``)."""
+
+    step: int | None
+    saved_world_size: int | None = None
+    holders: tuple[int, ...] = ()
+    reason: str | None = None
+
+
+def plan_rebuild(
+    held: Sequence[Sequence[tuple[int, int, int]]], storage_newest: int | None
+) -> RebuildPlan:
+    """``held[r]``: (old rank, step, saved world size) of every copy rank r's node holds. The
+    newest step whose copies of every old rank survive somewhere, newer than storage's; each
+    old rank's copy is read by the lowest rank holding it."""
+    cover: dict[tuple[int, int], dict[int, int]] = {}
+    for rank, copies in enumerate(held):
+        for old, step, world in copies:
+            cover.setdefault((step, world), {}).setdefault(old, rank)
+    complete = [k for k, by_old in cover.items() if set(by_old) >= set(range(k[1]))]
+    if not complete:
+        return RebuildPlan(step=None, reason=_why_not_rebuilt(cover))
+    step, world = max(complete)
+    if storage_newest is not None and storage_newest >= step:
+        return RebuildPlan(
+            step=None,
+            reason=f"the storage snapshot of step {storage_newest} is as new as the newest "
+            f"step the survivors' in-memory copies make whole (step {step})",
+        )
+    holders = tuple(cover[(step, world)][old] for old in range(world))
+    return RebuildPlan(step=step, saved_world_size=world, holders=holders)
+
+
+def _why_not_rebuilt(cover: Mapping[tuple[int, int], Mapping[int, int]]) -> str:
+    if not cover:
+        return "no rank holds an in-memory copy of its shards (none made yet, or lost)"
+    step, world = max(cover)
+    lost = [old for old in range(world) if old not in cover[(step, world)]]
+    return (
+        f"the world changed and the in-memory copies of step {step} (world size {world}) of "
+        f"rank(s) {_ranks(lost)} were lost with their node, mirror included"
+    )
+
+
+def plan_sharded(
+    own: Sequence[RankFacts],
+    node_held: Sequence[Sequence[tuple[int, int, int]]],
+    world_size: int,
+    storage_newest: int | None,
+) -> tuple[RestorePlan, RebuildPlan | None]:
+    """Every rank's own copies at this world size first (a worker crash: restored in place);
+    else, when the world changed, the survivors' copies and mirrors rebuilt into a storage
+    snapshot (``Source.MIRROR``); else storage, with the reason."""
+    plan = plan_restore(own, world_size, storage_newest)
+    if plan.source is Source.MEMORY:
+        return plan, None
+    changed = any(not f.copies for f in own) or any(
+        w != world_size for f in own for _, w in f.copies
+    )
+    if not changed:
+        return plan, None
+    rebuild = plan_rebuild(node_held, storage_newest)
+    if rebuild.step is None:
+        return RestorePlan(source=Source.STORAGE, step=None, reason=rebuild.reason), None
+    return RestorePlan(source=Source.MIRROR, step=rebuild.step), rebuild

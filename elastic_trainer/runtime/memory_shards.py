@@ -18,11 +18,7 @@ shards are not made yet.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import threading
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,118 +28,14 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from elastic_trainer.events import emit
-from elastic_trainer.runtime import memory_format
+from elastic_trainer.runtime import memory_mirror
 from elastic_trainer.runtime import memory_shard_plan as plan_
-from elastic_trainer.runtime.memory_plan import SLOTS, RestorePlan, Source
+from elastic_trainer.runtime.memory_plan import RestorePlan, Source
+from elastic_trainer.runtime.memory_slots import BackgroundWriter, RankSlots
 from elastic_trainer.runtime.memory_tier import MemoryRestored
 from snapshots import _sharded_state, sharding
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
-
-
-class RankSlots:
-    """One rank's copies in its own folder: two slot files overwritten in place and a marker
-    listing the committed ones, replaced atomically (``memory_shard_plan``)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def copies(self) -> list[plan_.RankCopy]:
-        try:
-            with open(self._path(plan_.MARKER)) as f:
-                return plan_.copies_of(json.load(f))
-        except (OSError, ValueError):
-            return []
-
-    def write(self, step: int, world_size: int, payload: Mapping[str, Any]) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        slot, kept = plan_.slot_to_write(self.copies())
-        self._commit(kept)  # the slot about to be overwritten is no longer listed
-        path = self._path(slot)
-        with open(path, "r+b" if os.path.exists(path) else "xb") as f:
-            digest = memory_format.write(payload, f)
-            f.truncate(f.tell())
-            size = f.tell()
-        new = plan_.RankCopy(
-            step=step, slot=slot, nbytes=size, digest=digest, world_size=world_size
-        )
-        self._commit(plan_.after_write(kept, new))
-
-    def _commit(self, copies: list[plan_.RankCopy]) -> None:
-        tmp = self._path(f".{plan_.MARKER}.{uuid.uuid4().hex}")
-        with open(tmp, "w") as f:
-            f.write(plan_.marker_json(copies))
-        os.replace(tmp, self._path(plan_.MARKER))
-
-    def read(self, step: int) -> dict[str, Any]:
-        """The copy of ``step``, checked against its checksum before anything is unpickled."""
-        found = [c for c in self.copies() if c.step == step]
-        if not found:
-            raise FileNotFoundError(f"no committed in-memory copy of step {step}")
-        copy = found[0]
-        path = self._path(copy.slot)
-        if os.path.getsize(path) != copy.nbytes:
-            raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {copy.nbytes}")
-        data = bytearray(copy.nbytes)
-        with open(path, "rb") as f:
-            if f.readinto(data) != copy.nbytes:
-                raise ValueError(f"{copy.slot} changed while it was read")
-        memory_format.verify(data, copy.digest, f"{os.path.basename(self.directory)}/{copy.slot}")
-        return memory_format.read(data)
-
-    def keep_only(self, step: int | None) -> None:
-        """Forget every copy but ``step``'s (None: all); free the slots no copy uses."""
-        kept = [c for c in self.copies() if c.step == step]
-        if os.path.isdir(self.directory):
-            self._commit(kept)
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.directory):
-                stale = name.startswith(f".{plan_.MARKER}.")
-                if stale or (name in SLOTS and name not in {c.slot for c in kept}):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path(name))
-
-
-class BackgroundWriter:
-    """One copy written at a time on a thread of its own; a failure (tmpfs full, folder
-    removed: storage stays the fallback) is reported once per streak of failures."""
-
-    def __init__(self, directory: str, *, name: str) -> None:
-        self.directory, self.name = directory, name
-        self._thread: threading.Thread | None = None
-        self._failing = False
-
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self, step: int, write: Callable[[], None]) -> None:
-        self._thread = threading.Thread(
-            target=self._run, args=(step, write), name=self.name, daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, step: int, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except Exception as exc:  # any failure: this copy is not made, storage still is
-            if not self._failing:
-                emit(
-                    "snapshot.memory_failed",
-                    level="warning",
-                    step=step,
-                    dir=self.directory,
-                    error=f"{type(exc).__name__}: {exc}"[:500],
-                )
-            self._failing = True
-            return
-        self._failing = False
-
-    def flush(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
 
 def describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -174,9 +66,13 @@ class ShardedMemoryTier:
     The same interface as ``memory_tier.MemoryTier`` (the session uses either)."""
 
     def __init__(self, directory: str, *, every: int) -> None:
-        self.every = every
+        self.every, self.directory = every, directory
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.slots = RankSlots(os.path.join(directory, "shards", f"rank-{self.rank:05d}"))
+        self.slots = RankSlots(memory_mirror.own_folder(directory, self.rank))
+        self.node_keys = self._all_gather(os.path.realpath(directory))
+        targets = plan_.mirror_targets(self.node_keys)
+        self._link = memory_mirror.MirrorLink(directory, targets, self.rank)
+        self.rebuild_plan: plan_.RebuildPlan | None = None  # set by restore: see rebuild()
         self.skipped = 0  # steps whose copy was skipped because the previous write still ran
         self._stager = Stager()
         self._writer = BackgroundWriter(self.slots.directory, name="memory-shards")
@@ -206,7 +102,11 @@ class ShardedMemoryTier:
             "per_rank": {k: v.state_dict() if is_stateful(v) else v for k, v in per_rank.items()},
         }
         staged = self._stager.capture(payload)
-        self._writer.start(step, lambda: self.slots.write(step, self.world_size, staged))
+        self._writer.start(step, lambda: self._write(step, staged))
+
+    def _write(self, step: int, staged: Mapping[str, Any]) -> None:
+        """On the writer thread: this rank's copy, then its mirror on the next node."""
+        self._link.send(self.slots, self.slots.write(step, self.world_size, staged))
 
     def _describe(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The description changes only with the layout: worked out again only then."""
@@ -216,8 +116,13 @@ class ShardedMemoryTier:
         return self._layout[1]
 
     def flush(self) -> None:
-        """Local: wait for the copy being written."""
+        """Local: wait for the copy being written (and sent to its mirror)."""
         self._writer.flush()
+
+    def close(self) -> None:
+        """Every rank at once (the session's close): flush, then end the mirror transfers."""
+        self._writer.flush()
+        self._link.close()
 
     # --- restore ----------------------------------------------------------------------------
     def restore(
@@ -229,12 +134,14 @@ class ShardedMemoryTier:
         """Collective: agree on a step (``memory_shard_plan.plan_restore``), load and check on
         every rank, agree on success, restore. Any rank's failure: storage on every rank."""
         held = tuple((c.step, c.world_size) for c in self.slots.copies())
-        facts = self._all_gather((held, storage_newest() if self.rank == 0 else None))
-        plan = plan_.plan_restore(
-            [plan_.RankFacts(copies=f[0]) for f in facts], self.world_size, facts[0][1]
+        node = memory_mirror.held_on_node(self.directory)
+        facts = self._all_gather((held, node, storage_newest() if self.rank == 0 else None))
+        own = [plan_.RankFacts(copies=f[0]) for f in facts]
+        plan, self.rebuild_plan = plan_.plan_sharded(
+            own, [f[1] for f in facts], self.world_size, facts[0][2]
         )
-        if plan.source is Source.STORAGE or plan.step is None:
-            return plan, None
+        if plan.source is not Source.MEMORY or plan.step is None:
+            return plan, None  # MIRROR: the caller rebuilds the snapshot (``rebuild``)
         try:  # never raise before the agreement: the peers wait in it
             state, streams, problem = self._load(plan.step, into)
         except Exception as exc:
@@ -270,6 +177,16 @@ class ShardedMemoryTier:
         tensors = {n: _rebuild(t, current.get(n)) for n, t in saved.items()}
         state = {k: sharding.fill(v, tensors) for k, v in payload["skeletons"].items()}
         return state, payload["per_rank"], None
+
+    def rebuild(self, store: Any) -> str | None:
+        """Collective, after a MIRROR plan: the survivors' copies of the plan's step written
+        to ``store`` as a sharded snapshot at the old world size (the normal resharding load
+        then restores it). None once committed, else why not (the same on every rank)."""
+        if self.rebuild_plan is None:
+            return "no rebuild was planned"
+        return memory_mirror.rebuild(
+            self.rebuild_plan, self.directory, store, rank=self.rank, world_size=self.world_size
+        )
 
     def after_restore(self, step: int | None) -> None:
         """Collective-free: drop copies other than the restored step's (a newer copy belongs

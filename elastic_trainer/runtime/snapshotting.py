@@ -69,11 +69,16 @@ class SessionSnapshots:
         self.last_saved_step: int | None = None  # saved or restored: never save it again
 
     def restore(
-        self, into: Mapping[str, Any], *, fallback_reason: str | None = None
+        self,
+        into: Mapping[str, Any],
+        *,
+        fallback_reason: str | None = None,
+        source: Source = Source.STORAGE,
     ) -> Restored | None:
         """Collective: load the newest verified snapshot (chosen by rank 0) on every rank.
-        ``fallback_reason``: why the in-memory tier could not serve (in snapshot.restored)."""
-        fields = {"source": Source.STORAGE.value}
+        ``fallback_reason``: why the in-memory tier could not serve (in snapshot.restored);
+        ``source``: MIRROR when the snapshot was just rebuilt from in-memory copies."""
+        fields = {"source": source.value}
         if fallback_reason is not None:
             fields["fallback_reason"] = fallback_reason
         loaded = self._snapshotter.load(
@@ -193,23 +198,30 @@ def open_memory_tier(
     return MemoryTier(directory, every=every)
 
 
+_NO_STORAGE = "no snapshot directory to write the survivors' in-memory copies to"
+
+
 def restore_state(
     memory: MemoryTier | ShardedMemoryTier | None,
     snapshots: SessionSnapshots | None,
     into: Mapping[str, Any],
 ) -> tuple[int, dict[str, Any]] | None:
     """Collective: (step, saved state) from the memory tier, else from storage; None when
-    there is nothing to restore (a fresh start)."""
-    reason = None
+    there is nothing to restore (a fresh start). Sharded state after a node loss: the
+    survivors' in-memory copies are first written to storage, then loaded from there."""
+    reason, source = None, Source.STORAGE
     if memory is not None:
         newest = snapshots.newest_step if snapshots is not None else lambda: None
         plan, restored = memory.restore(into, {"rng": RNGState()}, newest)
         if restored is not None:
             return restored.step, restored.state
         reason = plan.reason
+        if plan.source is Source.MIRROR and isinstance(memory, ShardedMemoryTier):
+            reason = memory.rebuild(snapshots.store) if snapshots is not None else _NO_STORAGE
+            source = Source.STORAGE if reason is not None else Source.MIRROR
     if snapshots is None:
         return None
-    loaded = snapshots.restore(into, fallback_reason=reason)
+    loaded = snapshots.restore(into, fallback_reason=reason, source=source)
     return None if loaded is None else (loaded.info.step, loaded.state)
 
 

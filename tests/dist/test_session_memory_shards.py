@@ -55,8 +55,9 @@ def test_fsdp_memory_stays_bounded_with_a_copy_every_step(tmp_path, worker_env_m
     figures = json.loads(probe.read_text())
     rss, tier, state = figures["rss"], figures["tier"], figures["state_bytes"]
     assert len(rss) == 100
-    assert min(tier[10:]) >= 0.9 * state / 2  # a copy of rank 0's shards is there all along
-    # rank 0's folder: at most two copies of its half of the state (weights and momentum)
-    assert max(tier) <= 2 * (state / 2) * 1.2 + 1_000_000, (max(tier), state)
+    # Each rank plays a node: rank 0's folder holds at most two copies of its half of the
+    # state (weights and momentum) and two of rank 1's half, its mirror: two states in all,
+    # whatever the step. More than one state shows that the mirror is there.
+    assert 1.5 * state <= max(tier) <= 2 * state * 1.2 + 1_000_000, (max(tier), state)
     warm = rss[20]
     assert max(rss[20:]) - warm <= 10 * state, (warm, max(rss[20:]), state)

@@ -11,7 +11,7 @@ import torch
 
 from elastic_trainer.runtime import memory_shard_plan as plan
 from elastic_trainer.runtime.memory_plan import SLOTS, Source
-from elastic_trainer.runtime.memory_shards import RankSlots
+from elastic_trainer.runtime.memory_slots import RankSlots
 
 
 def facts(*held: list[tuple[int, int]]) -> list[plan.RankFacts]:
@@ -131,3 +131,35 @@ def test_a_crash_while_writing_leaves_only_whole_copies_listed(tmp_path, monkeyp
     with open(os.path.join(slots.directory, plan.MARKER)) as f:
         marker = json.load(f)
     assert [c["step"] for c in marker["copies"]] == [2]
+
+
+# --- mirrors and a lost node's shards -----------------------------------------------------------
+def test_each_rank_is_mirrored_by_the_same_local_rank_of_the_next_node():
+    assert plan.mirror_targets(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert plan.mirror_targets(["a", "b", "c"]) == [1, 2, 0]
+    assert plan.mirror_targets(["a", "a", "a", "b"]) == [3, 3, 3, 0]  # uneven nodes
+    assert plan.mirror_targets(["a", "a"]) == [None, None]  # one node: nowhere else
+
+
+def test_a_lost_node_s_shards_are_read_from_the_lowest_rank_holding_them():
+    # world 4 on nodes (0,1) and (2,3), node 2-3 lost: ranks 0 and 1 of the new world hold
+    # their own copies and the mirrors of old ranks 2 and 3, up to step 9
+    held = [[(0, 9, 4), (2, 9, 4), (0, 8, 4), (2, 8, 4)], [(1, 9, 4), (3, 9, 4), (3, 8, 4)]]
+    rebuild = plan.plan_rebuild(held, storage_newest=6)
+    assert (rebuild.step, rebuild.saved_world_size, rebuild.holders) == (9, 4, (0, 1, 0, 1))
+    assert plan.plan_rebuild(held, storage_newest=9).step is None  # storage has it already
+
+
+def test_a_mirror_lost_with_its_node_names_the_lost_ranks():
+    rebuild = plan.plan_rebuild([[(0, 9, 2)]], storage_newest=6)
+    assert rebuild.step is None
+    assert "rank(s) 1 were lost with their node" in (rebuild.reason or "")
+
+
+def test_a_changed_world_is_rebuilt_from_mirrors_a_same_world_crash_is_not():
+    own = facts([(9, 2)])
+    chosen, rebuild = plan.plan_sharded(own, [[(0, 9, 2), (1, 9, 2)]], 1, storage_newest=6)
+    assert (chosen.source, chosen.step) == (Source.MIRROR, 9) and rebuild is not None
+    same = facts([(9, 2)], [(7, 2)])  # no step in common: not a world change, no rebuild
+    chosen, rebuild = plan.plan_sharded(same, [[(0, 9, 2), (1, 9, 2)]] * 2, 2, None)
+    assert chosen.source is Source.STORAGE and rebuild is None
