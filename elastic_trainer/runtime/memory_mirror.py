@@ -23,6 +23,7 @@ import dataclasses
 import datetime as dt
 import os
 import re
+import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,6 +63,17 @@ def held_on_node(directory: str) -> list[tuple[int, int, int]]:
                 slots = RankSlots(os.path.join(directory, "shards", name))
                 out.update((int(match[2]), c.step, c.world_size) for c in slots.copies())
     return sorted(out)
+
+
+def prune(directory: str, node_ranks: Sequence[int], sources: Sequence[int]) -> None:
+    """Remove the folders of ranks this node no longer runs or mirrors (left by a world of
+    another size): only the node's own ranks' and its mirrored ranks' copies are kept."""
+    keep = {os.path.basename(own_folder(directory, r)) for r in node_ranks}
+    keep |= {os.path.basename(mirror_folder(directory, r)) for r in sources}
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(os.path.join(directory, "shards")):
+            if _FOLDER.match(name) is not None and name not in keep:
+                shutil.rmtree(os.path.join(directory, "shards", name), ignore_errors=True)
 
 
 def read_any(directory: str, old_rank: int, step: int) -> dict[str, Any]:
@@ -113,7 +125,7 @@ class MirrorLink:
                 "snapshot.memory_failed",
                 level="warning",
                 step=copy.step,
-                dir=mirror_folder(self.directory, self.rank),
+                dir=self.directory,
                 error=f"mirror to rank {self.target}: {type(exc).__name__}: {exc}"[:500],
             )
 

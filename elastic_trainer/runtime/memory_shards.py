@@ -70,8 +70,8 @@ class ShardedMemoryTier:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.slots = RankSlots(memory_mirror.own_folder(directory, self.rank))
         self.node_keys = self._all_gather(os.path.realpath(directory))
-        targets = plan_.mirror_targets(self.node_keys)
-        self._link = memory_mirror.MirrorLink(directory, targets, self.rank)
+        self.targets = plan_.mirror_targets(self.node_keys)
+        self._link = memory_mirror.MirrorLink(directory, self.targets, self.rank)
         self.rebuild_plan: plan_.RebuildPlan | None = None  # set by restore: see rebuild()
         self.skipped = 0  # steps whose copy was skipped because the previous write still ran
         self._stager = Stager()
@@ -189,9 +189,16 @@ class ShardedMemoryTier:
         )
 
     def after_restore(self, step: int | None) -> None:
-        """Collective-free: drop copies other than the restored step's (a newer copy belongs
-        to an abandoned future)."""
+        """Collective-free (every rank has read what it needed once restore_state returns):
+        drop copies other than the restored step's (a newer copy belongs to an abandoned
+        future); the node's lowest rank removes folders of ranks the node no longer runs or
+        mirrors (memory stays bounded across world changes)."""
         self.slots.keep_only(step)
+        mine = self.node_keys[self.rank]
+        node = [r for r, key in enumerate(self.node_keys) if key == mine]
+        if node[0] == self.rank:
+            sources = [r for r, target in enumerate(self.targets) if target in node]
+            memory_mirror.prune(self.directory, node, sources)
 
     def _all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

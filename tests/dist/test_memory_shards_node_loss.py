@@ -5,6 +5,7 @@ mirror lost too, storage serves and the event says why. gloo, each rank a node o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ def test_a_lost_node_s_shards_are_rebuilt_from_its_mirror_losing_no_step(tmp_pat
     assert_state_equal(loaded, expected)  # the full model and Adam state, bit for bit
     info = SnapshotStore(str(tmp_path / "snaps"), create=False).latest()
     assert info is not None and (info.step, info.world_size) == (STEPS, 2)
+    # one node now: the old rank 1's mirror is freed, rank 0 keeps the restored step's copy
+    assert sorted(os.listdir(tmp_path / "node0" / "shards")) == ["rank-00000"]
 
 
 def test_a_mirror_lost_with_its_node_restores_from_storage_and_says_why(tmp_path):
