@@ -24,6 +24,7 @@ import datetime as dt
 import os
 import re
 import shutil
+import signal
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +39,9 @@ from snapshots import SnapshotError, layout
 from snapshots._sharded_commit import ShardPart
 from snapshots._shards import Piece, StagedShard
 
+# Test-only crash injection: SIGKILL the sender halfway through sending its copy of this step
+# (the header sent, the bytes not). A no-op unless set.
+KILL_MID_SEND_ENV = "ELASTIC_TRAIN_TEST_KILL_MIRROR_SEND"
 _FOLDER = re.compile(r"^(rank|mirror)-(\d{5})$")
 _CLOSING = -1  # a header's step: the sender is closing, the receiver thread ends
 # Seconds the group's collectives and transfers may wait for a rank before failing (a dead
@@ -117,6 +121,8 @@ class MirrorLink:
             digest = copy.digest.encode("ascii")
             header = [copy.step, copy.world_size, len(digest), len(data)]
             dist.send(torch.tensor(header, dtype=torch.int64), self.target, group=self.group)
+            if os.environ.get(KILL_MID_SEND_ENV) == str(copy.step):
+                os.kill(os.getpid(), signal.SIGKILL)
             body = torch.frombuffer(bytearray(digest) + data, dtype=torch.uint8)
             dist.send(body, self.target, group=self.group)
         except Exception as exc:  # the link is given up, never retried against a dead peer

@@ -4,6 +4,7 @@ node of its own, with its own memory folder ``<tmp>/node<rank>``."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ from typing import Any
 import torch
 from structlog.testing import capture_logs
 
+from elastic_trainer.runtime.memory_mirror import KILL_MID_SEND_ENV
 from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
 from elastic_trainer.runtime.snapshotting import SessionSnapshots, restore_state
+from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
 from snapshots import RNGState
 from tests.dist import sharded_workers
 from tests.dist.sharded_workers import fsdp_model, full_state
@@ -29,7 +32,11 @@ def _state(model: Any, optimizer: Any, step: int) -> dict[str, Any]:
 
 def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
     """``steps`` steps with an in-memory copy after each (mirrored to the other node) and a
-    storage snapshot at step 2; rank 0 saves the full state of the last step."""
+    storage snapshot at step 2; rank 0 saves the full state of step ``expect_at`` (default:
+    the last). ``kill_at``: rank 1 is killed while sending its copy of that step."""
+    if args.get("kill_at") is not None and rank == 1:
+        os.environ[KILL_MID_SEND_ENV] = str(args["kill_at"])
+    expect_at = args.get("expect_at", args["steps"])
     model = fsdp_model(world)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
@@ -40,10 +47,13 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
         tier.flush()  # every step's copy made (else a busy machine skips some): exact steps
         if step == 2:
             snapshots.save(step, _state(model, optimizer, step), epoch=0, blocking=True)
-    gathered = full_state(model, optimizer)
-    if rank == 0:
-        torch.save(gathered, Path(tmp, "expected.pt"))
+        if step == expect_at:
+            gathered = full_state(model, optimizer)
+            if rank == 0:
+                torch.save(gathered, Path(tmp, "expected.pt"))
     tier.close()  # the mirrors hold the last step once this returns on every rank
+    if args.get("kill_at") is not None:  # the peer is dead: no collective, no result
+        exit_without_finalizing(0)
     snapshots.close()
     return {"skipped": tier.skipped}
 

@@ -56,3 +56,22 @@ def test_a_mirror_lost_with_its_node_restores_from_storage_and_says_why(tmp_path
     (event,) = survivor["restored"]
     assert (event["source"], event["step"]) == ("storage", 2)
     assert "rank(s) 1 were lost with their node" in event["fallback_reason"]
+
+
+def test_a_sender_killed_mid_transfer_leaves_the_previous_mirror_which_is_used(tmp_path):
+    """Rank 1 (its node) dies halfway through sending its copy of the last step: the mirror
+    never commits a half copy, and the survivor rebuilds the step before (one step lost)."""
+    context = mp.spawn(
+        memory_shard_workers.spawn_phase,
+        args=(2, str(tmp_path), "train_with_copies", {"steps": STEPS, "kill_at": STEPS,
+              "expect_at": STEPS - 1, "tag": "kill"}),
+        nprocs=2, join=False,
+    )  # fmt: skip
+    for process in context.processes:  # not context.join(): it would kill rank 0 at once
+        process.join(240)
+    assert context.processes[1].exitcode == -9  # killed mid-send, as injected
+    (survivor,) = run_phase(tmp_path, "resume", 1, lose=["node1"], tag="lost")
+    (event,) = survivor["restored"]
+    assert (event["source"], event["step"]) == ("mirror", STEPS - 1)
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    assert_state_equal(torch.load(tmp_path / "loaded-lost.pt", weights_only=True), expected)
