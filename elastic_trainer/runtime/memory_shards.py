@@ -11,9 +11,13 @@ and a marker per rank: see ``memory_shard_plan`` for why two copies stay committ
 A restore (same world size and layout: a worker crash on a node that survives) is
 collective: the ranks agree on the newest step every rank holds, each loads and checks its
 copy, they agree that every rank succeeded, then each restores its shards through
-``set_state_dict``; any rank's failure sends every rank to storage, with the reason. A
-changed world restores from storage (``memory_shard_plan``): mirrors of a lost node's
-shards are not made yet.
+``set_state_dict``; any rank's failure sends every rank to storage, with the reason.
+
+Each copy is also mirrored on the next node (``memory_mirror``): when the world changed (a
+node lost, or replaced), the survivors' own copies and mirrors are written as a sharded
+storage snapshot of the newest step they make whole, which the caller then loads with the
+normal resharding load (``snapshotting.restore_state``; ``snapshot.restored`` says
+``source=mirror``). Without a mirror of every lost rank, storage serves, with the reason.
 """
 
 from __future__ import annotations
