@@ -136,19 +136,42 @@ class MirrorLink:
             )
 
     def _receive(self, source: int) -> None:
+        """Until the sender closes or dies. A copy that cannot be written (tmpfs full) is
+        dropped but the loop goes on: a sender must never be left waiting for a receiver."""
         slots = RankSlots(mirror_folder(self.directory, source))
+        failing = False
+        while True:
+            try:
+                step, world, digest, data = self._take(source)
+            except Exception:  # the sender died, or the group is gone: this mirror ends
+                return
+            if step == _CLOSING:
+                return
+            try:
+                slots.write_raw(step, world, data, digest)
+                failing = False
+            except Exception as exc:  # reported once per streak, as the rank's own copies
+                if not failing:
+                    emit(
+                        "snapshot.memory_failed",
+                        level="warning",
+                        step=step,
+                        dir=slots.directory,
+                        error=f"mirror of rank {source}: {type(exc).__name__}: {exc}"[:500],
+                    )
+                failing = True
+
+    def _take(self, source: int) -> tuple[int, int, str, memoryview]:
+        """One transfer: (step, saved world size, checksum, bytes); step ``_CLOSING`` ends."""
         header = torch.zeros(4, dtype=torch.int64)
-        with contextlib.suppress(Exception):  # the sender died, or closed: this mirror ends
-            while True:
-                dist.recv(header, source, group=self.group)
-                step, world, digest_len, nbytes = (int(v) for v in header.tolist())
-                if step == _CLOSING:
-                    return
-                body = torch.empty(digest_len + nbytes, dtype=torch.uint8)
-                dist.recv(body, source, group=self.group)
-                raw = memoryview(body.numpy())
-                digest = bytes(raw[:digest_len]).decode("ascii", "replace")
-                slots.write_raw(step, world, raw[digest_len:], digest)
+        dist.recv(header, source, group=self.group)
+        step, world, digest_len, nbytes = (int(v) for v in header.tolist())
+        if step == _CLOSING:
+            return step, 0, "", memoryview(b"")
+        body = torch.empty(digest_len + nbytes, dtype=torch.uint8)
+        dist.recv(body, source, group=self.group)
+        raw = memoryview(body.numpy())
+        return step, world, bytes(raw[:digest_len]).decode("ascii", "replace"), raw[digest_len:]
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Every rank at once (the session's close): tell the mirror rank, then wait for the

@@ -37,6 +37,10 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
     if args.get("kill_at") is not None and rank == 1:
         os.environ[KILL_MID_SEND_ENV] = str(args["kill_at"])
     expect_at = args.get("expect_at", args["steps"])
+    blocked = Path(tmp, "node0", "shards", "mirror-00001")  # ``block_mirror_until``
+    if args.get("block_mirror_until") and rank == 0:  # a file where the folder goes: the
+        blocked.parent.mkdir(parents=True, exist_ok=True)  # mirror's writes fail until then
+        blocked.write_text("not a folder")
     model = fsdp_model(world)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
@@ -45,6 +49,8 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
         sharded_workers.train(model, optimizer, 1, rank)
         tier.save(step, _state(model, optimizer, step), {"rng": RNGState()})
         tier.flush()  # every step's copy made (else a busy machine skips some): exact steps
+        if step == args.get("block_mirror_until") and rank == 0:
+            blocked.unlink()  # before rank 1's next copy: the training step between orders it
         if step == 2:
             snapshots.save(step, _state(model, optimizer, step), epoch=0, blocking=True)
         if step == expect_at:

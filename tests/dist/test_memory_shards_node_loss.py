@@ -48,6 +48,15 @@ def test_a_lost_node_s_shards_are_rebuilt_from_its_mirror_losing_no_step(tmp_pat
     assert sorted(os.listdir(tmp_path / "node0" / "shards")) == ["rank-00000"]
 
 
+def test_a_mirror_that_could_not_be_written_for_a_while_catches_up(tmp_path):
+    """The mirror's writes fail for the first steps (tmpfs full, say): the receiver goes on
+    receiving, never leaving its sender waiting, and holds the last step once it can."""
+    run_phase(tmp_path, "train_with_copies", 2, steps=STEPS, block_mirror_until=2)
+    (survivor,) = run_phase(tmp_path, "resume", 1, lose=["node1"], tag="lost")
+    (event,) = survivor["restored"]
+    assert (event["source"], event["step"]) == ("mirror", STEPS)
+
+
 def test_a_mirror_lost_with_its_node_restores_from_storage_and_says_why(tmp_path):
     run_phase(tmp_path, "train_with_copies", 2, steps=STEPS)
     lose = ["node1", "node0/shards/mirror-00001"]  # the mirror's node went too
