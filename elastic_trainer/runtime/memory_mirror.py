@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_shard_plan as plan_
-from elastic_trainer.runtime.memory_slots import RankSlots
+from elastic_trainer.runtime.memory_rank_slots import RankSlots
 from snapshots import SnapshotError, layout
 from snapshots._sharded_commit import ShardPart
 from snapshots._shards import Piece, StagedShard

@@ -35,7 +35,7 @@ from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_mirror
 from elastic_trainer.runtime import memory_shard_plan as plan_
 from elastic_trainer.runtime.memory_plan import RestorePlan, Source
-from elastic_trainer.runtime.memory_slots import BackgroundWriter, RankSlots
+from elastic_trainer.runtime.memory_rank_slots import BackgroundWriter, RankSlots
 from elastic_trainer.runtime.memory_tier import MemoryRestored
 from snapshots import _sharded_state, sharding
 from snapshots.serialization import Stager, is_stateful

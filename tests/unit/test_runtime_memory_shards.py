@@ -11,7 +11,7 @@ import torch
 
 from elastic_trainer.runtime import memory_shard_plan as plan
 from elastic_trainer.runtime.memory_plan import SLOTS, Source
-from elastic_trainer.runtime.memory_slots import RankSlots
+from elastic_trainer.runtime.memory_rank_slots import RankSlots
 
 
 def facts(*held: list[tuple[int, int]]) -> list[plan.RankFacts]:
