@@ -24,6 +24,7 @@ import torch.distributed as dist
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.context import WorkerContext
 from elastic_trainer.runtime.memory_plan import Source
+from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
 from elastic_trainer.runtime.memory_tier import MemoryTier
 from snapshots import (
     Owner,
@@ -68,11 +69,16 @@ class SessionSnapshots:
         self.last_saved_step: int | None = None  # saved or restored: never save it again
 
     def restore(
-        self, into: Mapping[str, Any], *, fallback_reason: str | None = None
+        self,
+        into: Mapping[str, Any],
+        *,
+        fallback_reason: str | None = None,
+        source: Source = Source.STORAGE,
     ) -> Restored | None:
         """Collective: load the newest verified snapshot (chosen by rank 0) on every rank.
-        ``fallback_reason``: why the in-memory tier could not serve (in snapshot.restored)."""
-        fields = {"source": Source.STORAGE.value}
+        ``fallback_reason``: why the in-memory tier could not serve (in snapshot.restored);
+        ``source``: MIRROR when the snapshot was just rebuilt from in-memory copies."""
+        fields = {"source": source.value}
         if fallback_reason is not None:
             fields["fallback_reason"] = fallback_reason
         loaded = self._snapshotter.load(
@@ -179,30 +185,43 @@ def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
 
 def open_memory_tier(
     directory: str | None, every: int, state: Mapping[str, Any]
-) -> MemoryTier | None:
+) -> MemoryTier | ShardedMemoryTier | None:
     """Collective when it opens one. None: no folder (not under elastic-train), ``every`` 0,
-    no process group, or sharded state (its shards keep to storage snapshots for now)."""
+    or no process group. Sharded (FSDP2) state: each rank keeps its own shards
+    (``memory_shards``); replicated state: one copy per node (``memory_tier``)."""
     from snapshots._sharded_state import has_dtensors
 
-    usable = directory and every > 0 and dist.is_initialized() and not has_dtensors(state)
-    return MemoryTier(directory, every=every) if usable else None  # type: ignore[arg-type]
+    if not (directory and every > 0 and dist.is_initialized()):
+        return None
+    if has_dtensors(state):
+        return ShardedMemoryTier(directory, every=every)
+    return MemoryTier(directory, every=every)
+
+
+_NO_STORAGE = "no snapshot directory to write the survivors' in-memory copies to"
 
 
 def restore_state(
-    memory: MemoryTier | None, snapshots: SessionSnapshots | None, into: Mapping[str, Any]
+    memory: MemoryTier | ShardedMemoryTier | None,
+    snapshots: SessionSnapshots | None,
+    into: Mapping[str, Any],
 ) -> tuple[int, dict[str, Any]] | None:
     """Collective: (step, saved state) from the memory tier, else from storage; None when
-    there is nothing to restore (a fresh start)."""
-    reason = None
+    there is nothing to restore (a fresh start). Sharded state after a node loss: the
+    survivors' in-memory copies are first written to storage, then loaded from there."""
+    reason, source = None, Source.STORAGE
     if memory is not None:
         newest = snapshots.newest_step if snapshots is not None else lambda: None
         plan, restored = memory.restore(into, {"rng": RNGState()}, newest)
         if restored is not None:
             return restored.step, restored.state
         reason = plan.reason
+        if plan.source is Source.MIRROR and isinstance(memory, ShardedMemoryTier):
+            reason = memory.rebuild(snapshots.store) if snapshots is not None else _NO_STORAGE
+            source = Source.STORAGE if reason is not None else Source.MIRROR
     if snapshots is None:
         return None
-    loaded = snapshots.restore(into, fallback_reason=reason)
+    loaded = snapshots.restore(into, fallback_reason=reason, source=source)
     return None if loaded is None else (loaded.info.step, loaded.state)
 
 

@@ -43,6 +43,7 @@ def final(root: Path) -> dict[str, torch.Tensor]:
 def assert_bit_identical(root: Path, reference: Path) -> None:
     ref = final(reference)
     for name, value in final(root).items():
+        assert not value.isnan().any(), f"{name} is NaN: the run diverged, nothing to compare"
         assert torch.equal(value, ref[name]), f"{name} differs from the uninterrupted run"
 
 

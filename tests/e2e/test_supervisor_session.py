@@ -29,7 +29,9 @@ SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 8, 10
 STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH  # 120: every world size (1, 2) divides the batch
 
 
-def _argv(snap: Path, audit: Path, snapshot_every: int, *extra: str) -> list[str]:
+def _argv(
+    snap: Path, audit: Path, snapshot_every: int, *extra: str, worker: tuple[str, ...] = ()
+) -> list[str]:
     return [
         "--min-nodes",
         "1",
@@ -53,6 +55,7 @@ def _argv(snap: Path, audit: Path, snapshot_every: int, *extra: str) -> list[str
         str(EPOCHS),
         "--step-time",
         "0.1",
+        *worker,
     ]
 
 
@@ -89,10 +92,22 @@ def _assert_exactly_once(audit: Path) -> list:
     return kept
 
 
-def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, worker_env, agents):
+# (worker flags, where the survivor restores from, where the joining node does). Replicated
+# (DDP) state: the survivor from its node's own copy, the joiner receives it over the group.
+# Sharded (FSDP2) state: the survivor from its own shards and the lost node's mirrored ones,
+# rebuilt into a storage snapshot (runtime.memory_mirror); the joiner from the final storage
+# snapshot the running group committed when it stopped to admit it (the same step).
+STATE_KINDS = {"ddp": ((), "memory", "mirror"), "fsdp": (("--fsdp",), "mirror", "storage")}
+
+
+@pytest.mark.parametrize("kind", sorted(STATE_KINDS))
+def test_node_loss_then_regrowth_trains_every_sample_exactly_once(
+    tmp_path, worker_env, agents, kind
+):
     snap, audit = tmp_path / "snap", tmp_path / "audit"
     port, env = free_port(), env_with(worker_env)
-    argv = _argv(snap, audit, 4)
+    worker, survivor_source, joiner_source = STATE_KINDS[kind]
+    argv = _argv(snap, audit, 4, worker=worker)
     a = start_agent(tmp_path, "a", argv, env, port=port)
     agents.append(a)
     wait_for(lambda: listening(port), 60, "a to host the store")  # b joins as a client
@@ -121,7 +136,7 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, work
     )
     restored = a.wait_event("snapshot.restored", 60, lambda e: e["world_size"] == 1)
     assert restored["saved_world_size"] == 2 and restored["step"] >= saved
-    assert restored["source"] == "memory"  # the survivor's own in-memory copy, not storage
+    assert restored["source"] == survivor_source  # in-memory copies, not storage
     wait_for(
         lambda: max(_steps_at(audit, 1), default=0) > restored["step"], 60, "steps at world size 1"
     )
@@ -135,8 +150,8 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(tmp_path, work
     grow = _wait_new(a, "membership.changed", changes, 90)
     assert (grow["old_world_size"], grow["reason"]) == (1, "node_joined")
     assert a.wait(180) == 0 and c.wait(60) == 0
-    # the new node had no copy of its own: it received the survivor's over the group
-    assert [e["source"] for e in c.events("snapshot.restored")][:1] == ["mirror"]
+    # the new node had no copy of its own
+    assert [e["source"] for e in c.events("snapshot.restored")][:1] == [joiner_source]
     finished = a.events("job.finished")[-1]
     assert finished["status"] == "succeeded" and finished["restarts"] == 0  # membership is free
     # node a was never preempted: its supervisor's own restarts must not read as preemptions

@@ -7,6 +7,7 @@ elastic_trainer lines marked ``# +``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -53,6 +54,13 @@ def parse() -> argparse.Namespace:
         default="",
         help="ranks (a,b) that delete their memory folder before a restart's restore",
     )
+    parser.add_argument(
+        "--damage-memory-on-restart",
+        default="",
+        help="ranks (a,b) that flip a byte of their sharded in-memory copies before a restart",
+    )
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     parser.add_argument("--rss-out", default=None, help="rank 0: RSS and tier bytes per step")
     return parser.parse_args()
 
@@ -76,6 +84,46 @@ def drop_memory(args: argparse.Namespace) -> None:
     if os.environ["RANK"] in args.drop_memory_on_restart.split(","):
         shutil.rmtree(os.environ[protocol.ENV_MEMORY_DIR], ignore_errors=True)
     torch.distributed.barrier()
+
+
+def damage_memory(args: argparse.Namespace) -> None:
+    """The listed ranks flip one byte in the middle of each of their sharded copies' slots
+    before the restarted group restores (a barrier, so that no rank restores before)."""
+    if restart_count() == 0 or not args.damage_memory_on_restart:
+        return
+    if os.environ["RANK"] in args.damage_memory_on_restart.split(","):
+        folder = os.path.join(
+            os.environ[protocol.ENV_MEMORY_DIR], "shards", f"rank-{int(os.environ['RANK']):05d}"
+        )
+        for name in os.listdir(folder):
+            if name.startswith("slot-"):
+                with open(os.path.join(folder, name), "r+b") as f:
+                    f.seek(os.path.getsize(f.name) // 2)
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+    torch.distributed.barrier()
+
+
+def wrap(module: nn.Module, fsdp: bool) -> nn.Module:
+    """DDP, or FSDP2 with the root as the one unit (its parameters become DTensors)."""
+    if not fsdp:
+        return DDP(module)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    return fully_shard(module, mesh=mesh)
+
+
+def final_weights(model: nn.Module, fsdp: bool) -> dict[str, torch.Tensor]:
+    """Collective under FSDP2: the full (gathered) weights."""
+    if not fsdp:
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def build_model(width: int, dropout: float) -> nn.Module:
@@ -105,9 +153,10 @@ def main() -> None:
         os.environ.pop(KILL_MID_WRITE_ENV, None)
     ctx = et.init_worker()  # + (replaces dist.init_process_group)
     drop_memory(args)
+    damage_memory(args)
     torch.manual_seed(0)
-    model = DDP(build_model(args.width, args.dropout))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model = wrap(build_model(args.width, args.dropout), args.fsdp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     data = dataset(args.samples)
     sampler = et.ElasticSampler(  # + (was DistributedSampler)
         data, seed=3, global_batch_size=args.global_batch, max_micro_batch_size=args.max_micro_batch
@@ -141,8 +190,10 @@ def main() -> None:
                     rss.sample()
                 if session.should_stop:  # +
                     break
-    if session.stop_reason is None and ctx.rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
+    if session.stop_reason is None:
+        weights = final_weights(model, args.fsdp)
+        if ctx.rank == 0:
+            torch.save(weights, args.out)
     if rss is not None:
         rss.write()
     session.finish()  # + (final snapshot; exits with the supervisor's code after a stop)
@@ -159,6 +210,16 @@ def _maybe_crash(args: argparse.Namespace, ctx: et.WorkerContext, step: int) -> 
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def folder_bytes(folder: str) -> int:
+    """Bytes of every file under ``folder`` (the node's copies, and each rank's own)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):  # a marker being replaced
+                total += os.path.getsize(os.path.join(root, name))
+    return total
+
+
 class RssProbe:
     """Rank 0's resident memory and its memory tier's bytes on tmpfs, after every step."""
 
@@ -172,7 +233,7 @@ class RssProbe:
         self.times.append(time.perf_counter())
         folder = os.environ.get(protocol.ENV_MEMORY_DIR)
         if folder and os.path.isdir(folder):
-            self.tier.append(sum(e.stat().st_size for e in os.scandir(folder) if e.is_file()))
+            self.tier.append(folder_bytes(folder))
 
     def write(self) -> None:
         with open(self.path, "w") as f:

@@ -12,6 +12,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,6 +26,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     parser.add_argument("--step-time", type=float, default=0.1, help="seconds slept per step")
     return parser.parse_args()
 
@@ -33,7 +36,12 @@ def main() -> None:
     ctx = et.init_worker()
     torch.manual_seed(0)
     dataset = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))
-    model = DDP(torch.nn.Linear(16, 4).to(ctx.device))
+    model = torch.nn.Linear(16, 4).to(ctx.device)
+    if args.fsdp:  # its parameters become DTensors: each rank keeps its own shards
+        mesh = init_device_mesh(ctx.device.type, (torch.distributed.get_world_size(),))
+        model = fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = et.ElasticSampler(dataset, seed=0, global_batch_size=args.global_batch)
     loader = DataLoader(dataset, batch_size=sampler.micro_batch_size, sampler=sampler)

@@ -1,0 +1,141 @@
+"""One rank's in-memory copies in a folder of its node's memory (``runtime.memory_shards``,
+``runtime.memory_mirror``): two slot files and a marker listing the committed copies, in
+the byte layout of ``memory_format``; and the thread that writes them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from elastic_trainer.events import emit
+from elastic_trainer.runtime import memory_format
+from elastic_trainer.runtime import memory_shard_plan as plan_
+from elastic_trainer.runtime.memory_plan import SLOTS
+
+
+class RankSlots:
+    """One rank's copies in its own folder: two slot files overwritten in place and a marker
+    listing the committed ones, replaced atomically (``memory_shard_plan``)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def copies(self) -> list[plan_.RankCopy]:
+        try:
+            with open(self._path(plan_.MARKER)) as f:
+                return plan_.copies_of(json.load(f))
+        except (OSError, ValueError):
+            return []
+
+    def write(self, step: int, world_size: int, payload: Mapping[str, Any]) -> plan_.RankCopy:
+        return self._write(step, world_size, lambda f: memory_format.write(payload, f))
+
+    def write_raw(self, step: int, world_size: int, data: Any, digest: str) -> plan_.RankCopy:
+        """A copy received whole from its rank (a mirror): its bytes and their checksum."""
+
+        def put(f: Any) -> str:
+            f.write(data)
+            return digest
+
+        return self._write(step, world_size, put)
+
+    def _write(self, step: int, world_size: int, put: Callable[[Any], str]) -> plan_.RankCopy:
+        os.makedirs(self.directory, exist_ok=True)
+        slot, kept = plan_.slot_to_write(self.copies())
+        self._commit(kept)  # the slot about to be overwritten is no longer listed
+        path = self._path(slot)
+        with open(path, "r+b" if os.path.exists(path) else "xb") as f:
+            digest = put(f)
+            f.truncate(f.tell())
+            size = f.tell()
+        new = plan_.RankCopy(
+            step=step, slot=slot, nbytes=size, digest=digest, world_size=world_size
+        )
+        self._commit(plan_.after_write(kept, new))
+        return new
+
+    def _commit(self, copies: list[plan_.RankCopy]) -> None:
+        tmp = self._path(f".{plan_.MARKER}.{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            f.write(plan_.marker_json(copies))
+        os.replace(tmp, self._path(plan_.MARKER))
+
+    def read(self, step: int) -> dict[str, Any]:
+        """The copy of ``step``, checked against its checksum before anything is unpickled."""
+        copy, data = self.raw(step)
+        memory_format.verify(data, copy.digest, f"{os.path.basename(self.directory)}/{copy.slot}")
+        return memory_format.read(data)
+
+    def raw(self, step: int) -> tuple[plan_.RankCopy, bytearray]:
+        """The committed copy of ``step`` and its bytes, not checked (``read`` checks)."""
+        found = [c for c in self.copies() if c.step == step]
+        if not found:
+            raise FileNotFoundError(f"no committed in-memory copy of step {step}")
+        copy = found[0]
+        path = self._path(copy.slot)
+        if os.path.getsize(path) != copy.nbytes:
+            raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {copy.nbytes}")
+        data = bytearray(copy.nbytes)
+        with open(path, "rb") as f:
+            if f.readinto(data) != copy.nbytes:
+                raise ValueError(f"{copy.slot} changed while it was read")
+        return copy, data
+
+    def keep_only(self, step: int | None) -> None:
+        """Forget every copy but ``step``'s (None: all); free the slots no copy uses."""
+        kept = [c for c in self.copies() if c.step == step]
+        if os.path.isdir(self.directory):
+            self._commit(kept)
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                stale = name.startswith(f".{plan_.MARKER}.")
+                if stale or (name in SLOTS and name not in {c.slot for c in kept}):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path(name))
+
+
+class BackgroundWriter:
+    """One copy written at a time on a thread of its own; a failure (tmpfs full, folder
+    removed: storage stays the fallback) is reported once per streak of failures."""
+
+    def __init__(self, directory: str, *, name: str) -> None:
+        self.directory, self.name = directory, name
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, step: int, write: Callable[[], None]) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(step, write), name=self.name, daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, step: int, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception as exc:  # any failure: this copy is not made, storage still is
+            if not self._failing:
+                emit(
+                    "snapshot.memory_failed",
+                    level="warning",
+                    step=step,
+                    dir=self.directory,
+                    error=f"{type(exc).__name__}: {exc}"[:500],
+                )
+            self._failing = True
+            return
+        self._failing = False
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._thread.join()

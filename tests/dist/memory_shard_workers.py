@@ -1,0 +1,91 @@
+"""Worker bodies for the sharded in-memory tier's node-loss tests (``runtime.memory_shards``,
+``runtime.memory_mirror``), run through ``sharded_workers.spawn_phase``: each rank plays a
+node of its own, with its own memory folder ``<tmp>/node<rank>``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from structlog.testing import capture_logs
+
+from elastic_trainer.runtime.memory_mirror import KILL_MID_SEND_ENV
+from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+from elastic_trainer.runtime.snapshotting import SessionSnapshots, restore_state
+from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
+from snapshots import RNGState
+from tests.dist import sharded_workers
+from tests.dist.sharded_workers import fsdp_model, full_state
+
+
+def spawn_phase(rank: int, world: int, tmp: str, phase: str, args: dict[str, Any]) -> None:
+    sharded_workers.PHASES.update(PHASES)  # this process's copy of the table
+    sharded_workers.spawn_phase(rank, world, tmp, phase, args)
+
+
+def _state(model: Any, optimizer: Any, step: int) -> dict[str, Any]:
+    return {"model": model, "optimizer": optimizer, "elastic_session": {"step": step, "epoch": 0}}
+
+
+def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    """``steps`` steps with an in-memory copy after each (mirrored to the other node) and a
+    storage snapshot at step 2; rank 0 saves the full state of step ``expect_at`` (default:
+    the last). ``kill_at``: rank 1 is killed while sending its copy of that step."""
+    if args.get("kill_at") is not None and rank == 1:
+        os.environ[KILL_MID_SEND_ENV] = str(args["kill_at"])
+    expect_at = args.get("expect_at", args["steps"])
+    blocked = Path(tmp, "node0", "shards", "mirror-00001")  # ``block_mirror_until``
+    if args.get("block_mirror_until") and rank == 0:  # a file where the folder goes: the
+        blocked.parent.mkdir(parents=True, exist_ok=True)  # mirror's writes fail until then
+        blocked.write_text("not a folder")
+    model = fsdp_model(world)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
+    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1)
+    for step in range(1, args["steps"] + 1):
+        sharded_workers.train(model, optimizer, 1, rank)
+        tier.save(step, _state(model, optimizer, step), {"rng": RNGState()})
+        tier.flush()  # every step's copy made (else a busy machine skips some): exact steps
+        if step == args.get("block_mirror_until") and rank == 0:
+            blocked.unlink()  # before rank 1's next copy: the training step between orders it
+        if step == 2:
+            snapshots.save(step, _state(model, optimizer, step), epoch=0, blocking=True)
+        if step == expect_at:
+            gathered = full_state(model, optimizer)
+            if rank == 0:
+                torch.save(gathered, Path(tmp, "expected.pt"))
+    tier.close()  # the mirrors hold the last step once this returns on every rank
+    if args.get("kill_at") is not None:  # the peer is dead: no collective, no result
+        exit_without_finalizing(0)
+    snapshots.close()
+    return {"skipped": tier.skipped}
+
+
+def resume(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The surviving node(s) restore at the new world size; ``lose`` lists node folders
+    (``node1``, or a mirror folder too) gone with the lost node."""
+    for lost in args.get("lose", []):
+        shutil.rmtree(Path(tmp, lost), ignore_errors=True)
+    model = fsdp_model(world, seed=1)  # other weights: the restore must replace them all
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
+    snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
+    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1)
+    with capture_logs() as logs:
+        restored = restore_state(tier, snapshots, {"model": model, "optimizer": optimizer})
+    tier.after_restore(None if restored is None else restored[0])
+    gathered = full_state(model, optimizer)
+    if rank == 0:
+        torch.save(gathered, Path(tmp, f"loaded-{args['tag']}.pt"))
+    tier.close()
+    snapshots.close()
+    events = [e for e in logs if e.get("event") == "snapshot.restored"]
+    return {"step": None if restored is None else restored[0], "restored": events}
+
+
+PHASES: dict[str, sharded_workers.Phase] = {
+    "train_with_copies": train_with_copies,
+    "resume": resume,
+}

@@ -1,0 +1,165 @@
+"""The sharded in-memory tier's pure decisions (``memory_shard_plan``) and a rank's slot
+folder (``memory_shards.RankSlots``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from elastic_trainer.runtime import memory_shard_plan as plan
+from elastic_trainer.runtime.memory_plan import SLOTS, Source
+from elastic_trainer.runtime.memory_rank_slots import RankSlots
+
+
+def facts(*held: list[tuple[int, int]]) -> list[plan.RankFacts]:
+    return [plan.RankFacts(copies=tuple(h)) for h in held]
+
+
+# --- which step a (re)started group restores ---------------------------------------------------
+def test_the_newest_step_every_rank_holds_is_restored():
+    # rank 0 committed step 9, rank 1 was killed while writing it: both still hold 8
+    chosen = plan.plan_restore(facts([(9, 2), (8, 2)], [(8, 2), (7, 2)]), 2, storage_newest=6)
+    assert (chosen.source, chosen.step, chosen.reason) == (Source.MEMORY, 8, None)
+
+
+def test_a_rank_without_a_copy_sends_every_rank_to_storage_with_the_reason():
+    chosen = plan.plan_restore(facts([(9, 2)], []), 2, storage_newest=6)
+    assert chosen.source is Source.STORAGE and chosen.step is None
+    assert "rank(s) 1 hold no in-memory copy" in (chosen.reason or "")
+
+
+def test_no_step_in_common_falls_back_to_storage():
+    chosen = plan.plan_restore(facts([(9, 2)], [(7, 2)]), 2, storage_newest=6)
+    assert chosen.source is Source.STORAGE
+    assert "no step is held in memory by every rank" in (chosen.reason or "")
+
+
+def test_a_changed_world_size_restores_from_storage_and_says_so():
+    chosen = plan.plan_restore(facts([(9, 2)]), 1, storage_newest=6)  # a node of two lost
+    assert chosen.source is Source.STORAGE
+    assert "the world size changed (2 -> 1)" in (chosen.reason or "")
+
+
+def test_a_newer_storage_snapshot_wins_and_nothing_at_all_is_a_fresh_start():
+    newer = plan.plan_restore(facts([(9, 2)], [(9, 2)]), 2, storage_newest=12)
+    assert newer.source is Source.STORAGE and "step 12 is newer" in (newer.reason or "")
+    fresh = plan.plan_restore(facts([], []), 2, storage_newest=None)
+    assert fresh.source is Source.STORAGE and "no rank holds" in (fresh.reason or "")
+
+
+# --- a rank's two slots and marker ---------------------------------------------------------------
+def copy(step: int, slot: str) -> plan.RankCopy:
+    return plan.RankCopy(step=step, slot=slot, nbytes=10, digest="ab", world_size=2)
+
+
+def test_the_next_copy_never_overwrites_the_newest_and_uncommits_the_one_it_overwrites():
+    assert plan.slot_to_write([]) == (SLOTS[0], [])
+    newest, older = copy(9, SLOTS[1]), copy(8, SLOTS[0])
+    slot, kept = plan.slot_to_write([newest, older])
+    assert (slot, kept) == (SLOTS[0], [newest])
+    assert plan.after_write(kept, copy(10, slot)) == [copy(10, SLOTS[0]), newest]
+
+
+def test_a_malformed_marker_lists_no_copy():
+    good = copy(3, SLOTS[0]).to_json()
+    assert plan.copies_of({"copies": [good, {**good, "slot": "../x"}, "junk"]}) == [
+        copy(3, SLOTS[0])
+    ]
+    assert plan.copies_of({"copies": [{**good, "step": True}]}) == []
+    assert plan.copies_of(["not", "a", "marker"]) == []
+
+
+def test_layout_problems_name_the_tensor():
+    saved = {"w": {"shape": [4, 2], "offsets": [2, 0]}}
+    assert plan.layout_problem(saved, saved) is None
+    moved = plan.layout_problem(saved, {"w": {"shape": [4, 2], "offsets": [0, 0]}})
+    assert moved is not None and "tensor w" in moved
+    assert "differ" in (plan.layout_problem(saved, {"v": {}}) or "")
+
+
+def payload(step: int, size: int = 1000) -> dict:
+    return {"step": step, "tensors": {"w": torch.full((size,), float(step))}}
+
+
+def test_a_rank_keeps_at_most_two_copies_whatever_the_number_of_steps(tmp_path):
+    slots = RankSlots(str(tmp_path / "rank-00000"))
+    for step in range(1, 30):
+        slots.write(step, 2, payload(step))
+        assert sorted(os.listdir(slots.directory)) == sorted([plan.MARKER, *SLOTS[: min(step, 2)]])
+    assert [c.step for c in slots.copies()] == [29, 28]
+    assert torch.equal(slots.read(28)["tensors"]["w"], torch.full((1000,), 28.0))
+    slots.keep_only(28)
+    assert [c.step for c in slots.copies()] == [28]
+    assert len([n for n in os.listdir(slots.directory) if n in SLOTS]) == 1
+
+
+def test_a_damaged_or_truncated_slot_is_never_read(tmp_path):
+    slots = RankSlots(str(tmp_path / "rank-00001"))
+    slots.write(4, 2, payload(4))
+    (only,) = slots.copies()
+    path = os.path.join(slots.directory, only.slot)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\xff\xfe")
+    with pytest.raises(ValueError, match="checksum"):
+        slots.read(4)
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match="bytes"):
+        slots.read(4)
+    with pytest.raises(FileNotFoundError):
+        slots.read(5)
+
+
+def test_a_crash_while_writing_leaves_only_whole_copies_listed(tmp_path, monkeypatch):
+    slots = RankSlots(str(tmp_path / "rank-00000"))
+    slots.write(1, 2, payload(1))
+    slots.write(2, 2, payload(2))
+
+    def torn(data, f):  # killed halfway through the copy of step 3 (into step 1's slot)
+        f.write(b"half a copy")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("elastic_trainer.runtime.memory_format.write", torn)
+    with pytest.raises(KeyboardInterrupt):
+        slots.write(3, 2, payload(3))
+    assert [c.step for c in slots.copies()] == [2]  # step 1's slot was uncommitted first
+    assert torch.equal(slots.read(2)["tensors"]["w"], torch.full((1000,), 2.0))
+    with open(os.path.join(slots.directory, plan.MARKER)) as f:
+        marker = json.load(f)
+    assert [c["step"] for c in marker["copies"]] == [2]
+
+
+# --- mirrors and a lost node's shards -----------------------------------------------------------
+def test_each_rank_is_mirrored_by_the_same_local_rank_of_the_next_node():
+    assert plan.mirror_targets(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert plan.mirror_targets(["a", "b", "c"]) == [1, 2, 0]
+    assert plan.mirror_targets(["a", "a", "a", "b"]) == [3, 3, 3, 0]  # uneven nodes
+    assert plan.mirror_targets(["a", "a"]) == [None, None]  # one node: nowhere else
+
+
+def test_a_lost_node_s_shards_are_read_from_the_lowest_rank_holding_them():
+    # world 4 on nodes (0,1) and (2,3), node 2-3 lost: ranks 0 and 1 of the new world hold
+    # their own copies and the mirrors of old ranks 2 and 3, up to step 9
+    held = [[(0, 9, 4), (2, 9, 4), (0, 8, 4), (2, 8, 4)], [(1, 9, 4), (3, 9, 4), (3, 8, 4)]]
+    rebuild = plan.plan_rebuild(held, storage_newest=6)
+    assert (rebuild.step, rebuild.saved_world_size, rebuild.holders) == (9, 4, (0, 1, 0, 1))
+    assert plan.plan_rebuild(held, storage_newest=9).step is None  # storage has it already
+
+
+def test_a_mirror_lost_with_its_node_names_the_lost_ranks():
+    rebuild = plan.plan_rebuild([[(0, 9, 2)]], storage_newest=6)
+    assert rebuild.step is None
+    assert "rank(s) 1 were lost with their node" in (rebuild.reason or "")
+
+
+def test_a_changed_world_is_rebuilt_from_mirrors_a_same_world_crash_is_not():
+    own = facts([(9, 2)])
+    chosen, rebuild = plan.plan_sharded(own, [[(0, 9, 2), (1, 9, 2)]], 1, storage_newest=6)
+    assert (chosen.source, chosen.step) == (Source.MIRROR, 9) and rebuild is not None
+    same = facts([(9, 2)], [(7, 2)])  # no step in common: not a world change, no rebuild
+    chosen, rebuild = plan.plan_sharded(same, [[(0, 9, 2), (1, 9, 2)]] * 2, 2, None)
+    assert chosen.source is Source.STORAGE and rebuild is None
