@@ -191,6 +191,9 @@ def read(data: bytearray) -> dict[str, Any]:
     for dtype, shape, offset, nbytes in head["tensors"]:
         if offset + nbytes > start:
             raise ValueError(f"the copy's tensor table overlaps its skeleton at {offset}")
+        if nbytes == 0:  # torch.frombuffer refuses a count of 0 (an uneven FSDP2 shard)
+            tensors.append(torch.empty(shape, dtype=getattr(torch, dtype)))
+            continue
         raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
         tensors.append(raw.view(getattr(torch, dtype)).reshape(shape))
     return _walk(head["skeleton"], lambda obj: _fill(obj, tensors))

@@ -99,10 +99,7 @@ class ShardedMemoryTier:
             "rank": self.rank,
             "layout": self._describe(tensors),
             "skeletons": skeletons,
-            # memory_format.read cannot view an empty tensor (torch.frombuffer refuses a
-            # count of 0): an empty local shard (uneven FSDP2 sharding) is kept as its shape
-            "tensors": {n: _local(t) for n, t in tensors.items() if _local(t).numel()},
-            "empty": {n: _empty(t) for n, t in tensors.items() if not _local(t).numel()},
+            "tensors": {n: _local(t) for n, t in tensors.items()},  # empty shards too
             "per_rank": {k: v.state_dict() if is_stateful(v) else v for k, v in per_rank.items()},
         }
         staged = self._stager.capture(payload)
@@ -177,8 +174,7 @@ class ShardedMemoryTier:
         problem = plan_.layout_problem(payload["layout"], describe(current))
         if problem is not None:
             return {}, {}, problem
-        saved = {**payload["tensors"], **{n: _from_empty(e) for n, e in payload["empty"].items()}}
-        tensors = {n: _rebuild(t, current.get(n)) for n, t in saved.items()}
+        tensors = {n: _rebuild(t, current.get(n)) for n, t in payload["tensors"].items()}
         state = {k: sharding.fill(v, tensors) for k, v in payload["skeletons"].items()}
         return state, payload["per_rank"], None
 
@@ -212,15 +208,6 @@ class ShardedMemoryTier:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _empty(tensor: torch.Tensor) -> list[Any]:
-    return [list(_local(tensor).shape), str(tensor.dtype).removeprefix("torch.")]
-
-
-def _from_empty(described: list[Any]) -> torch.Tensor:
-    shape, dtype = described
-    return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
 def _rebuild(saved: torch.Tensor, template: torch.Tensor | None) -> torch.Tensor:

@@ -72,6 +72,19 @@ def test_each_copy_is_the_state_of_its_step_bit_for_bit(tmp_path, monkeypatch):
         _assert_same(copies.read(step)["state"], saved)
 
 
+def test_an_empty_tensor_comes_back_with_its_shape_and_dtype(tmp_path):
+    # An uneven FSDP2 shard can be empty; torch.frombuffer refuses a count of 0.
+    saved = {"empty": torch.empty(0, 7, dtype=torch.bfloat16), "full": torch.arange(5.0)}
+    copies = NodeCopies(str(tmp_path))
+    copies.write(1, {"step": 1, "state": saved})
+    _assert_same(copies.read(1)["state"], saved)
+    with open(tmp_path / "copy.bin", "wb") as f:  # the file path (memory_format.write)
+        digest = memory_format.write({"state": saved}, f)
+    data = bytearray((tmp_path / "copy.bin").read_bytes())
+    memory_format.verify(data, digest, "copy.bin")
+    _assert_same(memory_format.read(data)["state"], saved)
+
+
 def test_a_slot_is_mapped_once_and_copied_into_in_place(tmp_path):
     copies = NodeCopies(str(tmp_path))
     inodes = set()
