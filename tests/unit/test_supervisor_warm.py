@@ -22,6 +22,7 @@ from elastic_trainer.config import Entrypoint, RunConfig
 from elastic_trainer.supervisor import procs, warm_workers
 from elastic_trainer.supervisor.warm_decisions import (
     BASE_MODULES,
+    SESSION_MODULES,
     import_env_mismatch,
     modules_to_preload,
     pool_argv,
@@ -80,8 +81,17 @@ def test_preloads_only_the_safe_top_level_imports_of_a_script(tmp_path):
         "numpy.linalg",
         "elastic_trainer.runtime",
         "elastic_trainer.runtime.TrainingSession",  # tried: from-imports may name modules
+        *SESSION_MODULES,  # behind elastic_trainer's lazy attributes
     ]
     assert modules_to_preload([str(tmp_path / "missing.py")]) == list(BASE_MODULES)
+
+
+def test_a_job_that_imports_elastic_trainer_gets_the_session_preloaded(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import elastic_trainer as et\n")
+    assert modules_to_preload([str(script)]) == [*BASE_MODULES, "elastic_trainer", *SESSION_MODULES]
+    script.write_text("import torch\n")  # a plain torchrun script: nothing of ours
+    assert modules_to_preload([str(script)]) == list(BASE_MODULES)
 
 
 def test_import_time_variables_that_differ_send_a_worker_the_old_way():
@@ -213,6 +223,40 @@ def test_a_pool_with_a_thread_refuses_to_fork_and_is_given_up(subreaper, tmp_pat
             _spawn(pool, tmp_path, [_script(tmp_path, REPORT)])
     finally:
         pool.close()
+
+
+def test_a_torch_pool_is_warmed_up_once_and_stays_single_threaded(subreaper, tmp_path):
+    """The first optimizer step of a process imports torch._dynamo (seconds): the pool pays
+    it once, a forked worker finds it imported; and the warm-up started no thread."""
+    pool = WarmPool.start(["torch"], env=_env())
+    try:
+        with capture_logs() as logs:
+            assert pool.wait_ready(120), pool.failure
+        body = """
+            import json, sys, torch
+            before = "torch._dynamo" in sys.modules
+            param = torch.nn.Parameter(torch.ones(2))
+            opt = torch.optim.AdamW([param])
+            param.sum().backward()
+            opt.step()
+            print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
+        """
+        pid, out = _spawn(pool, tmp_path, [_script(tmp_path, body)])
+        assert WarmProcess(pid).wait(120) == 0
+        assert json.loads(out.read_text()) == {"before": True, "after": True}
+        assert logs[-1]["event"] == "warm_pool.ready" and logs[-1]["warm_up_s"] > 0
+        assert len(os.listdir(f"/proc/{pool.pid}/task")) == 1  # native threads too
+    finally:
+        pool.close()
+
+
+def test_a_pool_without_torch_has_nothing_to_warm_up():
+    assert "torch" in sys.modules  # this test process imported it: look at a fresh one
+    code = "from elastic_trainer.supervisor import warm_pool; import sys; "
+    code += "print(warm_pool.warm_up(), 'torch' in sys.modules)"
+    env = _env()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["0.0", "False"], done.stderr
 
 
 def test_a_dead_pool_is_given_up_and_a_closed_one_exits(subreaper, tmp_path):
