@@ -29,6 +29,7 @@ node sentinel (it carries the supervisor's pid in its environment, like every wo
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -123,6 +124,12 @@ def serve(sock: socket.socket, modules: list[str]) -> int:
     began = time.monotonic()
     loaded = preload(modules)
     warm_s = warm_up()
+    # Everything imported so far is the workers' too: move it out of the collector's sight.
+    # A worker's collections (and the one of its exit, bootstrap.exit_without_finalizing) then
+    # walk its own objects, not the ~300k of torch and its lazy imports: 0.5-1.3 s less per
+    # worker exit here, and no copy-on-write of pages the collector would touch.
+    gc.collect()
+    gc.freeze()
     ready = {"ready": True, "pid": os.getpid(), "loaded": loaded, "warm_up_s": warm_s}
     send(sock, {**ready, "import_s": time.monotonic() - began})
     while True:

@@ -192,6 +192,23 @@ def test_a_worker_runs_its_script_as_our_child_in_a_session_of_its_own(pool, tmp
     assert (seen["rank"], seen["cwd"]) == ("5", str(work))
 
 
+def test_a_worker_starts_with_the_pools_objects_out_of_the_collectors_sight(pool, tmp_path):
+    """gc.freeze before fork: a worker's collections (one at its exit) skip what the pool
+    imported, so an exit does not walk torch's objects (about a second on a loaded machine)."""
+    script = _script(tmp_path, "import gc\nprint(gc.get_freeze_count())\n")
+    pid, out = _spawn(pool, tmp_path, [script])
+    assert WarmProcess(pid).wait(60) == 0
+    assert int(out.read_text()) > 1000  # the pool's interpreter and its imports
+
+
+def test_a_worker_that_buffers_its_stdout_still_has_it_written_at_exit(pool, tmp_path):
+    # sys.stdout is the pool's object, frozen out of gc.get_objects: flushed by name
+    body = "import sys\nsys.stdout.reconfigure(write_through=False)\nprint('last', end='')\n"
+    pid, out = _spawn(pool, tmp_path, [_script(tmp_path, body)])
+    assert WarmProcess(pid).wait(60) == 0
+    assert out.read_text() == "last"
+
+
 def test_a_worker_killed_reports_the_signal_and_wait_times_out_while_it_runs(pool, tmp_path):
     script = _script(tmp_path, "import sys\nsys.stdin.read()\n")
     read_end, write_end = os.pipe()  # stdin that never ends: the worker blocks
