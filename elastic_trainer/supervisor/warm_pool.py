@@ -85,15 +85,17 @@ def warm_up() -> float:
     not in each worker: the first ``Optimizer.step`` of a process imports ``torch._dynamo``
     (and sympy with it), 1-3 s on a loaded 2-core machine. On a throwaway one-element CPU
     tensor, through public API only: no CUDA, no thread (``fork_refusal`` checks both before
-    every fork all the same). Seconds it took; 0 without torch (nothing to warm)."""
+    every fork all the same). No backward either: the autograd engine's first run counts the
+    CUDA devices (initialising the driver, which a forked child could not use) and starts a
+    thread per device; the gradient is set by hand. Seconds it took; 0 without torch."""
     torch = sys.modules.get("torch")
     if torch is None:
         return 0.0
     began = time.monotonic()
     try:
         param = torch.nn.Parameter(torch.zeros(1))
+        param.grad = torch.zeros(1)
         optimizer = torch.optim.SGD([param], lr=0.1)
-        (param * 2.0).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     except Exception:  # a torch without these: its workers import them themselves

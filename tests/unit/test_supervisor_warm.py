@@ -267,6 +267,19 @@ def test_a_torch_pool_is_warmed_up_once_and_stays_single_threaded(subreaper, tmp
         pool.close()
 
 
+def test_the_warm_up_runs_no_backward(monkeypatch):
+    """The autograd engine's first run would count CUDA devices (driver initialised before
+    fork) and start one thread per device: on a GPU node the pool could fork nothing."""
+    import torch
+
+    from elastic_trainer.supervisor import warm_pool
+
+    calls = []
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(a))
+    assert warm_pool.warm_up() > 0
+    assert calls == []
+
+
 def test_a_pool_without_torch_has_nothing_to_warm_up():
     assert "torch" in sys.modules  # this test process imported it: look at a fresh one
     code = "from elastic_trainer.supervisor import warm_pool; import sys; "
