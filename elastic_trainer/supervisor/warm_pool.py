@@ -239,5 +239,14 @@ def main(argv: list[str]) -> int:
         return serve(sock, argv[1:])
 
 
+def exit_now(status: int) -> None:
+    """End the pool without finalizing the interpreter: it has nothing to finish, and the
+    libraries it imported for its workers may report at exit on the supervisor's stderr (a
+    torch that imported triton prints nanobind "leaked" lines, without a final newline)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

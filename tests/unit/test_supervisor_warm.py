@@ -303,6 +303,18 @@ def test_a_dead_pool_is_given_up_and_a_closed_one_exits(subreaper, tmp_path):
     assert other.proc.returncode == 0
 
 
+def test_a_closed_pool_exits_without_finalizing_what_it_imported(subreaper, tmp_path, capfd):
+    # what torch with triton does at finalization: print on the supervisor's stderr
+    (tmp_path / "noisy.py").write_text(
+        "import atexit, sys\natexit.register(lambda: print('leaked', file=sys.stderr))\n"
+    )
+    pool = WarmPool.start(["noisy"], env=_env(PYTHONPATH=str(tmp_path)))
+    assert pool.wait_ready(60)
+    pool.close()
+    assert pool.proc.returncode == 0
+    assert "leaked" not in capfd.readouterr().err
+
+
 def test_a_pool_that_never_gets_ready_is_given_up_after_the_timeout(subreaper):
     pool = WarmPool.start([], env=_env())
     try:
