@@ -7,6 +7,7 @@ tests/unit/test_bench_recovery.py checks the arithmetic (steps lost above all) o
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 from collections.abc import Callable
@@ -20,6 +21,13 @@ PHASES = ("detect", "rendezvous", "worker_start", "restore", "first_step")
 OUR_DETECT = {"worker.failed", "peer.lost", "peer.silent", "group.restarting"}
 TORCHRUN_DETECT = re.compile(r"Worker group (FAILED|UNHEALTHY)|Detected \d+ new nodes")
 TORCHRUN_RDZV = re.compile(r"Rendezvous complete for workers")
+# the steps of a recovery, in order, for ``breakdown``: a supervisor's events (torch's log line
+# for the start of its rendezvous: the workers are stopped by then), the session worker's markers
+SUPERVISOR_STEPS = ("fault", "worker.failed", "peer.lost", "peer.silent", "group.restarting",
+                    "rendezvous.joining", "rendezvous.completed", "workers.started")  # fmt: skip
+WORKER_STEPS = ("began", "imported", "optimizer", "group_ready", "session_import", "ddp",
+                "open_memory_tier", "restore_state", "restored", "first_step")  # fmt: skip
+RDZV_JOINING = "Rendezvous'ing worker group"
 GLOG = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+)")
 
 Row = tuple[int, int, int, float]  # an audit line: step, rank, world size, time
@@ -34,12 +42,14 @@ class Result:
     phases: dict[str, float | None] = field(default_factory=dict)
     resumed_from: int | None = None  # the step the new group started from
     source: str | None = None  # snapshot.restored's sources ("memory+mirror"); None: no event
+    detail: str = ""  # where the phases' time went (``breakdown``), for the per-run line
 
     def __str__(self) -> str:
         parts = [f"{k}={v:.2f}" for k, v in self.phases.items() if v is not None]
+        detail = f"\n    {self.detail}" if self.detail else ""
         return (
             f"total={self.total} pause={self.pause} lost={self.steps_lost} "
-            f"from={self.resumed_from} source={self.source} " + " ".join(parts)
+            f"from={self.resumed_from} source={self.source} " + " ".join(parts) + detail
         )
 
 
@@ -124,6 +134,16 @@ def restore_after(events: list[dict[str, Any]], after: float) -> Restore | None:
     step = int(restored[0]["step"])
     sources = {str(e.get("source", "storage")) for e in restored if int(e["step"]) == step}
     return Restore(step=step, source="+".join(sorted(sources)))
+
+
+def breakdown(stamps: list[Stamp], names: tuple[str, ...], after: float | None) -> str:
+    """``name=+seconds`` since the one before, for each of ``names`` at its latest rank's first
+    occurrence after ``after``, in time order; a name never seen is left out. For a look at
+    where one phase's time goes, not for the table."""
+    found = [(n, last_of_first(stamps, n, after)) for n in names]
+    seen = sorted(((n, t) for n, t in found if t is not None), key=lambda nt: nt[1])
+    spans = [f"{b[0]}=+{b[1] - a[1]:.2f}" for a, b in itertools.pairwise(seen)]
+    return " ".join(spans)
 
 
 def steps_lost(last_done: int, resumed_from: int) -> int:

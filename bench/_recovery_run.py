@@ -4,6 +4,7 @@ engine: processes and files here, the arithmetic in _recovery_parse.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -19,10 +20,14 @@ from pathlib import Path
 import psutil
 from _recovery_parse import (
     OUR_DETECT,
+    RDZV_JOINING,
+    SUPERVISOR_STEPS,
     TORCHRUN_DETECT,
     TORCHRUN_RDZV,
+    WORKER_STEPS,
     Result,
     Row,
+    breakdown,
     first_after,
     parse_audit,
     parse_events,
@@ -138,7 +143,7 @@ def start(kind: str, worker: str, port: int, node: str, tmp: Path) -> subprocess
 
 def phases(kind: str, tmp: Path, fault: float, ws_after: int) -> Result:
     """The phase boundaries on node 'a' (the one that keeps running) after ``fault``."""
-    restore = None
+    restore, detail = None, ""
     if kind == "torchrun":
         stamps = parse_glog(_text(tmp / "a.out"), datetime.now().year)
         detected = first_after(stamps, lambda s: bool(TORCHRUN_DETECT.search(s)), fault)
@@ -150,15 +155,34 @@ def phases(kind: str, tmp: Path, fault: float, ws_after: int) -> Result:
         formed = first_after(stamps, lambda e: e == "rendezvous.completed", detected)
         # both nodes' workers log their restore (node b's too, after a worker crash)
         restore = restore_after(events + parse_events(_text(tmp / "b.jsonl")), fault)
-    return result(
+        detail = supervisor_detail(tmp, fault)
+    marks = parse_markers(_text(tmp / "markers"))
+    audit = rows(tmp / "audit")
+    out = result(
         fault=fault,
         detected=detected,
         formed=formed,
-        marks=parse_markers(_text(tmp / "markers")),
-        audit=rows(tmp / "audit"),
+        marks=marks,
+        audit=audit,
         restore=restore,
         ws_after=ws_after,
     )
+    first = [("first_step", r[3]) for r in audit if r[2] == ws_after and r[3] > fault]
+    steps = breakdown(marks + first[:1], WORKER_STEPS, formed)
+    return dataclasses.replace(out, detail=f"{detail}\n    worker: {steps}".strip())
+
+
+def supervisor_detail(tmp: Path, fault: float) -> str:
+    """Each node's supervisor, fault -> its new workers started (``breakdown``)."""
+    lines = []
+    for node in ("a", "b"):
+        events = parse_events(_text(tmp / f"{node}.jsonl"))
+        if not events:
+            continue
+        names = [("rendezvous.joining" if RDZV_JOINING in e["event"] else e["event"], e["_t"])
+                 for e in events]  # fmt: skip
+        lines.append(f"{node}: " + breakdown([("fault", fault), *names], SUPERVISOR_STEPS, fault))
+    return "\n    ".join(lines)
 
 
 def run_scenario(

@@ -165,7 +165,8 @@ _PARSE: dict[str, Callable[[str], Any]] = {
 STOP_FILE = "stop"
 # Created by the supervisor just before it stops the workers itself (a restart or re-formed
 # group, not a preemption). A worker that then gets SIGTERM still stops at the step boundary
-# with a snapshot, but labels the stop "restarting" rather than "preempted".
+# with a snapshot, but labels the stop "restarting" rather than "preempted"; a TrainingSession
+# whose memory tier copied that step saves nothing to storage (the new group resumes from it).
 RESTART_FILE = "restarting"
 
 

@@ -321,7 +321,16 @@ class TrainingSession:
         received = self._signals.received
         if D.rank() == 0 or received is not None:
             emit("session.stopping", step=self.step, reason=reason, signal=received)
-        self._save(blocking=True, deadline_s=self._final_deadline())
+        if not self._resumes_from_memory():
+            self._save(blocking=True, deadline_s=self._final_deadline())
+
+    def _resumes_from_memory(self) -> bool:
+        """The supervisor restarts the group and this step has its in-memory copy (taken in
+        this ``step_done``; ``due`` is the same on every rank, so all skip together): the new
+        group resumes from it, a storage save would only lengthen the pause. A preemption
+        still saves: the memory copy does not outlive the node."""
+        memory = self._memory
+        return self.stop_reason == STOP_RESTARTING and memory is not None and memory.due(self.step)
 
     # --- the script's own figures -----------------------------------------------------------
     def log_metrics(self, **figures: Any) -> None:
@@ -368,7 +377,8 @@ class TrainingSession:
         """Commit a final snapshot (synchronously) and close. After a coordinated stop the
         process exits with the supervisor's code (protocol.EXIT_PREEMPTED /
         EXIT_PEER_PREEMPTED) unless ``exit_on_stop=False``; returns that code otherwise."""
-        self._save(blocking=True)
+        if not self._resumes_from_memory():
+            self._save(blocking=True)
         self.close()
         D.shutdown()
         code = stop_exit_code(self.stop_reason)

@@ -128,8 +128,10 @@ _WRITERS = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 def flush_open_files() -> None:
     """Flush every open buffered file, as finalization does for files the script left open
-    (a cyclic collection alone may close the raw file before its buffer is written)."""
-    for obj in gc.get_objects():
+    (a cyclic collection alone may close the raw file before its buffer is written). The
+    standard streams by name: in a worker forked from the warm pool they are the pool's
+    objects, frozen out of ``gc.get_objects`` (``warm_pool.serve``)."""
+    for obj in [sys.stdout, sys.stderr, *gc.get_objects()]:
         if type(obj) in _WRITERS:
             try:
                 if not obj.closed:

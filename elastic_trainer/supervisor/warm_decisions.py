@@ -15,6 +15,10 @@ BASE_MODULES = ("torch", "torch.distributed", "torch.distributed.elastic.multipr
 # Top-level imports of a user script preloaded in the pool: packages known to do nothing at
 # import but define things. Anything else the script imports runs in the worker, as before.
 OWN_PACKAGES = frozenset({"elastic_trainer", "snapshots"})
+# What a job that imports elastic_trainer reaches through its lazy attributes
+# (``elastic_trainer.TrainingSession``): the session imports the snapshot store and with it
+# torch.distributed.checkpoint (1-3 s here), which ``import elastic_trainer`` alone does not.
+SESSION_MODULES = ("elastic_trainer.runtime.session",)
 SAFE_ROOTS = frozenset({"torch", "torchvision", "numpy", *OWN_PACKAGES})
 # Variables read when the interpreter or torch's native libraries load: a worker whose value
 # differs from the pool's must start fresh to see its own.
@@ -40,6 +44,8 @@ def modules_to_preload(argv: Sequence[str]) -> list[str]:
         extra = script_imports(source) if source else []
     elif argv:
         extra = script_imports(argv[0])
+    if any(name.split(".")[0] == "elastic_trainer" for name in extra):
+        extra = [*extra, *SESSION_MODULES]
     return list(dict.fromkeys([*BASE_MODULES, *extra]))
 
 

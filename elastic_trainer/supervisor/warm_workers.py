@@ -212,6 +212,7 @@ class WarmPool:
             pid=self.pid,
             import_s=round(float(message.get("import_s", 0.0)), 3),
             modules=list(message.get("loaded", [])),
+            warm_up_s=round(float(message.get("warm_up_s", 0.0)), 3),
         )
         return True
 

@@ -15,6 +15,7 @@ import recovery
 from _recovery_parse import (
     Restore,
     Result,
+    breakdown,
     parse_audit,
     parse_events,
     parse_markers,
@@ -93,6 +94,14 @@ def test_restore_after_takes_the_first_restore_after_the_fault_and_all_its_sourc
     got = restore_after(parse_events(text), FAULT)
     assert got == Restore(step=13, source="memory+mirror")
     assert restore_after(parse_events(text), 2000.0) is None
+
+
+def test_breakdown_spans_each_step_from_the_one_before_in_time_order() -> None:
+    stamps = [("old", 5.0), ("b", 12.5), ("a", 11.0), ("a", 11.25), ("c", 14.0), ("c", 60.0)]
+    # each name at its latest rank's first occurrence after 10 (the 60.0 is a later start);
+    # "missing" is left out, "old" is before ``after``
+    got = breakdown(stamps, ("old", "b", "a", "missing", "c"), 10.0)
+    assert got == "b=+1.25 c=+1.50"
 
 
 def test_torn_lines_are_skipped() -> None:

@@ -22,6 +22,7 @@ from elastic_trainer.config import Entrypoint, RunConfig
 from elastic_trainer.supervisor import procs, warm_workers
 from elastic_trainer.supervisor.warm_decisions import (
     BASE_MODULES,
+    SESSION_MODULES,
     import_env_mismatch,
     modules_to_preload,
     pool_argv,
@@ -80,8 +81,17 @@ def test_preloads_only_the_safe_top_level_imports_of_a_script(tmp_path):
         "numpy.linalg",
         "elastic_trainer.runtime",
         "elastic_trainer.runtime.TrainingSession",  # tried: from-imports may name modules
+        *SESSION_MODULES,  # behind elastic_trainer's lazy attributes
     ]
     assert modules_to_preload([str(tmp_path / "missing.py")]) == list(BASE_MODULES)
+
+
+def test_a_job_that_imports_elastic_trainer_gets_the_session_preloaded(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import elastic_trainer as et\n")
+    assert modules_to_preload([str(script)]) == [*BASE_MODULES, "elastic_trainer", *SESSION_MODULES]
+    script.write_text("import torch\n")  # a plain torchrun script: nothing of ours
+    assert modules_to_preload([str(script)]) == list(BASE_MODULES)
 
 
 def test_import_time_variables_that_differ_send_a_worker_the_old_way():
@@ -182,6 +192,23 @@ def test_a_worker_runs_its_script_as_our_child_in_a_session_of_its_own(pool, tmp
     assert (seen["rank"], seen["cwd"]) == ("5", str(work))
 
 
+def test_a_worker_starts_with_the_pools_objects_out_of_the_collectors_sight(pool, tmp_path):
+    """gc.freeze before fork: a worker's collections (one at its exit) skip what the pool
+    imported, so an exit does not walk torch's objects (about a second on a loaded machine)."""
+    script = _script(tmp_path, "import gc\nprint(gc.get_freeze_count())\n")
+    pid, out = _spawn(pool, tmp_path, [script])
+    assert WarmProcess(pid).wait(60) == 0
+    assert int(out.read_text()) > 1000  # the pool's interpreter and its imports
+
+
+def test_a_worker_that_buffers_its_stdout_still_has_it_written_at_exit(pool, tmp_path):
+    # sys.stdout is the pool's object, frozen out of gc.get_objects: flushed by name
+    body = "import sys\nsys.stdout.reconfigure(write_through=False)\nprint('last', end='')\n"
+    pid, out = _spawn(pool, tmp_path, [_script(tmp_path, body)])
+    assert WarmProcess(pid).wait(60) == 0
+    assert out.read_text() == "last"
+
+
 def test_a_worker_killed_reports_the_signal_and_wait_times_out_while_it_runs(pool, tmp_path):
     script = _script(tmp_path, "import sys\nsys.stdin.read()\n")
     read_end, write_end = os.pipe()  # stdin that never ends: the worker blocks
@@ -215,6 +242,53 @@ def test_a_pool_with_a_thread_refuses_to_fork_and_is_given_up(subreaper, tmp_pat
         pool.close()
 
 
+def test_a_torch_pool_is_warmed_up_once_and_stays_single_threaded(subreaper, tmp_path):
+    """The first optimizer step of a process imports torch._dynamo (seconds): the pool pays
+    it once, a forked worker finds it imported; and the warm-up started no thread."""
+    pool = WarmPool.start(["torch"], env=_env())
+    try:
+        with capture_logs() as logs:
+            assert pool.wait_ready(120), pool.failure
+        body = """
+            import json, sys, torch
+            before = "torch._dynamo" in sys.modules
+            param = torch.nn.Parameter(torch.ones(2))
+            opt = torch.optim.AdamW([param])
+            param.sum().backward()
+            opt.step()
+            print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
+        """
+        pid, out = _spawn(pool, tmp_path, [_script(tmp_path, body)])
+        assert WarmProcess(pid).wait(120) == 0
+        assert json.loads(out.read_text()) == {"before": True, "after": True}
+        assert logs[-1]["event"] == "warm_pool.ready" and logs[-1]["warm_up_s"] > 0
+        assert len(os.listdir(f"/proc/{pool.pid}/task")) == 1  # native threads too
+    finally:
+        pool.close()
+
+
+def test_the_warm_up_runs_no_backward(monkeypatch):
+    """The autograd engine's first run would count CUDA devices (driver initialised before
+    fork) and start one thread per device: on a GPU node the pool could fork nothing."""
+    import torch
+
+    from elastic_trainer.supervisor import warm_pool
+
+    calls = []
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(a))
+    assert warm_pool.warm_up() > 0
+    assert calls == []
+
+
+def test_a_pool_without_torch_has_nothing_to_warm_up():
+    assert "torch" in sys.modules  # this test process imported it: look at a fresh one
+    code = "from elastic_trainer.supervisor import warm_pool; import sys; "
+    code += "print(warm_pool.warm_up(), 'torch' in sys.modules)"
+    env = _env()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["0.0", "False"], done.stderr
+
+
 def test_a_dead_pool_is_given_up_and_a_closed_one_exits(subreaper, tmp_path):
     pool = WarmPool.start([], env=_env())
     assert pool.wait_ready(60)
@@ -227,6 +301,18 @@ def test_a_dead_pool_is_given_up_and_a_closed_one_exits(subreaper, tmp_path):
     assert other.wait_ready(60)
     other.close()  # EOF on its socket ends its loop
     assert other.proc.returncode == 0
+
+
+def test_a_closed_pool_exits_without_finalizing_what_it_imported(subreaper, tmp_path, capfd):
+    # what torch with triton does at finalization: print on the supervisor's stderr
+    (tmp_path / "noisy.py").write_text(
+        "import atexit, sys\natexit.register(lambda: print('leaked', file=sys.stderr))\n"
+    )
+    pool = WarmPool.start(["noisy"], env=_env(PYTHONPATH=str(tmp_path)))
+    assert pool.wait_ready(60)
+    pool.close()
+    assert pool.proc.returncode == 0
+    assert "leaked" not in capfd.readouterr().err
 
 
 def test_a_pool_that_never_gets_ready_is_given_up_after_the_timeout(subreaper):
