@@ -120,6 +120,12 @@ class ShardedMemoryTier:
         """Local: wait for the copy being written (and sent to its mirror)."""
         self._writer.flush()
 
+    def holds(self, step: int) -> bool:
+        """Local: this rank's copy of ``step`` is committed (waits for the one being written;
+        a copy skipped because the previous write still ran, or a failed one, is not)."""
+        self._writer.flush()
+        return any(copy.step == step for copy in self.slots.copies())
+
     def close(self) -> None:
         """Every rank at once (the session's close): flush, then end the mirror transfers."""
         self._writer.flush()

@@ -119,6 +119,7 @@ class MemoryTier:
         self.is_writer = part == 0  # it tidies the node's folder after a restore
         self._walker = _TreeOnly()
         self._failing = False
+        self._copied: int | None = None  # the step of this rank's newest committed part
 
     # --- save -------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -146,10 +147,15 @@ class MemoryTier:
                 )
             self._failing = True
             return
-        self._failing = False
+        self._failing, self._copied = False, step
 
     def flush(self) -> None:
         """Local: nothing to wait for (a copy is made and committed within ``save``)."""
+
+    def holds(self, step: int) -> bool:
+        """Local: this rank committed its part of ``step``'s copy (the copy is whole once every
+        rank of the node did: the caller agrees on it)."""
+        return self._copied == step
 
     # --- restore ----------------------------------------------------------------------------
     def restore(

@@ -325,12 +325,16 @@ class TrainingSession:
             self._save(blocking=True, deadline_s=self._final_deadline())
 
     def _resumes_from_memory(self) -> bool:
-        """The supervisor restarts the group and this step has its in-memory copy (taken in
-        this ``step_done``; ``due`` is the same on every rank, so all skip together): the new
-        group resumes from it, a storage save would only lengthen the pause. A preemption
-        still saves: the memory copy does not outlive the node."""
+        """Collective: the supervisor restarts the group and every rank holds its part of this
+        step's in-memory copy (taken in this ``step_done``): the new group resumes from it, a
+        storage save would only lengthen the pause. A copy that failed or was skipped on any
+        rank (tmpfs full, a sharded write still running) means the storage save after all, on
+        every rank together. A preemption still saves: the memory copy dies with the node."""
         memory = self._memory
-        return self.stop_reason == STOP_RESTARTING and memory is not None and memory.due(self.step)
+        if self.stop_reason != STOP_RESTARTING or memory is None or not memory.due(self.step):
+            return False  # the same on every rank: none enters the agreement below
+        held = int(memory.holds(self.step))
+        return D.all_reduce_ints([held], op=dist.ReduceOp.MIN)[0] == 1
 
     # --- the script's own figures -----------------------------------------------------------
     def log_metrics(self, **figures: Any) -> None:

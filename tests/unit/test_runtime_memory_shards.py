@@ -8,10 +8,13 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from elastic_trainer.runtime import memory_rank_slots
 from elastic_trainer.runtime import memory_shard_plan as plan
 from elastic_trainer.runtime.memory_plan import SLOTS, Source
 from elastic_trainer.runtime.memory_rank_slots import RankSlots
+from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
 
 
 def facts(*held: list[tuple[int, int]]) -> list[plan.RankFacts]:
@@ -163,3 +166,24 @@ def test_a_changed_world_is_rebuilt_from_mirrors_a_same_world_crash_is_not():
     same = facts([(9, 2)], [(7, 2)])  # no step in common: not a world change, no rebuild
     chosen, rebuild = plan.plan_sharded(same, [[(0, 9, 2), (1, 9, 2)]] * 2, 2, None)
     assert chosen.source is Source.STORAGE and rebuild is None
+
+
+def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, monkeypatch):
+    # What a restarting stop asks before it skips the storage save (session._resumes_from_memory)
+    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        tier = ShardedMemoryTier(str(tmp_path / "memory"), every=1)
+        state = {"model": {"w": torch.arange(4.0)}}
+        tier.save(1, state, {})
+        assert tier.holds(1) and not tier.holds(2)  # waits for the writer thread
+
+        def full(self, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(memory_rank_slots.RankSlots, "write", full)
+        tier.save(2, state, {})
+        assert not tier.holds(2) and tier.holds(1)
+        tier.close()
+    finally:
+        dist.destroy_process_group()

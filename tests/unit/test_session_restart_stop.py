@@ -73,3 +73,19 @@ def test_a_preemption_still_saves_to_storage_with_the_memory_tier_on(tmp_path):
     session = _stopped_by_supervisor(tmp_path, protocol.STOP_FILE)
     assert (session.stop_reason, session.step) == ("preempted", 3)
     assert _storage_steps(tmp_path) == ["step-000000000003"]
+
+
+def test_a_restart_whose_memory_copy_failed_saves_to_storage_after_all(tmp_path, monkeypatch):
+    # The step's copy failed (tmpfs full): skipping the storage save would lose the step.
+    write = NodeCopies.write
+
+    def full_at_step_3(self, step, *args, **kwargs):
+        if step == 3:
+            raise OSError(28, "No space left on device")
+        return write(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(NodeCopies, "write", full_at_step_3)
+    session = _stopped_by_supervisor(tmp_path, protocol.RESTART_FILE)
+    assert (session.stop_reason, session.step) == ("restarting", 3)
+    assert NodeCopies(str(tmp_path / "memory")).newest() == 2
+    assert _storage_steps(tmp_path) == ["step-000000000003"]
