@@ -106,6 +106,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._kill_grace_s = 2.0 if timeout is None else timeout
         # imports torch while the first rendezvous runs; None: workers start the old way
         self._pool = warm_workers.start_pool(cfg, self._procs)
+        self._joined_once = False  # a first join into a running job waits for the pool
 
     # ---- the loop ------------------------------------------------------------------------
     def supervise(self) -> AgentOutcome:
@@ -286,6 +287,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
         self._membership.before_rejoin()
+        self._warm_up_before_joining(handler)
         self._join_round(worker_group)
         self._membership.round_formed()
         world_size = worker_group.workers[0].world_size
@@ -363,6 +365,20 @@ class ElasticTrainAgent(LocalElasticAgent):
         return self._collect(worker_group)
 
     # ---- I/O seams (scripted in tests/unit/test_supervisor_agent.py) ---------------------
+    def _warm_up_before_joining(self, handler: Any) -> None:
+        """A node joining a running job lets its warm pool finish first (see
+        ``decisions.join_after_warm_pool``); a pool that fails or times out is the fresh path."""
+        pool, first_join = self._pool, not self._joined_once
+        self._joined_once = True
+        if pool is None or not first_join:
+            return
+        state = torch_compat.rendezvous_state(handler, sync=True)
+        running = bool(state.complete) and bool(state.participants)
+        if decisions.join_after_warm_pool(
+            first_join=first_join, round_running=running, pool_ready=pool.ready
+        ):
+            pool.wait_ready(warm_workers.READY_TIMEOUT_S, cancelled=lambda: self._stop.requested)
+
     def _join_round(self, worker_group: WorkerGroup) -> None:
         """torch's rendezvous (blocks until the round closes), interruptible by a stop."""
         self._stop.interruptible = True

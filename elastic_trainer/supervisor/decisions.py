@@ -163,6 +163,19 @@ def close_round_now(
     return min_nodes <= len(joined) <= max_nodes and expected <= set(joined)
 
 
+def join_after_warm_pool(*, first_join: bool, round_running: bool, pool_ready: bool) -> bool:
+    """Should this node wait for its warm pool before it joins the rendezvous?
+
+    Yes when it is about to join a job that is already running (the current round is complete,
+    with participants) for the first time and its pool is still warming up: the running group
+    stops the moment it sees a node waiting and stays paused until the new node's workers
+    train, so joining first would pause it for the pool's start (torch's imports and a first
+    optimizer step, seconds). At a job's start nothing runs yet, so the pool's start overlaps
+    the first rendezvous instead; later rounds find the pool ready.
+    """
+    return first_join and round_running and not pool_ready
+
+
 def _membership(
     policy: RestartPolicy,
     state: SupervisorState,

@@ -182,6 +182,11 @@ class WarmPool:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def ready(self) -> bool:
+        """Known ready (``wait_ready`` read its message): forks can be asked for now."""
+        return self._ready and self.failure is None
+
     def wait_ready(self, timeout: float, cancelled: Callable[[], bool] = lambda: False) -> bool:
         """True once the pool has imported its modules; False if it failed or ``timeout``
         passed (it is then given up) or ``cancelled()`` turned true (it is not)."""

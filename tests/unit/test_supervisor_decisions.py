@@ -187,3 +187,11 @@ def test_the_lowest_duplicate_rank_is_reported_first() -> None:
     line = decisions.static_rank_conflict(declared, 4)
     assert line is not None and line.startswith("--node-rank=0 is given to 2 nodes (c:3, d:4)")
     assert line.endswith("(unused: 1, 3)")
+
+
+def test_a_node_joining_a_running_job_waits_for_its_warm_pool_first():
+    join = decisions.join_after_warm_pool
+    assert join(first_join=True, round_running=True, pool_ready=False)
+    assert not join(first_join=True, round_running=True, pool_ready=True)
+    assert not join(first_join=True, round_running=False, pool_ready=False)  # the job's start
+    assert not join(first_join=False, round_running=True, pool_ready=False)  # a re-formation
