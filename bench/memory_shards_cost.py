@@ -5,9 +5,10 @@ every copy is also mirrored on the other rank), each job in fresh processes, int
 FSDP2 MLP + Adam for ``--steps`` steps with no in-memory copies, and with a copy every step
 (``runtime.memory_shards.ShardedMemoryTier``, what ``--memory-snapshot-every 1`` runs).
 Reported: whole-job wall and CPU (both ranks) as ratios to the job without copies, then each
-phase of a copy: the capture on the training thread (``save``), the writer thread's write of
-the slot and its send to the mirror rank (wall and that thread's CPU), per copy, and the
-copies skipped because the previous one was still being written.
+phase of a copy: the training thread's ``save`` (since the mapped path, the slot write is in
+it), the slot write (``RankSlots.write``), the background send to the mirror rank (wall and
+the CPU of the thread it ran on), per copy, and the copies skipped because the previous one
+was still being written or sent.
 
     OMP_NUM_THREADS=1 python bench/memory_shards_cost.py [--steps 30] [--repeats 3] [--mb 64]
 """
@@ -151,9 +152,9 @@ def table(runs: dict[str, list[list[dict[str, Any]]]], args: argparse.Namespace)
     skipped = statistics.median(r["skipped"] for r in per_rank)
     lines.append("  ".join(f"{v:>10.1f}" for v in (*cells, skipped)))
     lines += [
-        "capture: the training thread's save(); write: the writer thread's slot write; send:",
-        "its send to the mirror rank (wall, and _cpu: that thread's CPU); skipped: copies per",
-        "rank skipped because the previous write still ran",
+        "capture: the training thread's save(); write: the slot write (inside capture where",
+        "it runs on the training thread); send: to the mirror rank (wall, and _cpu: the CPU of",
+        "the thread it ran on); skipped: copies per rank skipped, the previous still in flight",
     ]
     return "\n".join(lines)
 
