@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import os
 import re
 import shutil
@@ -117,14 +118,15 @@ class MirrorLink:
         if self.target is None or self._broken:
             return
         try:
-            _, data = slots.raw(copy.step)
-            digest = copy.digest.encode("ascii")
-            header = [copy.step, copy.world_size, len(digest), len(data)]
+            digest = torch.tensor(list(copy.digest.encode("ascii")), dtype=torch.uint8)
+            header = [copy.step, copy.world_size, len(digest), copy.nbytes]
             dist.send(torch.tensor(header, dtype=torch.int64), self.target, group=self.group)
+            dist.send(digest, self.target, group=self.group)
             if os.environ.get(KILL_MID_SEND_ENV) == str(copy.step):
                 os.kill(os.getpid(), signal.SIGKILL)
-            body = torch.frombuffer(bytearray(digest) + data, dtype=torch.uint8)
-            dist.send(body, self.target, group=self.group)
+            # From the slot's mapping, not a copy of it: the next copy, which would overwrite
+            # this slot, is skipped while this send runs (ShardedMemoryTier.save).
+            dist.send(slots.committed(copy), self.target, group=self.group)
         except Exception as exc:  # the link is given up, never retried against a dead peer
             self._broken = True
             emit(
@@ -137,20 +139,25 @@ class MirrorLink:
 
     def _receive(self, source: int) -> None:
         """Until the sender closes or dies. A copy that cannot be written (tmpfs full) is
-        dropped but the loop goes on: a sender must never be left waiting for a receiver."""
+        received and dropped, and the loop goes on: a sender must never be left waiting for
+        a receiver."""
         slots = RankSlots(mirror_folder(self.directory, source))
         failing = False
         while True:
             try:
-                step, world, digest, data = self._take(source)
+                step, world, digest, nbytes = self._take_header(source)
             except Exception:  # the sender died, or the group is gone: this mirror ends
                 return
             if step == _CLOSING:
                 return
+            stage: list[str] = []  # "recv" once the body is being received, "done" after
+            fill = functools.partial(self._recv_into, source, stage)
             try:
-                slots.write_raw(step, world, data, digest)
+                slots.receive(step, world, nbytes, digest, fill)
                 failing = False
             except Exception as exc:  # reported once per streak, as the rank's own copies
+                if stage == ["recv"] or (not stage and not self._drain(source, nbytes)):
+                    return  # the sender died mid-transfer (its slot stays uncommitted)
                 if not failing:
                     emit(
                         "snapshot.memory_failed",
@@ -161,17 +168,29 @@ class MirrorLink:
                     )
                 failing = True
 
-    def _take(self, source: int) -> tuple[int, int, str, memoryview]:
-        """One transfer: (step, saved world size, checksum, bytes); step ``_CLOSING`` ends."""
+    def _take_header(self, source: int) -> tuple[int, int, str, int]:
+        """(step, saved world size, checksum, bytes to come); step ``_CLOSING`` ends."""
         header = torch.zeros(4, dtype=torch.int64)
         dist.recv(header, source, group=self.group)
         step, world, digest_len, nbytes = (int(v) for v in header.tolist())
         if step == _CLOSING:
-            return step, 0, "", memoryview(b"")
-        body = torch.empty(digest_len + nbytes, dtype=torch.uint8)
-        dist.recv(body, source, group=self.group)
-        raw = memoryview(body.numpy())
-        return step, world, bytes(raw[:digest_len]).decode("ascii", "replace"), raw[digest_len:]
+            return step, 0, "", 0
+        digest = torch.empty(digest_len, dtype=torch.uint8)
+        dist.recv(digest, source, group=self.group)
+        return step, world, bytes(digest.tolist()).decode("ascii", "replace"), nbytes
+
+    def _recv_into(self, source: int, stage: list[str], into: torch.Tensor) -> None:
+        stage.append("recv")
+        dist.recv(into, source, group=self.group)  # straight into the slot's mapping
+        stage.append("done")
+
+    def _drain(self, source: int, nbytes: int) -> bool:
+        """Receive a body that has nowhere to go; False when the sender is gone."""
+        try:
+            dist.recv(torch.empty(nbytes, dtype=torch.uint8), source, group=self.group)
+        except Exception:
+            return False
+        return True
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Every rank at once (the session's close): tell the mirror rank, then wait for the

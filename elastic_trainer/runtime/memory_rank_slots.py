@@ -1,6 +1,12 @@
 """One rank's in-memory copies in a folder of its node's memory (``runtime.memory_shards``,
 ``runtime.memory_mirror``): two slot files and a marker listing the committed copies, in
-the byte layout of ``memory_format``; and the thread that writes them."""
+the byte layout of ``memory_format``; and the thread that sends them to their mirror.
+
+A copy goes the replicated tier's way (``memory_slots``): one copy per tensor straight into
+the slot's mapping, kept from copy to copy, checksummed while cache-hot (no staging buffer,
+no ``write()``, which on tmpfs costs ~3x the copy into mapped pages); a mirror's copy is
+received straight into its slot's mapping. A slot file is rounded up to its mapping's size
+(``memory_slots.capacity``): the marker says how many of its bytes are the copy."""
 
 from __future__ import annotations
 
@@ -10,20 +16,27 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
 
 from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime import memory_shard_plan as plan_
 from elastic_trainer.runtime.memory_plan import SLOTS
+from elastic_trainer.runtime.memory_slots import MappedFile
+
+T = TypeVar("T")
 
 
 class RankSlots:
-    """One rank's copies in its own folder: two slot files overwritten in place and a marker
-    listing the committed ones, replaced atomically (``memory_shard_plan``)."""
+    """One rank's copies in its own folder: two slot files overwritten in place through
+    mappings kept across copies, and a marker listing the committed ones, replaced
+    atomically (``memory_shard_plan``)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self.slots = {slot: MappedFile(self._path(slot)) for slot in SLOTS}
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -36,26 +49,41 @@ class RankSlots:
             return []
 
     def write(self, step: int, world_size: int, payload: Mapping[str, Any]) -> plan_.RankCopy:
-        return self._write(step, world_size, lambda f: memory_format.write(payload, f))
+        """The copy, with one memory copy per tensor into the slot's mapping."""
+        layout = memory_format.plan(payload)  # before the slot is touched
+        return self._write(
+            step, world_size, layout.size, lambda slot: memory_format.write_into(layout, slot)
+        )
 
-    def write_raw(self, step: int, world_size: int, data: Any, digest: str) -> plan_.RankCopy:
-        """A copy received whole from its rank (a mirror): its bytes and their checksum."""
+    def receive(
+        self,
+        step: int,
+        world_size: int,
+        nbytes: int,
+        digest: str,
+        fill: Callable[[torch.Tensor], None],
+    ) -> plan_.RankCopy:
+        """A copy received whole from its rank (a mirror): ``fill`` puts its ``nbytes`` bytes
+        into the uint8 tensor it is given (the slot's mapping); ``digest``: their checksum."""
 
-        def put(f: Any) -> str:
-            f.write(data)
+        def put(slot: torch.Tensor) -> str:
+            fill(slot[:nbytes])
             return digest
 
-        return self._write(step, world_size, put)
+        return self._write(step, world_size, nbytes, put)
 
-    def _write(self, step: int, world_size: int, put: Callable[[Any], str]) -> plan_.RankCopy:
+    def committed(self, copy: plan_.RankCopy) -> torch.Tensor:
+        """The bytes of ``copy`` (committed by this object) in its slot's mapping: not copied,
+        not checked; valid until the slot is written again."""
+        return self.slots[copy.slot].tensor(copy.nbytes)[: copy.nbytes]
+
+    def _write(
+        self, step: int, world_size: int, size: int, put: Callable[[torch.Tensor], str]
+    ) -> plan_.RankCopy:
         os.makedirs(self.directory, exist_ok=True)
         slot, kept = plan_.slot_to_write(self.copies())
         self._commit(kept)  # the slot about to be overwritten is no longer listed
-        path = self._path(slot)
-        with open(path, "r+b" if os.path.exists(path) else "xb") as f:
-            digest = put(f)
-            f.truncate(f.tell())
-            size = f.tell()
+        digest = put(self.slots[slot].tensor(size))
         new = plan_.RankCopy(
             step=step, slot=slot, nbytes=size, digest=digest, world_size=world_size
         )
@@ -81,7 +109,7 @@ class RankSlots:
             raise FileNotFoundError(f"no committed in-memory copy of step {step}")
         copy = found[0]
         path = self._path(copy.slot)
-        if os.path.getsize(path) != copy.nbytes:
+        if os.path.getsize(path) < copy.nbytes:  # a slot is rounded up to its mapping's
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {copy.nbytes}")
         data = bytearray(copy.nbytes)
         with open(path, "rb") as f:
@@ -92,6 +120,8 @@ class RankSlots:
     def keep_only(self, step: int | None) -> None:
         """Forget every copy but ``step``'s (None: all); free the slots no copy uses."""
         kept = [c for c in self.copies() if c.step == step]
+        for mapped in self.slots.values():
+            mapped.close()  # else a removed file's pages stay with its mapping
         if os.path.isdir(self.directory):
             self._commit(kept)
         with contextlib.suppress(FileNotFoundError):
@@ -103,8 +133,9 @@ class RankSlots:
 
 
 class BackgroundWriter:
-    """One copy written at a time on a thread of its own; a failure (tmpfs full, folder
-    removed: storage stays the fallback) is reported once per streak of failures."""
+    """One transfer at a time on a thread of its own; a failure (tmpfs full, folder removed:
+    storage stays the fallback) is reported once per streak of failures, the same for a copy
+    made on the caller's thread (``attempt``)."""
 
     def __init__(self, directory: str, *, name: str) -> None:
         self.directory, self.name = directory, name
@@ -114,15 +145,16 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, step: int, write: Callable[[], None]) -> None:
+    def start(self, step: int, write: Callable[[], Any]) -> None:
         self._thread = threading.Thread(
-            target=self._run, args=(step, write), name=self.name, daemon=True
+            target=self.attempt, args=(step, write), name=self.name, daemon=True
         )
         self._thread.start()
 
-    def _run(self, step: int, write: Callable[[], None]) -> None:
+    def attempt(self, step: int, write: Callable[[], T]) -> T | None:
+        """``write()`` on this thread: its result, or None when it failed (reported)."""
         try:
-            write()
+            result = write()
         except Exception as exc:  # any failure: this copy is not made, storage still is
             if not self._failing:
                 emit(
@@ -133,8 +165,9 @@ class BackgroundWriter:
                     error=f"{type(exc).__name__}: {exc}"[:500],
                 )
             self._failing = True
-            return
+            return None
         self._failing = False
+        return result
 
     def flush(self) -> None:
         if self._thread is not None:

@@ -1,19 +1,21 @@
 """The in-memory tier for sharded (FSDP2) state: each rank's own shards, in its node's memory.
 
-Every ``memory_snapshot_every`` steps each rank copies, into reused staging buffers (the only
-time the loop waits), its local shards (``DTensor.to_local()``), the state's replicated
-tensors and plain values, its RNG streams and a description of each DTensor (global shape,
-dtype, placements, mesh shape, this rank's offsets); a background thread writes them to the
-rank's own folder in its node's memory folder (``WorkerSettings.memory_dir``), in the byte
-layout of ``memory_format`` (checksummed; read back weights-only after the check). Two slots
-and a marker per rank: see ``memory_shard_plan`` for why two copies stay committed.
+Every ``memory_snapshot_every`` steps each rank copies (the only time the loop waits) its
+local shards (``DTensor.to_local()``), the state's replicated tensors and plain values, its
+RNG streams and a description of each DTensor (global shape, dtype, placements, mesh shape,
+this rank's offsets) into its own folder in its node's memory folder
+(``WorkerSettings.memory_dir``): one copy per tensor into a slot file kept mapped across
+steps, in the byte layout of ``memory_format``, checksummed while cache-hot (read back
+weights-only after the check; ``memory_rank_slots``). Two slots and a marker per rank: see
+``memory_shard_plan`` for why two copies stay committed.
 
 A restore (same world size and layout: a worker crash on a node that survives) is
 collective: the ranks agree on the newest step every rank holds, each loads and checks its
 copy, they agree that every rank succeeded, then each restores its shards through
 ``set_state_dict``; any rank's failure sends every rank to storage, with the reason.
 
-Each copy is also mirrored on the next node (``memory_mirror``): when the world changed (a
+Each copy is also mirrored on the next node (``memory_mirror``; a background thread sends
+it from the committed slot's mapping): when the world changed (a
 node lost, or replaced), the survivors' own copies and mirrors are written as a sharded
 storage snapshot of the newest step they make whole, which the caller then loads with the
 normal resharding load (``snapshotting.restore_state``; ``snapshot.restored`` says
@@ -38,7 +40,7 @@ from elastic_trainer.runtime.memory_plan import RestorePlan, Source
 from elastic_trainer.runtime.memory_rank_slots import BackgroundWriter, RankSlots
 from elastic_trainer.runtime.memory_tier import MemoryRestored
 from snapshots import _sharded_state, sharding
-from snapshots.serialization import Stager, is_stateful
+from snapshots.serialization import is_stateful
 from snapshots.store import restore_into
 
 
@@ -78,7 +80,6 @@ class ShardedMemoryTier:
         self._link = memory_mirror.MirrorLink(directory, self.targets, self.rank)
         self.rebuild_plan: plan_.RebuildPlan | None = None  # set by restore: see rebuild()
         self.skipped = 0  # steps whose copy was skipped because the previous write still ran
-        self._stager = Stager()
         self._writer = BackgroundWriter(self.slots.directory, name="memory-shards")
         self._layout: tuple[Any, dict[str, Any]] | None = None  # (key, description), reused
 
@@ -87,8 +88,10 @@ class ShardedMemoryTier:
         return step % self.every == 0
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
-        """No collective: this rank stages its shards and hands them to its thread; when the
-        previous write still runs, this step's copy is skipped, never waited for."""
+        """No collective: this rank copies its shards into its slot's mapping (one copy per
+        tensor, checksummed while hot) and hands the committed copy to its thread, which
+        sends it to the mirror rank; while the previous send still runs, this step's copy is
+        skipped, never waited for (its slot is the one the next copy would overwrite)."""
         if self._writer.busy():
             self.skipped += 1
             return
@@ -102,12 +105,9 @@ class ShardedMemoryTier:
             "tensors": {n: _local(t) for n, t in tensors.items()},  # empty shards too
             "per_rank": {k: v.state_dict() if is_stateful(v) else v for k, v in per_rank.items()},
         }
-        staged = self._stager.capture(payload)
-        self._writer.start(step, lambda: self._write(step, staged))
-
-    def _write(self, step: int, staged: Mapping[str, Any]) -> None:
-        """On the writer thread: this rank's copy, then its mirror on the next node."""
-        self._link.send(self.slots, self.slots.write(step, self.world_size, staged))
+        copy = self._writer.attempt(step, lambda: self.slots.write(step, self.world_size, payload))
+        if copy is not None and self._link.target is not None:
+            self._writer.start(step, lambda: self._link.send(self.slots, copy))
 
     def _describe(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The description changes only with the layout: worked out again only then."""

@@ -15,6 +15,8 @@ from elastic_trainer.runtime import memory_shard_plan as plan
 from elastic_trainer.runtime.memory_plan import SLOTS, Source
 from elastic_trainer.runtime.memory_rank_slots import RankSlots
 from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+from snapshots import RNGState, serialization
+from tests.dist.sharded_workers import fsdp_model, train
 
 
 def facts(*held: list[tuple[int, int]]) -> list[plan.RankFacts]:
@@ -105,7 +107,7 @@ def test_a_damaged_or_truncated_slot_is_never_read(tmp_path):
     (only,) = slots.copies()
     path = os.path.join(slots.directory, only.slot)
     with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
+        f.seek(only.nbytes // 2)  # in the copy (its slot is rounded up to its mapping's size)
         f.write(b"\xff\xfe")
     with pytest.raises(ValueError, match="checksum"):
         slots.read(4)
@@ -122,11 +124,11 @@ def test_a_crash_while_writing_leaves_only_whole_copies_listed(tmp_path, monkeyp
     slots.write(1, 2, payload(1))
     slots.write(2, 2, payload(2))
 
-    def torn(data, f):  # killed halfway through the copy of step 3 (into step 1's slot)
-        f.write(b"half a copy")
+    def torn(layout, slot, *_):  # killed halfway through the copy of step 3 (into step 1's slot)
+        slot[: layout.size // 2] = 0xEE
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("elastic_trainer.runtime.memory_format.write", torn)
+    monkeypatch.setattr("elastic_trainer.runtime.memory_format.write_into", torn)
     with pytest.raises(KeyboardInterrupt):
         slots.write(3, 2, payload(3))
     assert [c.step for c in slots.copies()] == [2]  # step 1's slot was uncommitted first
@@ -187,3 +189,56 @@ def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, monkeypat
         tier.close()
     finally:
         dist.destroy_process_group()
+
+
+# --- copies into kept mappings, no staging ---------------------------------------------------
+def test_copies_go_into_slots_mapped_once_without_write_calls(tmp_path, monkeypatch):
+    def no_write(*_):
+        raise AssertionError("a copy goes into the slot's mapping, not through write()")
+
+    monkeypatch.setattr("elastic_trainer.runtime.memory_format.write", no_write)
+    slots = RankSlots(str(tmp_path / "rank-00000"))
+    for step in range(1, 7):
+        slots.write(step, 2, payload(step))
+    assert [mapped.maps for mapped in slots.slots.values()] == [1, 1]  # once each, not per copy
+    assert torch.equal(slots.read(6)["tensors"]["w"], torch.full((1000,), 6.0))
+
+
+def test_a_mirror_s_copy_is_received_into_its_slot_and_reads_back_checked(tmp_path):
+    own = RankSlots(str(tmp_path / "rank-00000"))
+    sent = own.write(3, 2, payload(3))
+    mirror = RankSlots(str(tmp_path / "mirror-00000"))
+    got = mirror.receive(
+        3, 2, sent.nbytes, sent.digest, lambda into: into.copy_(own.committed(sent))
+    )
+    assert (got.step, got.nbytes, got.digest) == (3, sent.nbytes, sent.digest)
+    assert torch.equal(mirror.read(3)["tensors"]["w"], torch.full((1000,), 3.0))
+    mirror.receive(4, 2, sent.nbytes, sent.digest, lambda into: into.fill_(7))  # not step 3's
+    with pytest.raises(ValueError, match="checksum"):
+        mirror.read(4)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_sharded_tier_copies_without_staging_buffers(tmp_path, one_rank, monkeypatch):
+    staged = []
+    monkeypatch.setattr(serialization, "staging_buffer", lambda *a: staged.append(a))
+    model = fsdp_model(1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optimizer, 1, 0)
+    tier = ShardedMemoryTier(str(tmp_path / "node0"), every=1)
+    for step in (1, 2, 3):
+        tier.save(step, {"model": model, "optimizer": optimizer}, {"rng": RNGState()})
+    tier.close()
+    assert staged == []
+    assert [mapped.maps for mapped in tier.slots.slots.values()] == [1, 1]
+    copy = tier.slots.read(3)
+    assert copy["step"] == 3
+    weight = model[0].weight.to_local()
+    assert torch.equal(copy["tensors"]['["model","0.weight"]'], weight)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_trainer as et
 from elastic_trainer import protocol
+from elastic_trainer.runtime.memory_rank_slots import RankSlots
 from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV
 
 
@@ -87,7 +88,7 @@ def drop_memory(args: argparse.Namespace) -> None:
 
 
 def damage_memory(args: argparse.Namespace) -> None:
-    """The listed ranks flip one byte in the middle of each of their sharded copies' slots
+    """The listed ranks flip one byte in the middle of each of their sharded copies
     before the restarted group restores (a barrier, so that no rank restores before)."""
     if restart_count() == 0 or not args.damage_memory_on_restart:
         return
@@ -95,13 +96,12 @@ def damage_memory(args: argparse.Namespace) -> None:
         folder = os.path.join(
             os.environ[protocol.ENV_MEMORY_DIR], "shards", f"rank-{int(os.environ['RANK']):05d}"
         )
-        for name in os.listdir(folder):
-            if name.startswith("slot-"):
-                with open(os.path.join(folder, name), "r+b") as f:
-                    f.seek(os.path.getsize(f.name) // 2)
-                    byte = f.read(1)
-                    f.seek(-1, os.SEEK_CUR)
-                    f.write(bytes([byte[0] ^ 0xFF]))
+        for copy in RankSlots(folder).copies():  # a slot is rounded up: the copy's middle
+            with open(os.path.join(folder, copy.slot), "r+b") as f:
+                f.seek(copy.nbytes // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
     torch.distributed.barrier()
 
 
