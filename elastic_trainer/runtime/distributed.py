@@ -7,6 +7,8 @@ builds the session: ``ctx = init_worker()``.
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 from typing import Any
 
 import torch
@@ -16,6 +18,11 @@ from elastic_trainer.logging import configure_logging
 from elastic_trainer.runtime.context import WorkerContext
 
 _created_here = False  # only a group this module created is destroyed by shutdown()
+
+# A rank other than 0 waits this long for rank 0's store to accept connections before it hands
+# over to torch's own connect (which then retries, and fails, on its own terms).
+STORE_WAIT_S = 10.0
+STORE_POLL_S = 0.01
 
 
 def init_worker(
@@ -52,6 +59,8 @@ def _init_process_group(ctx: WorkerContext) -> None:
     _created_here = True
     timeout = datetime.timedelta(seconds=ctx.collective_timeout_s)
     if ctx.is_distributed:
+        if ctx.rank != 0:
+            wait_for_store(ctx.master_addr or "", ctx.master_port or 0, within_s=STORE_WAIT_S)
         # env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE exactly as torchrun set them.
         dist.init_process_group(
             backend=ctx.backend,
@@ -63,6 +72,32 @@ def _init_process_group(ctx: WorkerContext) -> None:
     dist.init_process_group(
         backend=ctx.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
     )
+
+
+def wait_for_store(host: str, port: int, *, within_s: float) -> bool:
+    """True once ``host:port`` accepts a TCP connection; False after ``within_s`` seconds, or
+    at once on an error other than a refused connection (torch's connect then reports it).
+
+    Why: the workers' store is hosted by the rank-0 worker itself (the supervisor sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and a TCPStore client that finds the port still
+    closed retries only after its connect backoff, 0.45-0.72 s measured here; workers forked
+    from the warm pool start within milliseconds of each other, so a rank that came first lost
+    that backoff on about one restart in four. Polling the port every 10 ms instead lets it
+    connect as soon as the store listens. The probe connection is closed without a word, which
+    the store server treats as a client that left.
+    """
+    deadline = time.monotonic() + within_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(left, STORE_POLL_S)).close()
+            return True
+        except (ConnectionRefusedError, TimeoutError):
+            if left <= 0:
+                return False
+        except OSError:  # unresolvable, unreachable: nothing a wait fixes
+            return False
+        time.sleep(STORE_POLL_S)
 
 
 def world_size() -> int:
