@@ -372,8 +372,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._joined_once = True
         if pool is None or not first_join:
             return
-        state = torch_compat.rendezvous_state(handler, sync=True)
-        running = bool(state.complete) and bool(state.participants)
+        try:
+            state = torch_compat.rendezvous_state(handler, sync=True)
+            running = bool(state.complete) and bool(state.participants)
+        except Exception:  # the store not answering yet: the join retries it, as it always did
+            running = False
         if decisions.join_after_warm_pool(
             first_join=first_join, round_running=running, pool_ready=pool.ready
         ):

@@ -5,8 +5,10 @@ rendezvous rounds and what the workers do, then checks the events and the outcom
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -481,3 +483,54 @@ def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
         now[0] += 3.0
         seen.append(watch.silent_peers())
     assert seen == [set(), set(), set(), {"node1"}]
+
+
+class _Pool:
+    ready = False
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait_ready(self, timeout: float, cancelled: Callable[[], bool]) -> bool:
+        self.waits += 1
+        return True
+
+
+class _Stop:
+    requested = False
+
+
+class _Holder:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def sync(self) -> None:
+        if isinstance(self.state, Exception):
+            raise self.state
+
+
+class _Rdzv:
+    """What torch_compat.rendezvous_state reads of a DynamicRendezvousHandler."""
+
+    def __init__(self, state: Any) -> None:
+        self._heartbeat_lock = threading.Lock()
+        self._state_holder = _Holder(state)
+
+
+def _first_join(state: Any) -> int:
+    pool = _Pool()
+    agent = SimpleNamespace(_pool=pool, _joined_once=False, _stop=_Stop())
+    ElasticTrainAgent._warm_up_before_joining(agent, _Rdzv(state))  # type: ignore[arg-type]
+    ElasticTrainAgent._warm_up_before_joining(agent, _Rdzv(state))  # type: ignore[arg-type]
+    return pool.waits
+
+
+def test_a_first_join_into_a_running_job_waits_for_the_pool_once():
+    running = SimpleNamespace(complete=True, participants={"other": 0})
+    starting = SimpleNamespace(complete=False, participants={})
+    assert _first_join(running) == 1  # the second join is a re-formation: no wait
+    assert _first_join(starting) == 0
+
+
+def test_a_store_that_does_not_answer_yet_is_joined_at_once_as_before():
+    assert _first_join(ConnectionError("store not up yet")) == 0
