@@ -140,8 +140,22 @@ def flush_open_files() -> None:
                 traceback.print_exc()
 
 
+def whole_lines_on_stderr(environ: Mapping[str, str] = os.environ) -> bool:
+    """In JSON mode, write stderr a whole line at a time. Every worker of a node writes into
+    the supervisor's one stderr pipe (``stderr_router``), where a write of up to 4 KiB never
+    mixes with another process's; but ``python -u`` makes ``print`` two writes (the text, then
+    the newline), and a peer's line landing between them glued the two into one line of
+    output. Line buffering makes it one write per line (a partial line waits for its newline
+    or a flush). Console mode keeps ``-u``: its relays read each worker's own stream."""
+    if environ.get(protocol.ENV_LOG_FORMAT) != "json":
+        return False
+    sys.stderr.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
+    return True
+
+
 def main(argv: list[str]) -> None:
     die_with_supervisor()
+    whole_lines_on_stderr()
     if not argv or argv == ["-m"]:
         raise SystemExit(
             "usage: python -m elastic_trainer.supervisor.bootstrap (SCRIPT | -m MODULE) [args...]"

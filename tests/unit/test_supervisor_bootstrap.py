@@ -151,3 +151,23 @@ def test_a_configuration_error_is_one_line_exit_2_and_reaches_the_error_file(tmp
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --lr=-1 is invalid: use a number > 0"
     assert "--lr=-1 is invalid" in json.dumps(json.loads(error_file.read_text()))
+
+
+@pytest.mark.parametrize(("fmt", "seen"), [("json", b"Xhello\n"), ("console", b"helloX\n")])
+def test_in_json_mode_a_line_reaches_stderr_in_one_write(fmt, seen):
+    # Under -u, print() writes the text and the newline apart; another process's line
+    # (here: a raw write to fd 2) landing between them would glue the two lines together.
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from elastic_trainer.supervisor.bootstrap import whole_lines_on_stderr
+        whole_lines_on_stderr()
+        sys.stderr.write("hello")
+        os.write(2, b"X")
+        sys.stderr.write("\\n")
+        """
+    )
+    env = {**os.environ, "ELASTIC_TRAIN_LOG_FORMAT": fmt}
+    done = subprocess.run([sys.executable, "-u", "-c", code], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == seen
