@@ -36,6 +36,7 @@ import torch.distributed as dist
 from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_shard_plan as plan_
 from elastic_trainer.runtime.memory_rank_slots import RankSlots
+from elastic_trainer.runtime.memory_slots import FailureStreak
 from snapshots import SnapshotError, layout
 from snapshots._sharded_commit import ShardPart
 from snapshots._shards import Piece, StagedShard
@@ -142,7 +143,7 @@ class MirrorLink:
         received and dropped, and the loop goes on: a sender must never be left waiting for
         a receiver."""
         slots = RankSlots(mirror_folder(self.directory, source))
-        failing = False
+        failures = FailureStreak(slots.directory)
         while True:
             try:
                 step, world, digest, nbytes = self._take_header(source)
@@ -154,19 +155,11 @@ class MirrorLink:
             fill = functools.partial(self._recv_into, source, stage)
             try:
                 slots.receive(step, world, nbytes, digest, fill)
-                failing = False
+                failures.succeeded()
             except Exception as exc:  # reported once per streak, as the rank's own copies
                 if stage == ["recv"] or (not stage and not self._drain(source, nbytes)):
                     return  # the sender died mid-transfer (its slot stays uncommitted)
-                if not failing:
-                    emit(
-                        "snapshot.memory_failed",
-                        level="warning",
-                        step=step,
-                        dir=slots.directory,
-                        error=f"mirror of rank {source}: {type(exc).__name__}: {exc}"[:500],
-                    )
-                failing = True
+                failures.failed(step, exc, what=f"mirror of rank {source}: ")
 
     def _take_header(self, source: int) -> tuple[int, int, str, int]:
         """(step, saved world size, checksum, bytes to come); step ``_CLOSING`` ends."""

@@ -20,11 +20,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime import memory_shard_plan as plan_
 from elastic_trainer.runtime.memory_plan import SLOTS
-from elastic_trainer.runtime.memory_slots import MappedFile
+from elastic_trainer.runtime.memory_slots import FailureStreak, MappedFile
 
 T = TypeVar("T")
 
@@ -140,7 +139,7 @@ class BackgroundWriter:
     def __init__(self, directory: str, *, name: str) -> None:
         self.directory, self.name = directory, name
         self._thread: threading.Thread | None = None
-        self._failing = False
+        self._failures = FailureStreak(directory)
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -156,17 +155,9 @@ class BackgroundWriter:
         try:
             result = write()
         except Exception as exc:  # any failure: this copy is not made, storage still is
-            if not self._failing:
-                emit(
-                    "snapshot.memory_failed",
-                    level="warning",
-                    step=step,
-                    dir=self.directory,
-                    error=f"{type(exc).__name__}: {exc}"[:500],
-                )
-            self._failing = True
+            self._failures.failed(step, exc)
             return None
-        self._failing = False
+        self._failures.succeeded()
         return result
 
     def flush(self) -> None:

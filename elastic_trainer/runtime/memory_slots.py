@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from elastic_trainer.events import emit
 from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime.memory_plan import (
     SLOTS,
@@ -54,6 +55,30 @@ KILL_MID_WRITE_ENV = "ELASTIC_TRAIN_TEST_KILL_MEMORY_WRITE"
 # numbers) keeps the mapping. Re-made when the copy needs more, or under half of it.
 GRAIN_BYTES = 1 << 16
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map the pages at once, not one fault each
+
+
+class FailureStreak:
+    """``snapshot.memory_failed`` once per streak of failed copies (a full tmpfs fails every
+    step), not once per step; a copy that succeeds ends the streak. The copy is not made;
+    storage snapshots stay the fallback."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.failing = False
+
+    def failed(self, step: int, exc: Exception, what: str = "") -> None:
+        if not self.failing:
+            emit(
+                "snapshot.memory_failed",
+                level="warning",
+                step=step,
+                dir=self.directory,
+                error=f"{what}{type(exc).__name__}: {exc}"[:500],
+            )
+        self.failing = True
+
+    def succeeded(self) -> None:
+        self.failing = False
 
 
 def capacity(size: int) -> int:

@@ -37,6 +37,7 @@ from elastic_trainer.runtime import memory_format
 from elastic_trainer.runtime.memory_plan import RestorePlan, Source, shares
 from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
 from elastic_trainer.runtime.memory_slots import KILL_MID_WRITE_ENV as KILL_MID_WRITE_ENV
+from elastic_trainer.runtime.memory_slots import FailureStreak
 from elastic_trainer.runtime.memory_slots import NodeCopies as NodeCopies
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
@@ -118,7 +119,7 @@ class MemoryTier:
         self.copies = NodeCopies(directory, part=part, parts=parts)
         self.is_writer = part == 0  # it tidies the node's folder after a restore
         self._walker = _TreeOnly()
-        self._failing = False
+        self._failures = FailureStreak(directory)
         self._copied: int | None = None  # the step of this rank's newest committed part
 
     # --- save -------------------------------------------------------------------------------
@@ -137,17 +138,10 @@ class MemoryTier:
         try:
             self.copies.write(step, payload, _replicated(state))
         except Exception as exc:  # tmpfs full, folder removed: storage stays the fallback
-            if not self._failing:  # once per streak of failures, not once per step
-                emit(
-                    "snapshot.memory_failed",
-                    level="warning",
-                    step=step,
-                    dir=self.copies.directory,
-                    error=f"{type(exc).__name__}: {exc}"[:500],
-                )
-            self._failing = True
+            self._failures.failed(step, exc)
             return
-        self._failing, self._copied = False, step
+        self._failures.succeeded()
+        self._copied = step
 
     def flush(self) -> None:
         """Local: nothing to wait for (a copy is made and committed within ``save``)."""

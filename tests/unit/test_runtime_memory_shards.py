@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from elastic_trainer.runtime import memory_rank_slots
 from elastic_trainer.runtime import memory_shard_plan as plan
@@ -170,25 +169,20 @@ def test_a_changed_world_is_rebuilt_from_mirrors_a_same_world_crash_is_not():
     assert chosen.source is Source.STORAGE and rebuild is None
 
 
-def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, monkeypatch):
+def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, one_rank, monkeypatch):
     # What a restarting stop asks before it skips the storage save (session._resumes_from_memory)
-    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        tier = ShardedMemoryTier(str(tmp_path / "memory"), every=1)
-        state = {"model": {"w": torch.arange(4.0)}}
-        tier.save(1, state, {})
-        assert tier.holds(1) and not tier.holds(2)  # waits for the writer thread
+    tier = ShardedMemoryTier(str(tmp_path / "memory"), every=1)
+    state = {"model": {"w": torch.arange(4.0)}}
+    tier.save(1, state, {})
+    assert tier.holds(1) and not tier.holds(2)  # waits for the writer thread
 
-        def full(self, *args, **kwargs):
-            raise OSError(28, "No space left on device")
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(memory_rank_slots.RankSlots, "write", full)
-        tier.save(2, state, {})
-        assert not tier.holds(2) and tier.holds(1)
-        tier.close()
-    finally:
-        dist.destroy_process_group()
+    monkeypatch.setattr(memory_rank_slots.RankSlots, "write", full)
+    tier.save(2, state, {})
+    assert not tier.holds(2) and tier.holds(1)
+    tier.close()
 
 
 # --- copies into kept mappings, no staging ---------------------------------------------------
@@ -216,14 +210,6 @@ def test_a_mirror_s_copy_is_received_into_its_slot_and_reads_back_checked(tmp_pa
     mirror.receive(4, 2, sent.nbytes, sent.digest, lambda into: into.fill_(7))  # not step 3's
     with pytest.raises(ValueError, match="checksum"):
         mirror.read(4)
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_sharded_tier_copies_without_staging_buffers(tmp_path, one_rank, monkeypatch):

@@ -14,7 +14,6 @@ import textwrap
 import blake3
 import pytest
 import torch
-import torch.distributed as dist
 from structlog.testing import capture_logs
 
 from elastic_trainer.runtime import memory_format, memory_slots, memory_tier
@@ -179,14 +178,6 @@ def test_the_test_kill_leaves_a_torn_slot_and_the_committed_copy(tmp_path):
     assert copies.newest() == 1 and torch.equal(copies.read(1)["w"], torch.ones(5000))
     torn = (tmp_path / SLOTS[1]).read_bytes()
     assert b"\xee" * 64 in torn and torch.full((10,), 2.0).numpy().tobytes() in torn
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_tier_copies_without_staging_buffers(tmp_path, one_rank, monkeypatch):
