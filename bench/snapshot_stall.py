@@ -16,6 +16,7 @@ and process CPU as ratios to the job without snapshots.
 
     OMP_NUM_THREADS=1 python bench/snapshot_stall.py [--saves 5] [--dir /tmp/x]
     OMP_NUM_THREADS=1 python bench/snapshot_stall.py --jobs-only [--steps 60] [--repeats 3]
+        [--kinds session,torch,memory]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -280,6 +282,8 @@ def minor_faults() -> int:
 
 def whole_jobs(args: argparse.Namespace, root: str) -> str:
     modes = list(JOBS) if args.shm else [m for m in JOBS if m not in ("shm", "memory")]
+    if args.kinds:
+        modes = ["none", *(m for m in args.kinds.split(",") if m != "none")]
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for rep in range(args.repeats):  # interleaved: machine noise falls on every mode alike
         for mode in modes:
@@ -301,22 +305,39 @@ def wall_table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace
     lines = [
         f"whole job: {args.steps} steps of ResNet-18, batch {args.batch}, 1 process, "
         f"median of {args.repeats} interleaved runs (each in a fresh process)",
-        f"{'job':<46}{'wall s':>8}{'x none':>8}{'loop':>7}{'tail s':>8}{'CPU':>7}{'train':>7}"
-        f"{'faults':>8}",
+        f"{'job':<46}{'wall s':>8}{'x none':>8}{'90% interval':>14}{'loop':>7}{'tail s':>8}"
+        f"{'CPU':>7}{'train':>7}{'faults':>8}",
     ]
     for mode in runs:
         ratio = {key: med(mode, key) / base[key] for key in base}
+        low, high = ratio_interval(runs[mode], runs["none"])
         lines.append(
             f"{JOBS[mode].format(every=args.every):<46}{med(mode, 'wall'):>8.2f}"
-            f"{ratio['wall']:>8.3f}{ratio['loop']:>7.3f}{med(mode, 'tail'):>8.2f}"
-            f"{ratio['cpu']:>7.3f}{ratio['train_cpu']:>7.3f}{med(mode, 'train_faults'):>8.0f}"
+            f"{ratio['wall']:>8.3f}{f'{low:.3f}-{high:.3f}':>14}{ratio['loop']:>7.3f}"
+            f"{med(mode, 'tail'):>8.2f}{ratio['cpu']:>7.3f}{ratio['train_cpu']:>7.3f}"
+            f"{med(mode, 'train_faults'):>8.0f}"
         )
     lines += [
-        "x none: wall ratio; loop: until the last step ends (x none); tail: then waiting for",
-        "the last snapshot to be durable; CPU: the process's CPU time, train: the training",
-        "thread's (x none); faults: the training thread's minor page faults",
+        "x none: wall ratio of the medians, with a 90% bootstrap interval; loop: until the",
+        "last step ends (x none); tail: then waiting for the last snapshot to be durable;",
+        "CPU: the process's CPU time, train: the training thread's (x none); faults: the",
+        "training thread's minor page faults. On a shared 2-core VM one job's wall varies by",
+        "~10% from run to run (the host, not the job): a 2% difference needs tens of repeats.",
     ]
     return "\n".join(lines)
+
+
+def ratio_interval(
+    runs: list[dict[str, float]], base: list[dict[str, float]], key: str = "wall"
+) -> tuple[float, float]:
+    """A 90% bootstrap interval of median(runs) / median(base): how far noise alone moves it."""
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices([r[key] for r in runs], k=len(runs)))
+        / statistics.median(rng.choices([b[key] for b in base], k=len(base)))
+        for _ in range(2000)
+    )
+    return ratios[len(ratios) // 20], ratios[-len(ratios) // 20 - 1]
 
 
 def main() -> None:
@@ -329,6 +350,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="a snapshot every N steps")
     parser.add_argument("--repeats", type=int, default=3, help="whole jobs per kind")
     parser.add_argument("--no-shm", dest="shm", action="store_false", help="skip /dev/shm")
+    parser.add_argument(
+        "--kinds", help=f"whole-job kinds, comma-separated (of {', '.join(JOBS)}; none always)"
+    )
     parser.add_argument("--jobs-only", action="store_true", help="only the whole-job table")
     parser.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)  # one job, JSON
     args = parser.parse_args()

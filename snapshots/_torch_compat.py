@@ -5,8 +5,16 @@ discipline as ``elastic_trainer/torch_compat.py``: each use with the reason, che
 torch 2.14.1 and 2.15.0, and ``tests/unit/test_snapshot_torch_compat.py`` asserts that each
 still exists, so a torch release that moves one fails a millisecond test, not a job.
 
-No torch *private* name is used today. What follows is public but young API (DCP, DTensor)
-whose behaviour the format depends on:
+One torch *private* piece is used, behind ``save_without_crc32`` below, which falls back to
+plain ``torch.save`` when it is gone or changed:
+
+- ``torch._C.PyTorchFileWriter(file, compute_crc32, alignment)`` and
+  ``torch.serialization._save``: what ``torch.save`` runs, with two of its settings chosen
+  per call instead of through torch's process-wide config (``set_crc32_options``,
+  ``config.save.storage_alignment``), which would also change the user's own ``torch.save``
+  calls on other threads. See ``save_without_crc32`` for why.
+
+What follows is public but young API (DCP, DTensor) whose behaviour the format depends on:
 
 - ``DefaultSavePlanner.create_global_plan``: deduplicates replicated write items, each to
   the rank with the fewest bytes planned so far (``dedup_save_plans``); we compute it on
@@ -25,8 +33,15 @@ whose behaviour the format depends on:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import io
+import pickle
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 TESTED_TORCH = ("2.14", "2.15")
 
@@ -53,9 +68,69 @@ USED: tuple[tuple[str, str], ...] = (
 )
 
 
+# The private pieces behind save_without_crc32 (checked like USED, but a job survives their
+# loss: the save falls back to torch.save).
+PRIVATE: tuple[tuple[str, str], ...] = (
+    ("torch._C", "PyTorchFileWriter"),
+    ("torch.serialization", "_save"),
+)
+
+
 def checks() -> dict[str, Callable[[], bool]]:
     """name -> a check that it still exists."""
-    return {f"{m}.{a}": (lambda m=m, a=a: _exists(m, a)) for m, a in USED}
+    return {f"{m}.{a}": (lambda m=m, a=a: _exists(m, a)) for m, a in (*USED, *PRIVATE)}
+
+
+def save_without_crc32(obj: Any, sink: Any, *, alignment: int) -> None:
+    """``torch.save(obj, sink)`` without the zip format's CRC-32 of each record, and with
+    each tensor's bytes starting at a file offset that is a multiple of ``alignment``.
+
+    Why: every byte of a snapshot file is hashed (BLAKE3 or sha256) on its way to storage
+    and checked before anything is unpickled, so the CRC adds no protection, and torch
+    computes it holding the GIL (~17 ms per 90 MB here, a pause for the training thread's
+    Python code). ``torch.load`` does not check it (torch documents as much for
+    ``set_crc32_options``); only a zip tool's own test would complain. The alignment lets
+    the local writer hand large tensors to the disk past the page cache (``O_DIRECT`` needs
+    aligned file offsets; torch's default is 64 bytes).
+
+    Where the private pieces are gone or changed, this is plain ``torch.save`` (CRCs and
+    torch's alignment: slower, the same snapshot)."""
+    if not _private_writer_works():
+        torch.save(obj, sink)
+        return
+    writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+    try:
+        torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # As torch.save's own context does: ending the archive marks the writer finished even
+        # when that fails too; a writer destroyed unfinished ends it in its destructor, where
+        # a second failure (the sink refusing writes) aborts the process.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()
+    sink.flush()
+
+
+@functools.cache
+def _private_writer_works() -> bool:
+    """Tried once, on a throwaway buffer: a torch whose pieces differ gets torch.save."""
+    try:
+        buf = io.BytesIO()
+        writer = torch._C.PyTorchFileWriter(buf, False, 4096)
+        torch.serialization._save(
+            {"probe": torch.zeros(1)},
+            writer,
+            pickle,
+            torch.serialization.DEFAULT_PROTOCOL,
+            False,
+        )
+        writer.write_end_of_file()
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=True)
+        return bool(torch.equal(loaded["probe"], torch.zeros(1)))
+    except Exception:  # any change of signature or behaviour: use the public path
+        return False
 
 
 def _exists(module: str, path: str) -> bool:

@@ -8,6 +8,7 @@ at the call rather than at restore time.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import io
 import mmap
 import pickle
@@ -19,7 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from snapshots import manifest
+from snapshots import _torch_compat, manifest
+from snapshots._local_storage import DIRECT_ALIGN
 from snapshots.errors import SnapshotCorruptError, UnsafeStateError
 
 # Values copied as they are (matched by exact type) and the types a mapping's keys may have:
@@ -187,34 +189,59 @@ def _fmt(path: tuple[Any, ...]) -> str:
 
 def serialize(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    _torch_compat.save_without_crc32(obj, buf, alignment=DIRECT_ALIGN)
     return buf.getvalue()
 
 
 def serialize_into(obj: Any, sink: Any, algorithm: str) -> tuple[int, str]:
     """``torch.save`` straight into ``sink`` (a file), hashed on the way in one pass:
-    (size, hex digest) of exactly the bytes written. The same bytes as ``serialize``."""
-    hashing = _Hashing(sink, algorithm)
-    torch.save(obj, hashing)
+    (size, hex digest) of exactly the bytes written. The same bytes as ``serialize``:
+    a ``torch.save`` file without CRCs, its tensors at page-aligned offsets (see
+    ``_torch_compat.save_without_crc32``), which ``torch.load`` reads as any other."""
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-hash") as pool:
+        hashing = _Hashing(sink, algorithm, pool)
+        _torch_compat.save_without_crc32(obj, hashing, alignment=DIRECT_ALIGN)
     return hashing.size, hashing.hasher.hexdigest()
+
+
+# Records from this size up are hashed on a second thread while the sink writes them.
+OVERLAP_BYTES = 1 << 20
 
 
 class _Hashing:
     """A write-only file that hashes what passes through it. torch.save hands over each
-    tensor's storage as one memoryview (no copy); the hash releases the GIL while it hashes
-    a buffer that large, so the training thread keeps running meanwhile."""
+    tensor's storage as one memoryview (no copy). A large one is hashed on ``pool``'s
+    thread while the sink writes it: both only read the staging buffer, the hash and the
+    write (an O_DIRECT one mostly waits for the disk) release the GIL, so the save takes
+    the longer of the two instead of their sum (~15 ms per 90 MB here, on the job's tail)."""
 
-    def __init__(self, sink: Any, algorithm: str) -> None:
+    def __init__(self, sink: Any, algorithm: str, pool: cf.Executor | None = None) -> None:
         self._sink = sink
+        self._pool = pool
         self.hasher = manifest.hasher(algorithm)
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.hasher.update(view)
-        self._sink.write(view)
+        hashed = self._hash_aside(view) if len(view) >= OVERLAP_BYTES else None
+        if hashed is not None:
+            try:
+                self._sink.write(view)
+            finally:
+                hashed.result()  # in order: the next record is hashed after this one
+        else:
+            self.hasher.update(view)
+            self._sink.write(view)
         self.size += len(view)
         return len(view)
+
+    def _hash_aside(self, view: memoryview) -> cf.Future[None] | None:
+        if self._pool is None:
+            return None
+        try:
+            return self._pool.submit(self.hasher.update, view)
+        except RuntimeError:  # interpreter exit (a save flushed at exit): hash it here
+            return None
 
     def flush(self) -> None:
         pass  # the sink is flushed and fsynced by its storage once torch.save returns

@@ -96,8 +96,11 @@ class SnapshotStore(StoreReading):
 
         ``verify_after_write``: how a save is verified before retention may delete anything
         older. ``"auto"``: ``"listing"`` (sizes and server-side ETags from one listing) on
-        object stores, ``"full"`` (read everything back, check every checksum) elsewhere.
-        The ``snapshots._commit`` docstring says exactly what each one proves.
+        object stores, ``"written"`` on local disk (the manifest read back, sizes from one
+        listing; the checksums are of the very buffers written, and every load checks
+        them) unless ``keep=1`` (nothing older would be left to fall back on), ``"full"``
+        (read everything back, check every checksum) elsewhere and on request. The
+        ``snapshots._commit`` docstring says exactly what each one proves.
         """
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
@@ -119,7 +122,11 @@ class SnapshotStore(StoreReading):
             ownership.claim(self._storage, self.url, owner)
         self._catalog = _catalog.Catalog(self._storage, self.url)
         self._committer = _commit.Committer(
-            self._storage, self._catalog, verify_after_write, guard=self._ensure_owner
+            self._storage,
+            self._catalog,
+            verify_after_write,
+            guard=self._ensure_owner,
+            sole_copy=keep == 1,
         )
         self._writer = _writer.BackgroundWriter(self._storage.health)
         self._job: _commit.SaveJob | None = None  # the save in flight, to cancel at a deadline

@@ -1,7 +1,9 @@
 """Post-write verification and stray clean-up, on every backend (local, memory://, s3 on moto).
 
-Local disk and memory:// verify a new snapshot by reading it all back; s3 verifies from one
-listing (sizes + ETags) and downloads only what the listing cannot prove.
+memory:// verifies a new snapshot by reading it all back, and so does local disk with
+``keep=1``; otherwise local disk checks the manifest and a listing (its checksums are of the
+buffers written; loads check them); s3 verifies from one listing (sizes + ETags) and
+downloads only what the listing cannot prove.
 """
 
 from __future__ import annotations
@@ -87,6 +89,25 @@ def test_failed_verification_of_a_new_snapshot_prunes_nothing(
     faulty.damage = None
     store.save(4, _state(4))  # a verified save prunes again, the damaged one included
     assert store.committed_steps() == [4]
+
+
+def test_local_damage_unseen_at_save_is_caught_at_load_and_an_older_one_serves(
+    tmp_path: Any,
+) -> None:
+    # keep=2 on local disk: no read-back ("written"); the damage is the load's to find.
+    store = SnapshotStore(str(tmp_path), async_save=False, keep=2)
+    faulty = Faulty(store._storage.inner)
+    store._storage.inner = faulty  # type: ignore[assignment]
+    store.save(1, _state(1))
+    faulty.damage = "flip"
+    with capture_logs() as logs:
+        store.save(2, _state(2))
+    assert [e["step"] for e in logs if e["event"] == "snapshot.saved"] == [2]
+    assert not [p for p in faulty.reads if p.endswith(layout.DATA_SUFFIX)]  # not read back
+    assert store.committed_steps() == [1, 2]  # retention kept the older one
+    latest = store.latest()  # checks every checksum: falls back past the damaged 2
+    assert latest is not None and latest.step == 1
+    assert torch.equal(store.load(1).state["w"], _state(1)["w"])  # type: ignore[arg-type]
 
 
 def test_strays_in_a_committed_folder_are_swept(backend: Backend) -> None:
