@@ -123,7 +123,7 @@ def last_of_first(marks: list[Stamp], name: str, after: float | None) -> float |
 def restore_after(events: list[dict[str, Any]], after: float) -> Restore | None:
     """The first restore after ``after``: its step, and the sources its ranks used.
 
-    All ranks of one start agree on the step (memory_plan); a later start (a second fault)
+    All ranks of one start agree on the step (runtime.memory.plan); a later start (a second fault)
     is a different restore, so only the events of the first step seen count."""
     restored = sorted(
         (e for e in events if e.get("event") == "snapshot.restored" and e["_t"] >= after),

@@ -3,7 +3,7 @@
 Whole jobs of two ranks (gloo, CPU; each rank its own node with its own memory folder, so
 every copy is also mirrored on the other rank), each job in fresh processes, interleaved:
 FSDP2 MLP + Adam for ``--steps`` steps with no in-memory copies, and with a copy every step
-(``runtime.memory_shards.ShardedMemoryTier``, what ``--memory-snapshot-every 1`` runs).
+(``runtime.memory.shards.ShardedMemoryTier``, what ``--memory-snapshot-every 1`` runs).
 Reported: whole-job wall and CPU (both ranks) as ratios to the job without copies, then each
 phase of a copy: the training thread's ``save`` (since the mapped path, the slot write is in
 it), the slot write (``RankSlots.write``), the background send to the mirror rank (wall and
@@ -73,7 +73,7 @@ def instrument(tier: Any) -> dict[str, list[float]]:
 
 
 def rank_job(rank: int, world: int, mode: str, steps: int, mb: int, root: str) -> dict[str, Any]:
-    from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+    from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
     from snapshots.rng import RNGState
 
     net = model(world, mb)

@@ -262,7 +262,7 @@ def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, f
 
 def memory_tier(folder: str) -> Any:
     """The session's in-memory tier; it needs a process group (here one gloo rank)."""
-    from elastic_trainer.runtime.memory_tier import MemoryTier
+    from elastic_trainer.runtime.memory.tier import MemoryTier
 
     if not dist.is_initialized():
         store = dist.FileStore(os.path.join(folder, "pg-store"), 1)

@@ -323,7 +323,7 @@ class RunConfig:
 
     def worker_settings(self, control_dir: str, memory_dir: str | None = None) -> WorkerSettings:
         """What every worker of this node is told (through its environment); ``memory_dir``:
-        this supervisor's in-memory tier folder (``runtime.memory_tier``)."""
+        this supervisor's in-memory tier folder (``runtime.memory.tier``)."""
         return WorkerSettings(
             memory_dir=memory_dir,
             memory_snapshot_every=self.memory_snapshot_every,

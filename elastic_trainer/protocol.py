@@ -18,7 +18,7 @@ from elastic_trainer.errors import EnvironmentProblem
 # --- defaults: the one place each is written ----------------------------------------------
 DEFAULT_SNAPSHOT_EVERY = 100  # steps between periodic snapshots
 DEFAULT_SNAPSHOT_KEEP = 3  # newest committed snapshots kept
-# steps between in-memory copies of the state (runtime.memory_tier); 0 = none
+# steps between in-memory copies of the state (runtime.memory.tier); 0 = none
 DEFAULT_MEMORY_SNAPSHOT_EVERY = 1
 # not torch's 30 min: a hung or cut-off peer must be noticed; the hang watchdog is faster
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0

@@ -23,7 +23,7 @@ from elastic_trainer.events import emit
 from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.audit import AuditLog, AuditRecord
 from elastic_trainer.runtime.context import WorkerContext
-from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 from elastic_trainer.runtime.progress import (
     STOP_MAX_STEPS,
     STOP_PEER_PREEMPTED,
@@ -149,7 +149,7 @@ class TrainingSession:
         )
 
     def _restore(self) -> None:
-        """The newest state any node holds in memory (``runtime.memory_tier``), else the
+        """The newest state any node holds in memory (``runtime.memory.tier``), else the
         newest loadable storage snapshot; snapshot.restored says which and why."""
         restored = restore_state(self._memory, self._snapshots, self.state)
         if self._memory is not None:

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.context import WorkerContext
-from elastic_trainer.runtime.memory_plan import Source
-from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
-from elastic_trainer.runtime.memory_tier import MemoryTier
+from elastic_trainer.runtime.memory.plan import Source
+from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
+from elastic_trainer.runtime.memory.tier import MemoryTier
 from snapshots import (
     Owner,
     RNGState,
@@ -188,7 +188,7 @@ def open_memory_tier(
 ) -> MemoryTier | ShardedMemoryTier | None:
     """Collective when it opens one. None: no folder (not under elastic-train), ``every`` 0,
     or no process group. Sharded (FSDP2) state: each rank keeps its own shards
-    (``memory_shards``); replicated state: one copy per node (``memory_tier``)."""
+    (``shards``); replicated state: one copy per node (``tier``)."""
     from snapshots._sharded_state import has_dtensors
 
     if not (directory and every > 0 and dist.is_initialized()):

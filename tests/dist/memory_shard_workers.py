@@ -1,5 +1,5 @@
-"""Worker bodies for the sharded in-memory tier's node-loss tests (``runtime.memory_shards``,
-``runtime.memory_mirror``), run through ``sharded_workers.spawn_phase``: each rank plays a
+"""Worker bodies for the sharded in-memory tier's node-loss tests (``runtime.memory.shards``,
+``runtime.memory.mirror``), run through ``sharded_workers.spawn_phase``: each rank plays a
 node of its own, with its own memory folder ``<tmp>/node<rank>``."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from structlog.testing import capture_logs
 
-from elastic_trainer.runtime.memory_mirror import KILL_MID_SEND_ENV
-from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+from elastic_trainer.runtime.memory.mirror import KILL_MID_SEND_ENV
+from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 from elastic_trainer.runtime.snapshotting import SessionSnapshots, restore_state
 from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
 from snapshots import RNGState

@@ -1,4 +1,4 @@
-"""The in-memory snapshot tier through the real launcher on gloo (``runtime.memory_tier``).
+"""The in-memory snapshot tier through the real launcher on gloo (``runtime.memory.tier``).
 
 The tiny DDP model of ``train_linear.py`` (18 steps); storage snapshots every 6 steps, so a
 restore from storage loses up to 5 steps where one from memory loses at most 1.
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV
+from elastic_trainer.runtime.memory.tier import KILL_MID_WRITE_ENV
 from tests.conftest import clean_worker_env
 from tests.dist.workers.launcher import Launch, launch_workers
 

@@ -1,4 +1,4 @@
-"""The sharded in-memory tier's pure decisions (``memory_shard_plan``) and a rank's slot
+"""The sharded in-memory tier's pure decisions (``shard_plan``) and a rank's slot
 folder (``memory_shards.RankSlots``)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from elastic_trainer.runtime import memory_rank_slots
-from elastic_trainer.runtime import memory_shard_plan as plan
-from elastic_trainer.runtime.memory_plan import SLOTS, Source
-from elastic_trainer.runtime.memory_rank_slots import RankSlots
-from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+from elastic_trainer.runtime.memory import rank_slots
+from elastic_trainer.runtime.memory import shard_plan as plan
+from elastic_trainer.runtime.memory.plan import SLOTS, Source
+from elastic_trainer.runtime.memory.rank_slots import RankSlots
+from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 
 
 def facts(*held: list[tuple[int, int]]) -> list[plan.RankFacts]:
@@ -127,7 +127,7 @@ def test_a_crash_while_writing_leaves_only_whole_copies_listed(tmp_path, monkeyp
         slot[: layout.size // 2] = 0xEE
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("elastic_trainer.runtime.memory_format.write_into", torn)
+    monkeypatch.setattr("elastic_trainer.runtime.memory.byte_layout.write_into", torn)
     with pytest.raises(KeyboardInterrupt):
         slots.write(3, 2, payload(3))
     assert [c.step for c in slots.copies()] == [2]  # step 1's slot was uncommitted first
@@ -179,7 +179,7 @@ def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, one_rank,
     def full(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(memory_rank_slots.RankSlots, "write", full)
+    monkeypatch.setattr(rank_slots.RankSlots, "write", full)
     tier.save(2, state, {})
     assert not tier.holds(2) and tier.holds(1)
     tier.close()
@@ -190,7 +190,7 @@ def test_copies_go_into_slots_mapped_once_without_write_calls(tmp_path, monkeypa
     def no_write(*_):
         raise AssertionError("a copy goes into the slot's mapping, not through write()")
 
-    monkeypatch.setattr("elastic_trainer.runtime.memory_format.write", no_write)
+    monkeypatch.setattr("elastic_trainer.runtime.memory.byte_layout.write", no_write)
     slots = RankSlots(str(tmp_path / "rank-00000"))
     for step in range(1, 7):
         slots.write(step, 2, payload(step))
@@ -214,7 +214,7 @@ def test_a_mirror_s_copy_is_received_into_its_slot_and_reads_back_checked(tmp_pa
 
 _NO_STAGING = """
 import sys, torch, torch.distributed as dist
-from elastic_trainer.runtime.memory_shards import ShardedMemoryTier
+from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 from snapshots import RNGState, serialization
 from tests.dist.sharded_workers import fsdp_model, train
 

@@ -1,5 +1,5 @@
 """The in-memory tier's copy path: one copy straight into a slot file kept mapped from step to
-step (``memory_slots``, ``memory_format.write_into``), checksummed by xxh3_128."""
+step (``slots``, ``byte_layout.write_into``), checksummed by xxh3_128."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastic_trainer.runtime import memory_format, memory_slots, memory_tier
-from elastic_trainer.runtime.memory_plan import (
+from elastic_trainer.runtime.memory import byte_layout, slots
+from elastic_trainer.runtime.memory import tier as memory_tier
+from elastic_trainer.runtime.memory.plan import (
     SLOTS,
     Copy,
     part_bounds,
@@ -25,10 +26,10 @@ from elastic_trainer.runtime.memory_plan import (
     shares,
     stale_file,
 )
-from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV, MemoryTier, NodeCopies
+from elastic_trainer.runtime.memory.tier import KILL_MID_WRITE_ENV, MemoryTier, NodeCopies
 from snapshots import serialization
 
-ALGORITHM = memory_format.CHECKSUM_ALGORITHM
+ALGORITHM = byte_layout.CHECKSUM_ALGORITHM
 MARKER = part_marker(SLOTS[0], 0)  # a one-rank node's marker of the copy in its first slot
 
 
@@ -61,7 +62,7 @@ def _assert_same(back: object, saved: object) -> None:
 
 
 def test_each_copy_is_the_state_of_its_step_bit_for_bit(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory_format, "CHUNK_BYTES", 256)  # large tensors: piece by piece
+    monkeypatch.setattr(byte_layout, "CHUNK_BYTES", 256)  # large tensors: piece by piece
     copies = NodeCopies(str(tmp_path))
     model, optimizer = _trained(0)
     for step in range(1, 5):
@@ -77,11 +78,11 @@ def test_an_empty_tensor_comes_back_with_its_shape_and_dtype(tmp_path):
     copies = NodeCopies(str(tmp_path))
     copies.write(1, {"step": 1, "state": saved})
     _assert_same(copies.read(1)["state"], saved)
-    with open(tmp_path / "copy.bin", "wb") as f:  # the file path (memory_format.write)
-        digest = memory_format.write({"state": saved}, f)
+    with open(tmp_path / "copy.bin", "wb") as f:  # the file path (byte_layout.write)
+        digest = byte_layout.write({"state": saved}, f)
     data = bytearray((tmp_path / "copy.bin").read_bytes())
-    memory_format.verify(data, digest, "copy.bin")
-    _assert_same(memory_format.read(data)["state"], saved)
+    byte_layout.verify(data, digest, "copy.bin")
+    _assert_same(byte_layout.read(data)["state"], saved)
 
 
 def test_a_slot_is_mapped_once_and_copied_into_in_place(tmp_path):
@@ -110,10 +111,10 @@ def test_a_slot_removed_while_mapped_is_made_again(tmp_path):
 
 
 def test_a_slot_keeps_its_mapping_while_the_copy_changes_size_a_little():
-    grain = memory_slots.GRAIN_BYTES
-    assert memory_slots.fits(grain, grain - 10) and memory_slots.fits(4 * grain, 3 * grain)
-    assert not memory_slots.fits(grain, grain + 1)  # too small
-    assert not memory_slots.fits(10 * grain, grain)  # far too big: re-made smaller
+    grain = slots.GRAIN_BYTES
+    assert slots.fits(grain, grain - 10) and slots.fits(4 * grain, 3 * grain)
+    assert not slots.fits(grain, grain + 1)  # too small
+    assert not slots.fits(10 * grain, grain)  # far too big: re-made smaller
 
 
 def _flip_last_byte(path, size: int) -> None:
@@ -147,18 +148,18 @@ def test_a_copy_that_stops_halfway_leaves_the_committed_one(tmp_path, monkeypatc
     copies = NodeCopies(str(tmp_path))
     copies.write(1, {"step": 1, "a": torch.ones(1000), "b": torch.ones(1000)})
     copies.write(2, {"step": 2, "a": torch.full((1000,), 2.0), "b": torch.full((1000,), 2.0)})
-    real = memory_format._copy_tensor
+    real = byte_layout._copy_tensor
 
     def one_then_fail(t, slot, offset):
         if offset > 1000:
             raise OSError(errno.EFAULT, "stopped halfway")
         yield from real(t, slot, offset)
 
-    monkeypatch.setattr(memory_format, "_copy_tensor", one_then_fail)
+    monkeypatch.setattr(byte_layout, "_copy_tensor", one_then_fail)
     with pytest.raises(OSError, match="halfway"):
         copies.write(3, {"step": 3, "a": torch.full((1000,), 3.0), "b": torch.zeros(1000)})
     assert copies.newest() == 2 and torch.equal(copies.read(2)["b"], torch.full((1000,), 2.0))
-    monkeypatch.setattr(memory_format, "_copy_tensor", real)
+    monkeypatch.setattr(byte_layout, "_copy_tensor", real)
     copies.write(3, {"step": 3, "a": torch.full((1000,), 3.0), "b": torch.zeros(1000)})
     assert torch.equal(copies.read(3)["b"], torch.zeros(1000))  # the torn slot, made whole
 
@@ -166,7 +167,7 @@ def test_a_copy_that_stops_halfway_leaves_the_committed_one(tmp_path, monkeypatc
 def test_the_test_kill_leaves_a_torn_slot_and_the_committed_copy(tmp_path):
     script = textwrap.dedent(f"""
         import torch
-        from elastic_trainer.runtime.memory_tier import NodeCopies
+        from elastic_trainer.runtime.memory.tier import NodeCopies
         copies = NodeCopies({str(tmp_path)!r})
         for step in (1, 2):
             copies.write(step, {{"step": step, "w": torch.full((5000,), float(step))}})

@@ -1,4 +1,4 @@
-"""The in-memory tier's pure decisions (``memory_plan``) and its node folder (``NodeCopies``)."""
+"""The in-memory tier's pure decisions (``plan``) and its node folder (``NodeCopies``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 
 from elastic_trainer import protocol
 from elastic_trainer.errors import EnvironmentProblem
-from elastic_trainer.runtime import memory_format
-from elastic_trainer.runtime.memory_plan import (
+from elastic_trainer.runtime.memory import byte_layout
+from elastic_trainer.runtime.memory.plan import (
     SLOTS,
     Copy,
     Source,
@@ -27,10 +27,10 @@ from elastic_trainer.runtime.memory_plan import (
     shares,
     whole_copy,
 )
-from elastic_trainer.runtime.memory_tier import NodeCopies, RankStreams
+from elastic_trainer.runtime.memory.tier import NodeCopies, RankStreams
 from elastic_trainer.supervisor import args, workerenv
 
-ALGORITHM = memory_format.CHECKSUM_ALGORITHM
+ALGORITHM = byte_layout.CHECKSUM_ALGORITHM
 MARKER = part_marker(SLOTS[0], 0)  # a one-rank node's marker of the copy in its first slot
 
 
@@ -123,7 +123,7 @@ def test_a_damaged_copy_is_refused_before_its_skeleton_is_unpickled(tmp_path, mo
     size = json.loads((tmp_path / MARKER).read_text())["bytes"]
     _flip_last_byte(tmp_path / SLOTS[0], size)  # same size: only the checksum can tell
     unpickled = []
-    monkeypatch.setattr(memory_format.torch, "load", lambda *a, **k: unpickled.append(a))
+    monkeypatch.setattr(byte_layout.torch, "load", lambda *a, **k: unpickled.append(a))
     with pytest.raises(ValueError, match=f"fails its {ALGORITHM} checksum"):
         copies.read(4)
     assert unpickled == []
@@ -153,7 +153,7 @@ def test_a_streams_file_checksummed_by_another_algorithm_is_refused(tmp_path):
     streams.write(3, {"rng": torch.arange(8)}, committed=None)
     path = tmp_path / "ranks" / "0-000000000003.pt"
     body = path.read_bytes().partition(b"\n")[2]
-    for line in (f"blake3 {blake3.blake3(body).hexdigest()}", memory_format.checksum(body)):
+    for line in (f"blake3 {blake3.blake3(body).hexdigest()}", byte_layout.checksum(body)):
         path.write_bytes(line.encode() + b"\n" + body)  # another's, or unnamed (older files)
         with pytest.raises(ValueError, match=f"no valid {ALGORITHM} checksum"):
             streams.read(3)
@@ -230,8 +230,8 @@ def test_a_copy_round_trips_every_kind_of_value():
         "odd": [torch.ones(2, 3).t(), torch.zeros(2, dtype=torch.bfloat16), (1, "x", None)],
     }
     f = io.BytesIO()
-    memory_format.write(payload, f)
-    back = memory_format.read(bytearray(f.getvalue()))
+    byte_layout.write(payload, f)
+    back = byte_layout.read(bytearray(f.getvalue()))
     for key in ("model", "optimizer"):
         torch.testing.assert_close(back[key], payload[key], rtol=0, atol=0)
     torch.testing.assert_close(back["odd"][:2], payload["odd"][:2], rtol=0, atol=0)
@@ -240,7 +240,7 @@ def test_a_copy_round_trips_every_kind_of_value():
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     fresh.load_state_dict(back["model"])
     with pytest.raises(ValueError, match="truncated"):
-        memory_format.read(bytearray(f.getvalue()[:-5]))
+        byte_layout.read(bytearray(f.getvalue()[:-5]))
 
 
 def test_a_ranks_streams_are_kept_from_its_nodes_committed_copy_on(tmp_path):

@@ -15,7 +15,7 @@ from torch import nn
 
 from elastic_trainer import protocol
 from elastic_trainer.runtime.context import WorkerContext, WorkerSettings
-from elastic_trainer.runtime.memory_tier import NodeCopies
+from elastic_trainer.runtime.memory.tier import NodeCopies
 from elastic_trainer.runtime.session import TrainingSession
 
 

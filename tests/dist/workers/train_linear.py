@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_trainer as et
 from elastic_trainer import protocol
-from elastic_trainer.runtime.memory_rank_slots import RankSlots
-from elastic_trainer.runtime.memory_tier import KILL_MID_WRITE_ENV
+from elastic_trainer.runtime.memory.rank_slots import RankSlots
+from elastic_trainer.runtime.memory.tier import KILL_MID_WRITE_ENV
 
 
 def parse() -> argparse.Namespace:

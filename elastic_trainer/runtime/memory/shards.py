@@ -5,16 +5,16 @@ local shards (``DTensor.to_local()``), the state's replicated tensors and plain 
 RNG streams and a description of each DTensor (global shape, dtype, placements, mesh shape,
 this rank's offsets) into its own folder in its node's memory folder
 (``WorkerSettings.memory_dir``): one copy per tensor into a slot file kept mapped across
-steps, in the byte layout of ``memory_format``, checksummed while cache-hot (read back
-weights-only after the check; ``memory_rank_slots``). Two slots and a marker per rank: see
-``memory_shard_plan`` for why two copies stay committed.
+steps, in the byte layout of ``byte_layout``, checksummed while cache-hot (read back
+weights-only after the check; ``rank_slots``). Two slots and a marker per rank: see
+``shard_plan`` for why two copies stay committed.
 
 A restore (same world size and layout: a worker crash on a node that survives) is
 collective: the ranks agree on the newest step every rank holds, each loads and checks its
 copy, they agree that every rank succeeded, then each restores its shards through
 ``set_state_dict``; any rank's failure sends every rank to storage, with the reason.
 
-Each copy is also mirrored on the next node (``memory_mirror``; a background thread sends
+Each copy is also mirrored on the next node (``mirror``; a background thread sends
 it from the committed slot's mapping): when the world changed (a
 node lost, or replaced), the survivors' own copies and mirrors are written as a sharded
 storage snapshot of the newest step they make whole, which the caller then loads with the
@@ -34,11 +34,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from elastic_trainer.events import emit
-from elastic_trainer.runtime import memory_mirror
-from elastic_trainer.runtime import memory_shard_plan as plan_
-from elastic_trainer.runtime.memory_plan import RestorePlan, Source
-from elastic_trainer.runtime.memory_rank_slots import BackgroundWriter, RankSlots
-from elastic_trainer.runtime.memory_tier import MemoryRestored
+from elastic_trainer.runtime.memory import mirror
+from elastic_trainer.runtime.memory import shard_plan as plan_
+from elastic_trainer.runtime.memory.plan import RestorePlan, Source
+from elastic_trainer.runtime.memory.rank_slots import BackgroundWriter, RankSlots
+from elastic_trainer.runtime.memory.tier import MemoryRestored
 from snapshots import _sharded_state, sharding
 from snapshots.serialization import is_stateful
 from snapshots.store import restore_into
@@ -69,15 +69,15 @@ def describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
 
 class ShardedMemoryTier:
     """Collective: every rank of the group calls ``save`` and ``restore`` at the same step.
-    The same interface as ``memory_tier.MemoryTier`` (the session uses either)."""
+    The same interface as ``tier.MemoryTier`` (the session uses either)."""
 
     def __init__(self, directory: str, *, every: int) -> None:
         self.every, self.directory = every, directory
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.slots = RankSlots(memory_mirror.own_folder(directory, self.rank))
+        self.slots = RankSlots(mirror.own_folder(directory, self.rank))
         self.node_keys = self._all_gather(os.path.realpath(directory))
         self.targets = plan_.mirror_targets(self.node_keys)
-        self._link = memory_mirror.MirrorLink(directory, self.targets, self.rank)
+        self._link = mirror.MirrorLink(directory, self.targets, self.rank)
         self.rebuild_plan: plan_.RebuildPlan | None = None  # set by restore: see rebuild()
         self.skipped = 0  # steps whose copy was skipped because the previous write still ran
         self._writer = BackgroundWriter(self.slots.directory, name="memory-shards")
@@ -138,10 +138,10 @@ class ShardedMemoryTier:
         rank_into: Mapping[str, Any],
         storage_newest: Callable[[], int | None],
     ) -> tuple[RestorePlan, MemoryRestored | None]:
-        """Collective: agree on a step (``memory_shard_plan.plan_restore``), load and check on
+        """Collective: agree on a step (``shard_plan.plan_restore``), load and check on
         every rank, agree on success, restore. Any rank's failure: storage on every rank."""
         held = tuple((c.step, c.world_size) for c in self.slots.copies())
-        node = memory_mirror.held_on_node(self.directory)
+        node = mirror.held_on_node(self.directory)
         facts = self._all_gather((held, node, storage_newest() if self.rank == 0 else None))
         own = [plan_.RankFacts(copies=f[0]) for f in facts]
         plan, self.rebuild_plan = plan_.plan_sharded(
@@ -190,7 +190,7 @@ class ShardedMemoryTier:
         then restores it). None once committed, else why not (the same on every rank)."""
         if self.rebuild_plan is None:
             return "no rebuild was planned"
-        return memory_mirror.rebuild(
+        return mirror.rebuild(
             self.rebuild_plan, self.directory, store, rank=self.rank, world_size=self.world_size
         )
 
@@ -204,7 +204,7 @@ class ShardedMemoryTier:
         node = [r for r, key in enumerate(self.node_keys) if key == mine]
         if node[0] == self.rank:
             sources = [r for r, target in enumerate(self.targets) if target in node]
-            memory_mirror.prune(self.directory, node, sources)
+            mirror.prune(self.directory, node, sources)
 
     def _all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

@@ -1,4 +1,4 @@
-"""A node's copies of the in-memory tier (``runtime.memory_tier``): two slot files, kept
+"""A node's copies of the in-memory tier (``runtime.memory.tier``): two slot files, kept
 mapped across copies, and the markers that commit their parts.
 
 A copy is written with one memory copy straight into the slot's shared mapping: no staging
@@ -7,11 +7,11 @@ competing with training. The mapping is made once and reused while the file is t
 (same inode) and big enough; it is re-made only when the copy's size changes that much, or
 the file was removed (its folder cleared, the copy forgotten).
 
-The ranks of a node split each copy (``memory_plan.part_bounds``): each copies about 1/L of
+The ranks of a node split each copy (``plan.part_bounds``): each copies about 1/L of
 the bytes into the same slot, so the copy on the critical path (the ranks meet at the next
 all-reduce) is 1/L of it, and commits its part without a collective: it removes its part's
 marker before overwriting those bytes and renames a new one (step, byte range, checksum) into
-place after. A copy is whole only when every part names its step (``memory_plan.whole_copy``)
+place after. A copy is whole only when every part names its step (``plan.whole_copy``)
 and every part's bytes match their checksum; a crash at any instant leaves the other slot's
 copy whole, and the slot being written is never used.
 
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from elastic_trainer.events import emit
-from elastic_trainer.runtime import memory_format
-from elastic_trainer.runtime.memory_plan import (
+from elastic_trainer.runtime.memory import byte_layout
+from elastic_trainer.runtime.memory.plan import (
     SLOTS,
     Copy,
     newest_copy,
@@ -174,10 +174,10 @@ class NodeCopies:
         view = memoryview(data)
         for part in copy.parts:
             what = f"{copy.slot} (bytes {part['start']}-{part['stop']})"
-            expected = part.get(memory_format.CHECKSUM_ALGORITHM)
-            memory_format.verify(view[part["start"] : part["stop"]], expected, what)
+            expected = part.get(byte_layout.CHECKSUM_ALGORITHM)
+            byte_layout.verify(view[part["start"] : part["stop"]], expected, what)
         view.release()
-        return memory_format.read(data)
+        return byte_layout.read(data)
 
     def write(
         self,
@@ -186,8 +186,8 @@ class NodeCopies:
         replicated: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         """Copy this rank's part into the slot not holding the newest whole copy, then commit
-        the part by replacing its marker. ``replicated``: ``memory_format.plan``'s."""
-        layout = memory_format.plan(payload, replicated)  # before the slot is touched
+        the part by replacing its marker. ``replicated``: ``byte_layout.plan``'s."""
+        layout = byte_layout.plan(payload, replicated)  # before the slot is touched
         os.makedirs(self.directory, exist_ok=True)
         slot = next_slot(self.newest_copy())
         bounds = part_bounds(
@@ -198,12 +198,12 @@ class NodeCopies:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(marker)  # before its bytes change: a torn part is never whole
         mapped = self.slots[slot].tensor(layout.size)
-        digest = memory_format.write_into(layout, mapped, start, stop)
+        digest = byte_layout.write_into(layout, mapped, start, stop)
         _maybe_crash(step, mapped, start, stop)
         body = {
             "step": step, "slot": slot, "bytes": layout.size, "part": self.part,
             "parts": self.parts, "start": start, "stop": stop,
-            memory_format.CHECKSUM_ALGORITHM: digest,
+            byte_layout.CHECKSUM_ALGORITHM: digest,
         }  # fmt: skip
         tmp = f"{marker}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "w") as f:

@@ -1,4 +1,4 @@
-"""Pure decisions of the in-memory snapshot tier (``runtime.memory_tier``): which rank of a
+"""Pure decisions of the in-memory snapshot tier (``runtime.memory.tier``): which rank of a
 node copies which part of its copy, when a copy is whole, and where a (re)started group
 restores from.
 

@@ -1,4 +1,4 @@
-"""Pure decisions of the in-memory tier for sharded (FSDP2) state (``runtime.memory_shards``).
+"""Pure decisions of the in-memory tier for sharded (FSDP2) state (``runtime.memory.shards``).
 
 Under FSDP2 every rank's local shards are its own: no other rank of the node holds them, so
 each rank keeps its own copies (its shards, the replicated values, its RNG) in its node's
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_trainer.runtime.memory_plan import SLOTS, RestorePlan, Source
+from elastic_trainer.runtime.memory.plan import SLOTS, RestorePlan, Source
 
 MARKER = "committed.json"  # {"copies": [RankCopy as JSON, newest first]}: replaced atomically
 KEPT = 2  # copies a rank keeps committed: never more than its two slots
@@ -143,7 +143,7 @@ def _storage(reason: str) -> RestorePlan:
 
 def layout_problem(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
     """Why a rank's saved shards do not fit its current DTensors (None: they do). Both map
-    each DTensor's fqn to its description (``memory_shards.describe``)."""
+    each DTensor's fqn to its description (``shards.describe``)."""
     if set(saved) != set(current):
         extra = sorted(set(saved) ^ set(current))[:3]
         return f"the sharded tensors differ from the saved ones (e.g. {', '.join(extra)})"

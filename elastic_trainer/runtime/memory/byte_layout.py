@@ -1,4 +1,4 @@
-"""The byte layout of an in-memory copy (``runtime.memory_tier``): the raw bytes of the state's
+"""The byte layout of an in-memory copy (``runtime.memory.tier``): the raw bytes of the state's
 dense tensors, then a small ``torch.save`` of its skeleton.
 
 Why not ``torch.save`` of the whole tree: its zip writer computes a CRC32 of every byte,
@@ -117,7 +117,7 @@ def write(payload: Mapping[str, Any], f: IO[bytes]) -> str:
 
 def write_into(layout: Layout, slot: torch.Tensor, start: int = 0, stop: int | None = None) -> str:
     """Copy bytes [start, stop) of the copy (all of it by default; a part starts at a tensor's
-    offset, ``memory_plan.part_bounds``) into ``slot``, a uint8 CPU tensor of at least
+    offset, ``plan.part_bounds``) into ``slot``, a uint8 CPU tensor of at least
     ``layout.size`` bytes (a mapped slot file), with one copy per tensor, checksumming each
     region right after copying it; returns the checksum of those bytes. ``copy_`` takes any
     source: a CUDA tensor is copied to the host on the way."""

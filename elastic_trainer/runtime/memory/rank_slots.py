@@ -1,12 +1,12 @@
-"""One rank's in-memory copies in a folder of its node's memory (``runtime.memory_shards``,
-``runtime.memory_mirror``): two slot files and a marker listing the committed copies, in
-the byte layout of ``memory_format``; and the thread that sends them to their mirror.
+"""One rank's in-memory copies in a folder of its node's memory (``runtime.memory.shards``,
+``runtime.memory.mirror``): two slot files and a marker listing the committed copies, in
+the byte layout of ``byte_layout``; and the thread that sends them to their mirror.
 
-A copy goes the replicated tier's way (``memory_slots``): one copy per tensor straight into
+A copy goes the replicated tier's way (``slots``): one copy per tensor straight into
 the slot's mapping, kept from copy to copy, checksummed while cache-hot (no staging buffer,
 no ``write()``, which on tmpfs costs ~3x the copy into mapped pages); a mirror's copy is
 received straight into its slot's mapping. A slot file is rounded up to its mapping's size
-(``memory_slots.capacity``): the marker says how many of its bytes are the copy."""
+(``slots.capacity``): the marker says how many of its bytes are the copy."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from elastic_trainer.runtime import memory_format
-from elastic_trainer.runtime import memory_shard_plan as plan_
-from elastic_trainer.runtime.memory_plan import SLOTS
-from elastic_trainer.runtime.memory_slots import FailureStreak, MappedFile
+from elastic_trainer.runtime.memory import byte_layout
+from elastic_trainer.runtime.memory import shard_plan as plan_
+from elastic_trainer.runtime.memory.plan import SLOTS
+from elastic_trainer.runtime.memory.slots import FailureStreak, MappedFile
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ T = TypeVar("T")
 class RankSlots:
     """One rank's copies in its own folder: two slot files overwritten in place through
     mappings kept across copies, and a marker listing the committed ones, replaced
-    atomically (``memory_shard_plan``)."""
+    atomically (``shard_plan``)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -49,9 +49,9 @@ class RankSlots:
 
     def write(self, step: int, world_size: int, payload: Mapping[str, Any]) -> plan_.RankCopy:
         """The copy, with one memory copy per tensor into the slot's mapping."""
-        layout = memory_format.plan(payload)  # before the slot is touched
+        layout = byte_layout.plan(payload)  # before the slot is touched
         return self._write(
-            step, world_size, layout.size, lambda slot: memory_format.write_into(layout, slot)
+            step, world_size, layout.size, lambda slot: byte_layout.write_into(layout, slot)
         )
 
     def receive(
@@ -98,8 +98,8 @@ class RankSlots:
     def read(self, step: int) -> dict[str, Any]:
         """The copy of ``step``, checked against its checksum before anything is unpickled."""
         copy, data = self.raw(step)
-        memory_format.verify(data, copy.digest, f"{os.path.basename(self.directory)}/{copy.slot}")
-        return memory_format.read(data)
+        byte_layout.verify(data, copy.digest, f"{os.path.basename(self.directory)}/{copy.slot}")
+        return byte_layout.read(data)
 
     def raw(self, step: int) -> tuple[plan_.RankCopy, bytearray]:
         """The committed copy of ``step`` and its bytes, not checked (``read`` checks)."""

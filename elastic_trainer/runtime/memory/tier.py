@@ -5,8 +5,8 @@ straight into a slot file of the node's memory folder, a tmpfs the supervisor ow
 (``WorkerSettings.memory_dir``: stable across worker restarts on one live agent, removed when
 the supervisor exits), each rank about 1/L of the bytes (L: the node's ranks; the node's first
 rank also copies the tensors that may differ between ranks, such as DDP's buffers). The slot
-stays mapped from step to step (``memory_slots``): one memory copy per tensor, checksummed
-while it is still in the cache (``memory_format.write_into``), on the training thread; no
+stays mapped from step to step (``slots``): one memory copy per tensor, checksummed
+while it is still in the cache (``byte_layout.write_into``), on the training thread; no
 staging buffer, no writer thread (on 2 cores it competed with training for a core: the whole
 job took ~1.27x as long). A node has two slot files: a copy overwrites the slot that does not
 hold the newest whole copy, and each rank commits its part by atomically replacing a small
@@ -15,7 +15,7 @@ names its step, so a crash mid-copy never leaves a copy that is used, and a node
 more than two copies (the newest whole one and the one being written).
 
 Replicated (DDP) state only: every node's copy holds the whole state and every rank's RNG,
-so each node is the other nodes' mirror (``memory_plan`` says how a restore is chosen).
+so each node is the other nodes' mirror (``plan`` says how a restore is chosen).
 Sharded (FSDP2) state keeps to storage snapshots (its per-rank shards would need a mirror).
 """
 
@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.events import emit
-from elastic_trainer.runtime import memory_format
-from elastic_trainer.runtime.memory_plan import RestorePlan, Source, shares
-from elastic_trainer.runtime.memory_plan import plan_restore as plan_restore
-from elastic_trainer.runtime.memory_slots import KILL_MID_WRITE_ENV as KILL_MID_WRITE_ENV
-from elastic_trainer.runtime.memory_slots import FailureStreak
-from elastic_trainer.runtime.memory_slots import NodeCopies as NodeCopies
+from elastic_trainer.runtime.memory import byte_layout
+from elastic_trainer.runtime.memory.plan import RestorePlan, Source, shares
+from elastic_trainer.runtime.memory.plan import plan_restore as plan_restore
+from elastic_trainer.runtime.memory.slots import KILL_MID_WRITE_ENV as KILL_MID_WRITE_ENV
+from elastic_trainer.runtime.memory.slots import FailureStreak
+from elastic_trainer.runtime.memory.slots import NodeCopies as NodeCopies
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
 
@@ -64,9 +64,9 @@ class RankStreams:
         tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
         body = io.BytesIO()
         torch.save(dict(value), body)
-        digest = memory_format.checksum(body.getbuffer())
+        digest = byte_layout.checksum(body.getbuffer())
         with open(tmp, "xb") as f:  # "<algorithm> <checksum>" on a line, then torch.save's
-            f.write(f"{memory_format.CHECKSUM_ALGORITHM} {digest}\n".encode())
+            f.write(f"{byte_layout.CHECKSUM_ALGORITHM} {digest}\n".encode())
             f.write(body.getbuffer())
         os.replace(tmp, self._path(step))
         self.forget(lambda s: committed is not None and s < committed)
@@ -82,9 +82,9 @@ class RankStreams:
             raise ValueError(f"{self._path(step)} is over {MAX_STREAMS_BYTES} bytes")
         line, _, body = data.partition(b"\n")
         algorithm, _, digest = line.decode("ascii", "replace").partition(" ")
-        if algorithm != memory_format.CHECKSUM_ALGORITHM:  # no digest would be valid then
+        if algorithm != byte_layout.CHECKSUM_ALGORITHM:  # no digest would be valid then
             digest = ""
-        memory_format.verify(body, digest, self._path(step))
+        byte_layout.verify(body, digest, self._path(step))
         return torch.load(io.BytesIO(body), weights_only=True)
 
     def forget(self, which: Callable[[int], bool]) -> None:
@@ -158,7 +158,7 @@ class MemoryTier:
         rank_into: Mapping[str, Any],
         storage_newest: Callable[[], int | None],
     ) -> tuple[RestorePlan, MemoryRestored | None]:
-        """Collective. All ranks agree on a plan (``memory_plan.plan_restore``); on a memory or
+        """Collective. All ranks agree on a plan (``plan.plan_restore``); on a memory or
         mirror plan every rank loads, agrees on success, then restores. A copy that fails to
         load on any rank turns the plan into a storage one, on every rank, with the reason."""
         mine = self.copies.newest()

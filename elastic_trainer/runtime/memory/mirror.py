@@ -1,8 +1,8 @@
 """Mirrors of sharded in-memory copies on another node, and a lost node's shards rebuilt from
-them (``runtime.memory_shards``).
+them (``runtime.memory.shards``).
 
 After each rank writes its copy, its writer thread sends the copy's bytes (and checksum) to
-its mirror rank on the next node (``memory_shard_plan.mirror_targets``) over a gloo group of
+its mirror rank on the next node (``shard_plan.mirror_targets``) over a gloo group of
 its own, made once; the mirror rank's receiver thread writes them into its node's folder
 (``shards/mirror-<rank>``: two slots and a marker, as the rank's own copies). Training never
 waits for it: a copy whose write and send are still running makes the next one be skipped.
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.events import emit
-from elastic_trainer.runtime import memory_shard_plan as plan_
-from elastic_trainer.runtime.memory_rank_slots import RankSlots
-from elastic_trainer.runtime.memory_slots import FailureStreak
+from elastic_trainer.runtime.memory import shard_plan as plan_
+from elastic_trainer.runtime.memory.rank_slots import RankSlots
+from elastic_trainer.runtime.memory.slots import FailureStreak
 from snapshots import SnapshotError, layout
 from snapshots._sharded_commit import ShardPart
 from snapshots._shards import Piece, StagedShard
