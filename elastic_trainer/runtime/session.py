@@ -23,7 +23,6 @@ from elastic_trainer.events import emit
 from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.audit import AuditLog, AuditRecord
 from elastic_trainer.runtime.context import WorkerContext
-from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 from elastic_trainer.runtime.progress import (
     STOP_MAX_STEPS,
     STOP_PEER_PREEMPTED,
@@ -393,10 +392,8 @@ class TrainingSession:
     def close(self) -> None:
         """Collective: flush the in-flight snapshot and close files, without a final one."""
         self._signals.uninstall()
-        if isinstance(self._memory, ShardedMemoryTier):
-            self._memory.close()  # every rank at once: its mirror transfers end too
-        elif self._memory is not None:
-            self._memory.flush()
+        if self._memory is not None:
+            self._memory.close()  # every rank at once: the sharded tier's mirrors end too
         if self._snapshots is not None:
             self._snapshots.close()
         if self._audit is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.context import WorkerContext
+from elastic_trainer.runtime.memory.interface import InMemoryTier
 from elastic_trainer.runtime.memory.plan import Source
 from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 from elastic_trainer.runtime.memory.tier import MemoryTier
@@ -185,7 +186,7 @@ def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
 
 def open_memory_tier(
     directory: str | None, every: int, state: Mapping[str, Any]
-) -> MemoryTier | ShardedMemoryTier | None:
+) -> InMemoryTier | None:
     """Collective when it opens one. None: no folder (not under elastic-train), ``every`` 0,
     or no process group. Sharded (FSDP2) state: each rank keeps its own shards
     (``shards``); replicated state: one copy per node (``tier``)."""
@@ -202,7 +203,7 @@ _NO_STORAGE = "no snapshot directory to write the survivors' in-memory copies to
 
 
 def restore_state(
-    memory: MemoryTier | ShardedMemoryTier | None,
+    memory: InMemoryTier | None,
     snapshots: SessionSnapshots | None,
     into: Mapping[str, Any],
 ) -> tuple[int, dict[str, Any]] | None:

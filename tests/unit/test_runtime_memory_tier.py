@@ -254,3 +254,22 @@ def test_a_ranks_streams_are_kept_from_its_nodes_committed_copy_on(tmp_path):
     (tmp_path / "ranks" / "1-000000000005.pt.dead.tmp").write_bytes(b"torn")
     mine.forget(lambda s: s != 3)  # the group resumed from step 3
     assert sorted(os.listdir(tmp_path / "ranks")) == ["1-000000000003.pt", "10-000000000001.pt"]
+
+
+def test_both_tiers_offer_the_session_s_interface_with_the_same_signatures():
+    import inspect
+
+    from elastic_trainer.runtime.memory.interface import InMemoryTier
+    from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
+    from elastic_trainer.runtime.memory.tier import MemoryTier
+
+    wanted = {
+        name: inspect.signature(member)
+        for name, member in vars(InMemoryTier).items()
+        if callable(member) and not name.startswith("_")
+    }
+    assert set(wanted) == {"due", "save", "holds", "restore", "after_restore", "flush", "close"}
+    for tier in (MemoryTier, ShardedMemoryTier):
+        for name, signature in wanted.items():
+            got = inspect.signature(getattr(tier, name))
+            assert list(got.parameters) == list(signature.parameters), (tier.__name__, name)

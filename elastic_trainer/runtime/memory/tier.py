@@ -146,6 +146,10 @@ class MemoryTier:
     def flush(self) -> None:
         """Local: nothing to wait for (a copy is made and committed within ``save``)."""
 
+    def close(self) -> None:
+        """The session's end: nothing runs between ranks here (``flush`` is all)."""
+        self.flush()
+
     def holds(self, step: int) -> bool:
         """Local: this rank committed its part of ``step``'s copy (the copy is whole once every
         rank of the node did: the caller agrees on it)."""
