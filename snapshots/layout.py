@@ -20,6 +20,8 @@ STEP_PREFIX = "step-"
 STEP_DIGITS = 12
 MANIFEST_NAME = "manifest.json"
 TEMP_PREFIX = ".tmp-"
+# Data files of deleted snapshots kept for the next save to write into (``_local_storage``).
+REUSE_DIR = ".reuse"
 DATA_SUFFIX = ".pt"
 MAX_STEP = 10**STEP_DIGITS - 1
 
@@ -66,6 +68,16 @@ def token_of(name: str) -> str | None:
     """The save token in a data file name this package writes, or None for any other name."""
     match = _DATA_FILE.match(name)
     return match.group(1) if match else None
+
+
+def reuse_key(name: str) -> str | None:
+    """A data file's name without its save token (``000-model.pt``, ``shard-00003.bin``), or
+    None for any other name: the same entry, rank or shard of the next save has the same key,
+    so that save may write into this file's disk blocks (``_local_storage``)."""
+    match = _DATA_FILE.match(name)
+    if match is None:
+        return None
+    return name[: match.start(1) - 1] + name[match.end(1) :]
 
 
 def is_safe_file_name(name: str) -> bool:

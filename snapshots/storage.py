@@ -318,13 +318,18 @@ def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
 
 
 def _local_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Local disk reads one option: ``direct_io`` (default True: large aligned writes go past
+    """Local disk reads two options: ``direct_io`` (default True: large aligned writes go past
     the page cache; False: every write through it, e.g. on a mount that handles O_DIRECT
-    badly). Other keys are ignored there, as before."""
-    direct = (options or {}).get("direct_io", True)
-    if not isinstance(direct, bool):
-        raise StorageError(f"storage_options['direct_io'] must be True or False, got {direct!r}")
-    return {"direct_io": direct}
+    badly) and ``reuse_files`` (default True: a deleted snapshot's large files are written
+    over by the next save instead of freed; False: deleted at once). Other keys are ignored
+    there, as before."""
+    out = {}
+    for key in ("direct_io", "reuse_files"):
+        value = (options or {}).get(key, True)
+        if not isinstance(value, bool):
+            raise StorageError(f"storage_options[{key!r}] must be True or False, got {value!r}")
+        out[key] = value
+    return out
 
 
 def open_storage(
