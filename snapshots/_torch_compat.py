@@ -98,6 +98,10 @@ def save_without_crc32(obj: Any, sink: Any, *, alignment: int) -> None:
     if not _private_writer_works():
         torch.save(obj, sink)
         return
+    _save_uncrc(obj, sink, alignment)
+
+
+def _save_uncrc(obj: Any, sink: Any, alignment: int) -> None:
     writer = torch._C.PyTorchFileWriter(sink, False, alignment)
     try:
         torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
@@ -117,15 +121,7 @@ def _private_writer_works() -> bool:
     """Tried once, on a throwaway buffer: a torch whose pieces differ gets torch.save."""
     try:
         buf = io.BytesIO()
-        writer = torch._C.PyTorchFileWriter(buf, False, 4096)
-        torch.serialization._save(
-            {"probe": torch.zeros(1)},
-            writer,
-            pickle,
-            torch.serialization.DEFAULT_PROTOCOL,
-            False,
-        )
-        writer.write_end_of_file()
+        _save_uncrc({"probe": torch.zeros(1)}, buf, 4096)
         buf.seek(0)
         loaded = torch.load(buf, weights_only=True)
         return bool(torch.equal(loaded["probe"], torch.zeros(1)))
