@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from snapshots import _catalog, _faults, _reader, _sharded_commit, layout
+from snapshots import _catalog, _faults, _reader, _sharded_commit, _writer_process, layout
 from snapshots.errors import (
     SnapshotCorruptError,
     SnapshotError,
@@ -188,9 +188,7 @@ class Committer:
         path = f"{layout.step_dir(job.step)}/{name}"
         if self._storage.streams and not etags:
             # Serialised straight into the file and hashed on the way: no in-memory copy.
-            size, digest = self._storage.write_streamed(
-                path, lambda sink: serialize_into(value, sink, CHECKSUM_ALGORITHM)
-            )
+            size, digest = self._storage.write_streamed(path, lambda sink: _fill(job, value, sink))
             return FileEntry(name=name, size=size, checksum=digest, key=key, rank=rank), None
         data = serialize(value)
         entry = FileEntry(name=name, size=len(data), checksum=checksum(data), key=key, rank=rank)
@@ -293,6 +291,19 @@ def _manifest_for(job: SaveJob, files: list[FileEntry], format_version: int) -> 
         metadata=job.metadata,
         format_version=format_version,
     )
+
+
+def _fill(job: SaveJob, value: Any, sink: Any) -> tuple[int, str]:
+    """Serialise ``value`` into ``sink``: through the writer process where it takes the save
+    (``_writer_process``), else here; from the start again here if the process was lost."""
+    try:
+        done = _writer_process.try_write(
+            value, sink, CHECKSUM_ALGORITHM, lambda: _stop_if_cancelled(job)
+        )
+    except _writer_process.WriterProcessLost:
+        sink.restart()
+        done = None
+    return done if done is not None else serialize_into(value, sink, CHECKSUM_ALGORITHM)
 
 
 def _stop_if_cancelled(job: SaveJob) -> None:

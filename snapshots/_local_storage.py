@@ -39,14 +39,23 @@ def kill_point(path: str) -> str:
 class LocalStorage:
     """A local (or network-mounted POSIX) folder, with durable atomic file writes."""
 
-    def __init__(self, root: str, *, direct_io: bool = True, reuse_files: bool = True) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        direct_io: bool = True,
+        reuse_files: bool = True,
+        writer_process: bool = False,
+    ) -> None:
         """``direct_io``: large aligned writes go past the page cache (``_direct_part``).
         ``reuse_files``: a deleted snapshot's large data files are kept for the next save to
-        write into (see ``REUSE_MIN``)."""
+        write into (see ``REUSE_MIN``). ``writer_process``: a large save's files may be
+        serialised by the writer process (``snapshots._writer_process``)."""
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
         self.direct_io = direct_io
         self.reuse_files = reuse_files
+        self.writer_process = writer_process
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *[p for p in path.split("/") if p])
@@ -80,7 +89,10 @@ class LocalStorage:
         tmp = os.path.join(folder, layout.temp_name(os.path.basename(target), os.getpid()))
         reused = not exclusive and self._take_set_aside(os.path.basename(target), tmp)
         try:
-            result = _fill_temp(tmp, fill, kill_point(path), direct=self.direct_io, reused=reused)
+            result = _fill_temp(
+                tmp, fill, kill_point(path), direct=self.direct_io, reused=reused,
+                writer_process=self.writer_process,
+            )  # fmt: skip
             if exclusive:
                 # link() fails with EEXIST instead of replacing: an atomic "create if absent".
                 os.link(tmp, target)
@@ -210,7 +222,13 @@ def _local_entry(item: os.DirEntry[str]) -> Entry:
 
 
 def _fill_temp(
-    tmp: str, fill: Callable[[BinaryIO], T], point: str, *, direct: bool, reused: bool = False
+    tmp: str,
+    fill: Callable[[BinaryIO], T],
+    point: str,
+    *,
+    direct: bool,
+    reused: bool = False,
+    writer_process: bool = False,
 ) -> T:
     """``reused``: ``tmp`` is a set-aside file; written over from its start and cut to what
     was written (a file that is not a plain one of ours is replaced by a new one)."""
@@ -218,7 +236,7 @@ def _fill_temp(
     if fd is None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        sink = _Sink(fd, point, direct=direct)
+        sink = _Sink(fd, point, direct=direct, writer_process=writer_process)
         result = fill(sink)  # type: ignore[arg-type]
         sink.flush()
         if reused:
@@ -250,14 +268,40 @@ def _open_reused(tmp: str) -> int | None:
 class _Sink:
     """A write-only file over a descriptor: small writes gathered, large ones written as
     they are (os.write releases the GIL), past the page cache where they can be (see
-    ``_write_direct``). The mid_file kill point follows the first write."""
+    ``_write_direct``). The mid_file kill point follows the first write.
 
-    def __init__(self, fd: int, point: str, *, direct: bool) -> None:
+    ``writer_process``: the writer process may fill this file instead (``fileno``,
+    ``adopt``; ``restart`` when it was lost midway)."""
+
+    def __init__(
+        self, fd: int, point: str | None, *, direct: bool, writer_process: bool = False
+    ) -> None:
         self._fd = fd
-        self._point: str | None = point
+        self._point = point
         self._small = bytearray()
         self._offset = 0  # bytes written to the file so far
         self._direct = direct and _DIRECT_FLAG != 0
+        self.writer_process = writer_process
+
+    @property
+    def direct(self) -> bool:
+        return self._direct
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def adopt(self, written: int) -> None:
+        """Another process wrote ``written`` bytes from the file's start (nothing before)."""
+        if self._offset or self._small:
+            raise ValueError("adopt() is for a file that this sink has not written to")
+        self._offset = written
+
+    def restart(self) -> None:
+        """Back to an empty file at offset 0, whatever was written (by another process)."""
+        self._small = bytearray()
+        self._offset = 0
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        os.ftruncate(self._fd, 0)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")

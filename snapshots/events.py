@@ -21,12 +21,16 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.pruned": ("steps", "url"),
     "snapshot.storage_retry": ("op", "url", "attempt", "error"),
     "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token"),
+    # the writer process (``_writer_process``): started; lost (later saves on the thread)
+    "snapshot.writer_process_started": ("pid",),
+    "snapshot.writer_process_lost": ("pid", "error", "fallback"),
 }
 _LEVELS = {
     "snapshot.corrupt": "warning",
     "snapshot.failed": "error",
     "snapshot.skipped": "warning",
     "snapshot.storage_retry": "warning",
+    "snapshot.writer_process_lost": "warning",
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from snapshots import _torch_compat, manifest
+from snapshots import _shared_staging, _torch_compat, manifest
 from snapshots._local_storage import DIRECT_ALIGN
 from snapshots.errors import SnapshotCorruptError, UnsafeStateError
 
@@ -44,10 +44,14 @@ def is_stateful(value: Any) -> bool:
 
 
 class Stager:
-    """Copies state trees into buffers reused across saves (one save in flight at a time)."""
+    """Copies state trees into buffers reused across saves (one save in flight at a time).
+    The buffers are on shared memory where the platform has it (``_shared_staging``), so a
+    writer process can serialise them (``_writer_process``)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._arena = _shared_staging.SharedArena() if _shared_staging.available() else None
+        self._stranded = 0  # bytes of arena buffers replaced (a tensor changed shape or dtype)
         self._defer: frozenset[int] = frozenset()
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
         self._copying = threading.Condition()
@@ -147,13 +151,27 @@ class Stager:
             return tensor.clone()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = staging_buffer(tensor.shape, tensor.dtype)
+            buf = self._new_buffer(tensor.shape, tensor.dtype, replacing=buf)
             self._buffers[path] = buf
         if tensor.data_ptr() in self._defer and tensor.device.type == "cpu":
             self.deferred.append((buf, tensor))
         else:
             buf.copy_(tensor)
         return buf
+
+    def _new_buffer(
+        self, shape: torch.Size, dtype: torch.dtype, *, replacing: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self._arena is None:
+            return staging_buffer(shape, dtype)
+        if replacing is not None:
+            # The arena never frees one buffer: once replaced ones outweigh the live ones,
+            # start a new arena, every buffer reallocated there as it is next staged.
+            self._stranded += replacing.numel() * replacing.element_size()
+            if self._stranded > self.staged_bytes:
+                self._arena, self._stranded = _shared_staging.SharedArena(), 0
+                self._buffers.clear()
+        return self._arena.tensor(shape, dtype)
 
     @property
     def staged_bytes(self) -> int:

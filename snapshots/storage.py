@@ -318,18 +318,23 @@ def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
 
 
 def _local_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Local disk reads two options: ``direct_io`` (default True: large aligned writes go past
-    the page cache; False: every write through it, e.g. on a mount that handles O_DIRECT
-    badly) and ``reuse_files`` (default True: a deleted snapshot's large files are written
-    over by the next save instead of freed; False: deleted at once). Other keys are ignored
-    there, as before."""
+    """Local disk reads three options: ``direct_io`` (default True: large aligned writes go
+    past the page cache; False: every write through it, e.g. on a mount that handles O_DIRECT
+    badly), ``reuse_files`` (default True: a deleted snapshot's large files are written over
+    by the next save instead of freed; False: deleted at once) and ``writer_process``
+    (default False; True: saves from 32 MB up are serialised in a writer process, off the
+    training process's GIL: ``snapshots._writer_process``). Other keys are ignored there."""
     out = {}
-    for key in ("direct_io", "reuse_files"):
-        value = (options or {}).get(key, True)
+    for key, default in LOCAL_OPTIONS.items():
+        value = (options or {}).get(key, default)
         if not isinstance(value, bool):
             raise StorageError(f"storage_options[{key!r}] must be True or False, got {value!r}")
         out[key] = value
     return out
+
+
+# The options local disk reads, with their defaults (see ``_local_options``).
+LOCAL_OPTIONS = {"direct_io": True, "reuse_files": True, "writer_process": False}
 
 
 def open_storage(
