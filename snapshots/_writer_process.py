@@ -19,9 +19,10 @@ When: opted in (``storage_options={"writer_process": True}``; it costs a process
 per worker and ~2 s of CPU at its start, which pays where saves are frequent and the training
 thread is GIL-bound, as a GPU job's launching thread is), local files only (the sink must be
 a file descriptor), a save from ``PROCESS_MIN_BYTES`` up, and never while a crash test's kill
-point is armed (the kill must hit the training process). The process is started at the first such save, which is still
-written on the thread, as is every save until it answered that it is ready (it imports
-torch: ~2 s, once per process). One writer process serves every store of this process.
+point is armed (the kill must hit the training process). The process is started at the
+first such save, which is still written on the thread, as is every save until it answered
+that it is ready (it imports torch: ~2 s, once per process). One writer process serves every
+store of this process.
 
 If it is lost (killed, a broken pipe, a save cancelled at its deadline while it ran), the
 file is written again from its start on the thread, ``snapshot.writer_process_lost`` says
