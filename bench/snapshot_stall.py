@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 import torchvision
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from elastic_trainer.supervisor.workerenv import tune_malloc
 from snapshots import SnapshotStore
 from snapshots.rng import RNGState
 
@@ -285,11 +286,13 @@ def whole_jobs(args: argparse.Namespace, root: str) -> str:
     if args.kinds:
         modes = ["none", *(m for m in args.kinds.split(",") if m != "none")]
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    env = dict(os.environ)
+    tune_malloc(env)  # every job runs as elastic-train runs its workers
     for rep in range(args.repeats):  # interleaved: machine noise falls on every mode alike
         for mode in modes:
             cmd = [sys.executable, __file__, "--job", mode, "--steps", str(args.steps)]
             cmd += ["--every", str(args.every), "--batch", str(args.batch), "--dir", root]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"job {mode} failed:\n{done.stderr[-3000:]}")
             runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -304,7 +307,8 @@ def wall_table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace
     base = {key: med("none", key) for key in ("wall", "loop", "cpu", "train_cpu")}
     lines = [
         f"whole job: {args.steps} steps of ResNet-18, batch {args.batch}, 1 process, "
-        f"median of {args.repeats} interleaved runs (each in a fresh process)",
+        f"median of {args.repeats} interleaved runs (each in a fresh process, with the "
+        "GLIBC_TUNABLES elastic-train gives its workers)",
         f"{'job':<46}{'wall s':>8}{'x none':>8}{'90% interval':>14}{'loop':>7}{'tail s':>8}"
         f"{'CPU':>7}{'train':>7}{'faults':>8}",
     ]

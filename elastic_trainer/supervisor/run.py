@@ -221,7 +221,9 @@ class Supervisor:
         os.environ.setdefault("OMP_NUM_THREADS", "1" if cfg.nproc_per_node > 1 else "")
         if not os.environ["OMP_NUM_THREADS"]:
             del os.environ["OMP_NUM_THREADS"]
-        from elastic_trainer.supervisor import procs, signals
+        from elastic_trainer.supervisor import procs, signals, workerenv
+
+        workerenv.tune_malloc(os.environ)  # before any worker (or warm pool) is started
 
         _route_torch_logs()
 

@@ -7,6 +7,7 @@ import json
 import pytest
 from torch.distributed import TCPStore
 
+from elastic_trainer.supervisor.workerenv import MALLOC_TUNABLES
 from tests.e2e.workers.harness import (
     HERE,
     PLAIN_DDP,
@@ -57,6 +58,9 @@ def test_static_mode_group_rank_is_the_node_rank_even_when_node_1_joins_first(
             "--max-restarts", "2", str(HERE / "static_ranks.py"), str(out),
         ]  # fmt: skip
         env = env_with(worker_env, NODE_TAG=f"n{rank}")
+        env.pop("GLIBC_TUNABLES", None)
+        if rank == 1:
+            env["GLIBC_TUNABLES"] = ""  # an operator's own setting (here: glibc's defaults)
         agents.append(start_agent(tmp_path, f"n{rank}", argv, env, port=0, endpoint=False))
         if rank == 1:
             wait_for(lambda: agents[0].events("supervisor.started"), 60, "node 1 started")
@@ -68,6 +72,7 @@ def test_static_mode_group_rank_is_the_node_rank_even_when_node_1_joins_first(
             assert seen["GROUP_RANK"] == str(node)
             assert seen["RANK"] == str(seen["pg_rank"]) == str(node * 2 + local)
             assert seen["all_ranks_once"] and seen["WORLD_SIZE"] == "4"
+            assert seen["GLIBC_TUNABLES"] == ("" if node == 1 else MALLOC_TUNABLES)
 
 
 def test_two_nodes_given_one_node_rank_exit_2_naming_it_instead_of_hanging(

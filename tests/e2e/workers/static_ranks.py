@@ -23,6 +23,7 @@ def main() -> None:
     dist.all_reduce(ranks)  # every rank taken exactly once
     seen = {k: os.environ[k] for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE")}
     seen["pg_rank"] = dist.get_rank()
+    seen["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES")  # the supervisor's malloc tuning
     seen["all_ranks_once"] = bool((ranks == 1).all())
     with open(os.path.join(sys.argv[1], f"{tag}-{local}.json"), "w") as f:
         json.dump(seen, f)
