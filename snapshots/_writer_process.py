@@ -270,6 +270,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 _state_lock = threading.Lock()
 _process: WriterProcess | None = None
 _owner_pid = 0
+_refused = False  # the process could not be started: saves stay on the thread
 
 
 def current() -> WriterProcess | None:
@@ -279,23 +280,31 @@ def current() -> WriterProcess | None:
 
 def stop() -> None:
     """Stop this process's writer process, if any; the next large save starts another."""
-    global _process
+    global _process, _refused
     with _state_lock:
-        process, _process = current(), None
+        process, _process, _refused = current(), None, False
     if process is not None:
         process.close()
 
 
 def _process_for_save() -> WriterProcess | None:
-    """The ready writer process; starts it (and returns None) at the first call."""
-    global _process, _owner_pid
+    """The ready writer process; starts it (and returns None) at the first call. A process
+    that could not be started (no memory, no such interpreter) is not tried again."""
+    global _process, _owner_pid, _refused
     with _state_lock:
         if _owner_pid != os.getpid():  # never one inherited from a forked parent
-            _process, _owner_pid = None, os.getpid()
+            _process, _owner_pid, _refused = None, os.getpid(), False
+        if _refused:
+            return None
         if _process is None:
             if not sys.executable:
                 return None
-            _process = WriterProcess()
+            try:
+                _process = WriterProcess()
+            except OSError as exc:
+                _refused = True
+                error = f"did not start: {type(exc).__name__}: {exc}"
+                emit("snapshot.writer_process_lost", pid=None, error=error, fallback="thread")
             return None
     return _process if _process.ready() else None
 
@@ -309,7 +318,10 @@ def try_write(
         return None
     if os.environ.get(_faults.KILL_ENV):
         return None
-    request = encode(value)
+    try:
+        request = encode(value)
+    except Exception:  # a value the structure's pickle refuses: the thread's torch.save decides
+        return None
     if request is None or request[2] < PROCESS_MIN_BYTES or len(request[1]) >= MAX_FDS:
         return None
     process = _process_for_save()

@@ -155,6 +155,19 @@ def test_by_default_and_for_small_saves_the_thread_writes(tmp_path, through_proc
         SnapshotStore(str(tmp_path / "bad"), storage_options={"writer_process": "yes"})
 
 
+def test_a_process_that_cannot_start_leaves_saves_on_the_thread(tmp_path, through_process,
+                                                                 monkeypatch):  # fmt: skip
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    store = SnapshotStore(str(tmp_path / "s"), storage_options=ON)
+    with capture_logs() as logs:
+        for step in (1, 2):
+            assert store.save(step, _state(), blocking=True).step == step
+    lost = [e for e in logs if e["event"] == "snapshot.writer_process_lost"]
+    assert len(lost) == 1 and lost[0]["pid"] is None  # tried once, not at every save
+    assert "did not start: FileNotFoundError" in lost[0]["error"]
+    assert store.verify(2).step == 2
+
+
 def test_an_armed_kill_point_keeps_the_save_in_the_training_process(tmp_path, through_process,
                                                                      monkeypatch):  # fmt: skip
     monkeypatch.setenv("SNAPSHOTS_KILL_AT", "after_manifest:1000")  # armed, never reached
