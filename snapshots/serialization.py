@@ -178,8 +178,9 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-# Staging buffers from this size up get pages of their own (an anonymous mapping), outside
-# the malloc heap the training loop allocates its activations and gradients from. In that
+# Where there is no shared staging memory (``_shared_staging``: every buffer is on its pages
+# there), staging buffers from this size up get pages of their own (an anonymous mapping),
+# outside the malloc heap the training loop allocates its activations and gradients from. In that
 # heap, ~100 MB of long-lived buffers placed by the first save changed how glibc reuses and
 # trims it: in our traces every later training step faulted ~18 MB of fresh pages.
 OWN_PAGES_BYTES = 1 << 16
