@@ -22,8 +22,9 @@ from snapshots.serialization import Stager
 
 
 class Capturer:
-    def __init__(self) -> None:
-        self.stager = Stager()
+    def __init__(self, *, shared: bool = False) -> None:
+        """``shared``: stage on shared memory, for the writer process."""
+        self.stager = Stager(shared=shared)
         self.copy_done = threading.Event()  # overlapped capture: deferred copies finished
         self.copy_done.set()
         self._hooked: set[int] = set()

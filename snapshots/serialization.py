@@ -45,12 +45,13 @@ def is_stateful(value: Any) -> bool:
 
 class Stager:
     """Copies state trees into buffers reused across saves (one save in flight at a time).
-    The buffers are on shared memory where the platform has it (``_shared_staging``), so a
-    writer process can serialise them (``_writer_process``)."""
+    ``shared``: the buffers are on shared memory where the platform has it
+    (``_shared_staging``), so the writer process can serialise them (``_writer_process``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._arena = _shared_staging.SharedArena() if _shared_staging.available() else None
+        use_arena = shared and _shared_staging.available()
+        self._arena = _shared_staging.SharedArena() if use_arena else None
         self._stranded = 0  # bytes of arena buffers replaced (a tensor changed shape or dtype)
         self._defer: frozenset[int] = frozenset()
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
@@ -178,9 +179,9 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-# Where there is no shared staging memory (``_shared_staging``: every buffer is on its pages
-# there), staging buffers from this size up get pages of their own (an anonymous mapping),
-# outside the malloc heap the training loop allocates its activations and gradients from. In that
+# Staging buffers from this size up get pages of their own (an anonymous mapping; on shared
+# staging memory, ``_shared_staging``, every buffer does), outside the malloc heap the
+# training loop allocates its activations and gradients from. In that
 # heap, ~100 MB of long-lived buffers placed by the first save changed how glibc reuses and
 # trims it: in our traces every later training step faulted ~18 MB of fresh pages.
 OWN_PAGES_BYTES = 1 << 16

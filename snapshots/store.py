@@ -131,7 +131,9 @@ class SnapshotStore(StoreReading):
         self._writer = _writer.BackgroundWriter(self._storage.health)
         self._job: _commit.SaveJob | None = None  # the save in flight, to cancel at a deadline
         self._deadline = _deadline.Deadline()
-        self._capturer = _capture.Capturer()
+        # Staging on shared memory only where the writer process may read it.
+        shared = getattr(self._storage.inner, "writer_process", False)
+        self._capturer = _capture.Capturer(shared=shared)
         self._closed = False
         self.last_committed: SnapshotInfo | None = None  # newest save committed by this store
         atexit.register(_close_at_exit, weakref.ref(self))

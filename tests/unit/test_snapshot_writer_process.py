@@ -70,7 +70,7 @@ def _file_bytes(tmp_path, name: str, value: object, *, writer_process: bool) -> 
 
 
 def test_the_process_writes_the_same_bytes_as_the_thread(tmp_path, through_process):
-    stager = Stager()  # its arena holds the blocks: they are freed with it
+    stager = Stager(shared=True)  # its arena holds the blocks: they are freed with it
     staged = stager.capture(_state())
     process = _started()
     before = process._requests
@@ -146,8 +146,11 @@ def test_a_deadline_passing_mid_save_stops_the_child(tmp_path, through_process):
 
 def test_by_default_and_for_small_saves_the_thread_writes(tmp_path, through_process, monkeypatch):
     state = _state()
-    SnapshotStore(str(tmp_path / "default")).save(1, state, blocking=True)
+    default = SnapshotStore(str(tmp_path / "default"))
+    default.save(1, state, blocking=True)
     assert _writer_process.current() is None  # opt-in
+    staged = default._capturer.stager.capture({"w": torch.ones(1 << 16)})["w"]
+    assert _shared_staging.locate(staged) is None  # and staging stays on private pages
     monkeypatch.setattr(_writer_process, "PROCESS_MIN_BYTES", 1 << 40)
     SnapshotStore(str(tmp_path / "on"), storage_options=ON).save(1, state, blocking=True)
     assert _writer_process.current() is None  # under the size threshold
@@ -213,7 +216,7 @@ def test_shared_staging_places_and_alignment():
 
 
 def test_staging_moves_to_a_new_arena_once_replaced_buffers_outweigh_live_ones():
-    stager = Stager()
+    stager = Stager(shared=True)
     first = stager.capture({"w": torch.ones(1 << 16)})["w"]
     block = _shared_staging.locate(first).block
     stager.capture({"w": torch.ones(2 << 16)})  # replaced: 256 KiB stranded < 512 KiB live
