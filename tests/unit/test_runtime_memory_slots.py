@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import blake3
 import pytest
@@ -187,6 +188,7 @@ def test_the_tier_copies_without_staging_buffers(tmp_path, one_rank, monkeypatch
     model, optimizer = _trained(1)
     tier = MemoryTier(str(tmp_path / "tier"), every=1)
     tier.save(1, {"model": model, "optimizer": optimizer}, {})
+    tier.flush()  # the optimizer's tensors are copied in the background
     assert staged == [] and tier.copies.newest() == 1
     _assert_same(tier.copies.read(1)["state"]["model"], model.state_dict())
 
@@ -279,3 +281,62 @@ def test_forgetting_copies_removes_other_parts_and_leftovers(tmp_path):
     }  # fmt: skip
     assert {name: stale_file(name, keep) for name in names} == names
     assert stale_file(SLOTS[1], None) and not stale_file("ranks", None)
+
+
+def _bn_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _state_at(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_optimizer_step_waits_for_the_copy_taken_during_forward_and_backward(
+    tmp_path, one_rank, monkeypatch
+):
+    """The optimizer's tensors are copied on a background thread; its next step must not
+    change them before that copy is done (a step pre-hook), and BatchNorm's statistics, which
+    the next forward changes, are copied at the call. The copy is the state at the save."""
+    model, optimizer = _bn_model()
+    saved = _state_at(model)
+    tier = MemoryTier(str(tmp_path / "tier"), every=1)
+    entered, go, seen = threading.Event(), threading.Event(), []
+    optimizer.register_step_pre_hook(lambda *_: entered.set())  # runs before the tier's hook
+    finish = tier._finish
+    monkeypatch.setattr(tier, "_finish", lambda step, rest: (go.wait(60), finish(step, rest)))
+    tier.save(1, {"model": model, "optimizer": optimizer}, {})
+    optimizer.register_step_pre_hook(  # runs after the tier's hook: the copy must be done
+        lambda *_: seen.append((tier._in_flight is None, tier.copies.newest()))
+    )
+    model(torch.randn(8, 16)).sum().backward()  # the next step's forward and backward
+    step = threading.Thread(target=optimizer.step)
+    step.start()
+    assert entered.wait(60)
+    assert tier.copies.newest() is None  # nothing committed while the copy is held back
+    go.set()
+    step.join(60)
+    assert seen == [(True, 1)]
+    _assert_same(tier.copies.read(1)["state"]["model"], saved)
+    assert not torch.equal(model[0].weight, saved["0.weight"])  # the step did change them
+    assert not torch.equal(model[1].running_mean, saved["1.running_mean"])  # so did forward
+
+
+def test_a_failed_background_copy_is_reported_and_training_goes_on(tmp_path, one_rank, monkeypatch):
+    model, optimizer = _bn_model()
+    tier = MemoryTier(str(tmp_path / "tier"), every=1)
+
+    def tmpfs_full() -> None:  # the deferred rest of the copy fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(NodeCopies, "write", lambda self, *a, **k: tmpfs_full)
+    with capture_logs() as logs:
+        tier.save(1, {"model": model, "optimizer": optimizer}, {})
+        optimizer.step()  # waits for the failed copy, then steps
+        assert not tier.holds(1)
+    failed = [e for e in logs if e["event"] == "snapshot.memory_failed"]
+    assert len(failed) == 1 and "No space left" in failed[0]["error"]

@@ -115,12 +115,20 @@ def write(payload: Mapping[str, Any], f: IO[bytes]) -> str:
     return str(digest.hexdigest())
 
 
-def write_into(layout: Layout, slot: torch.Tensor, start: int = 0, stop: int | None = None) -> str:
+def write_into(
+    layout: Layout,
+    slot: torch.Tensor,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    copied_below: int = 0,
+) -> str:
     """Copy bytes [start, stop) of the copy (all of it by default; a part starts at a tensor's
     offset, ``plan.part_bounds``) into ``slot``, a uint8 CPU tensor of at least
     ``layout.size`` bytes (a mapped slot file), with one copy per tensor, checksumming each
     region right after copying it; returns the checksum of those bytes. ``copy_`` takes any
-    source: a CUDA tensor is copied to the host on the way."""
+    source: a CUDA tensor is copied to the host on the way. ``copied_below``: the tensors
+    starting below this offset are in the slot already (``copy_into``), only checksummed."""
     end = layout.size if stop is None else stop
     if slot.numel() < layout.size:
         raise ValueError(f"the slot has {slot.numel()} bytes; the copy needs {layout.size}")
@@ -132,7 +140,11 @@ def write_into(layout: Layout, slot: torch.Tensor, start: int = 0, stop: int | N
         for t, offset in zip(layout.tensors, layout.offsets, strict=True):
             if start <= offset < end:
                 view[max(done, _HEADER.size) : offset] = 0
-                for stop_at in _copy_tensor(t, slot, offset):
+                if offset < copied_below:
+                    ends: Iterator[int] = iter((offset + t.numel() * t.element_size(),))
+                else:
+                    ends = _copy_tensor(t, slot, offset)
+                for stop_at in ends:
                     digest.update(view[done:stop_at])
                     done = stop_at
     view[max(done, _HEADER.size) : min(end, layout.skeleton_offset)] = 0
@@ -141,6 +153,18 @@ def write_into(layout: Layout, slot: torch.Tensor, start: int = 0, stop: int | N
         view[layout.skeleton_offset : layout.size] = skeleton
     digest.update(view[done:end])
     return str(digest.hexdigest())
+
+
+def copy_into(layout: Layout, slot: torch.Tensor, start: int, stop: int, below: int) -> None:
+    """Copy the tensors of bytes [start, stop) that start below ``below`` into ``slot``: the
+    first half of ``write_into(..., copied_below=below)``, for the tensors that cannot wait."""
+    if slot.numel() < layout.size:
+        raise ValueError(f"the slot has {slot.numel()} bytes; the copy needs {layout.size}")
+    with torch.no_grad():
+        for t, offset in zip(layout.tensors, layout.offsets, strict=True):
+            if start <= offset < min(stop, below):
+                for _ in _copy_tensor(t, slot, offset):
+                    pass
 
 
 def _copy_tensor(t: torch.Tensor, slot: torch.Tensor, offset: int) -> Iterator[int]:

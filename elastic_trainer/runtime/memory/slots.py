@@ -184,9 +184,17 @@ class NodeCopies:
         step: int,
         payload: Mapping[str, Any],
         replicated: Callable[[torch.Tensor], bool] | None = None,
-    ) -> None:
+        *,
+        defer: bool = False,
+    ) -> Callable[[], None] | None:
         """Copy this rank's part into the slot not holding the newest whole copy, then commit
-        the part by replacing its marker. ``replicated``: ``byte_layout.plan``'s."""
+        the part by replacing its marker. ``replicated``: ``byte_layout.plan``'s.
+
+        ``defer``: copy now only the tensors ``replicated`` does not select (they go first in
+        the layout; the others change only at the optimizer's step) and return the rest of
+        the work (copying those, checksumming, committing) for the caller to run before that
+        step, on another thread; None when all is done. Until then no copy of this slot is
+        whole: its marker is gone."""
         layout = byte_layout.plan(payload, replicated)  # before the slot is touched
         os.makedirs(self.directory, exist_ok=True)
         slot = next_slot(self.newest_copy())
@@ -198,17 +206,27 @@ class NodeCopies:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(marker)  # before its bytes change: a torn part is never whole
         mapped = self.slots[slot].tensor(layout.size)
-        digest = byte_layout.write_into(layout, mapped, start, stop)
-        _maybe_crash(step, mapped, start, stop)
-        body = {
-            "step": step, "slot": slot, "bytes": layout.size, "part": self.part,
-            "parts": self.parts, "start": start, "stop": stop,
-            byte_layout.CHECKSUM_ALGORITHM: digest,
-        }  # fmt: skip
-        tmp = f"{marker}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(body, f)
-        os.replace(tmp, marker)
+        copied_below = layout.split_from if defer else 0
+        if defer:
+            byte_layout.copy_into(layout, mapped, start, stop, copied_below)
+
+        def finish() -> None:
+            digest = byte_layout.write_into(layout, mapped, start, stop, copied_below=copied_below)
+            _maybe_crash(step, mapped, start, stop)
+            body = {
+                "step": step, "slot": slot, "bytes": layout.size, "part": self.part,
+                "parts": self.parts, "start": start, "stop": stop,
+                byte_layout.CHECKSUM_ALGORITHM: digest,
+            }  # fmt: skip
+            tmp = f"{marker}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(body, f)
+            os.replace(tmp, marker)
+
+        if defer:
+            return finish
+        finish()
+        return None
 
     def unmap(self) -> None:
         """Let go of the slot mappings (the next copy maps its slot again)."""
