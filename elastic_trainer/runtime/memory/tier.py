@@ -144,7 +144,8 @@ class MemoryTier:
         the optimizer's parameters and state (the bulk), the checksum and the commit follow
         on a background thread during the next forward/backward, and ``optimizer.step()``
         waits until they are done (a step pre-hook). On 2 cores the copy on the training
-        thread cost ~11 ms of each ~85 ms ResNet-18 step; beside it, a few ms."""
+        thread cost ~11 ms of each ~85 ms ResNet-18 step; a 60-step job with a copy every step
+        went from 1.187x to 1.129x the job without (``bench/snapshot_stall.py``)."""
         self.flush()  # the previous copy's slot is committed (or failed) before this one
         self._streams.write(step, _plain(per_rank), self.copies.newest())
         payload = {
