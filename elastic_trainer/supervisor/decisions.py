@@ -221,6 +221,10 @@ def on_new_world(state: SupervisorState, world_size: int) -> NewWorld:
         reason = state.membership_reason or (
             MembershipReason.NODE_LOST if shrunk else MembershipReason.NODE_JOINED
         )
+        if shrunk and reason == MembershipReason.NODE_JOINED:
+            # What this node saw waiting was a survivor re-forming without a node it had not
+            # missed yet (another survivor noticed first): the world shrank, a node was lost.
+            reason, relabel = MembershipReason.NODE_LOST, True
         if shrunk and state.refund_if_shrunk and policy_state.restarts > 0:
             # the counted failure was a node vanishing: a membership change, not charged
             policy_state = replace(policy_state, restarts=policy_state.restarts - 1)

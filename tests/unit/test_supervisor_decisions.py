@@ -95,6 +95,16 @@ def test_a_bigger_world_is_a_node_joining() -> None:
     assert world.changed_reason == MembershipReason.NODE_JOINED
 
 
+def test_a_smaller_world_after_a_node_waiting_is_a_node_lost() -> None:
+    """Regression: of two survivors of a partition, the one that had not noticed the silent
+    node yet saw the other waiting in a new round and restarted for a "joining" node; the
+    round closed at 2 of 3, and it reported membership.changed 3 -> 2 as node_joined."""
+    waiting = decisions.on_nodes_waiting(POLICY, SupervisorState(world_size=3))
+    world = decisions.on_new_world(waiting.state, 2)
+    assert (world.old_world_size, world.changed_reason) == (3, MembershipReason.NODE_LOST)
+    assert world.relabel_node_lost  # its recovery is a lost node's too
+
+
 def test_hangs_count_and_eventually_give_up() -> None:
     outcome = decisions.on_hang(POLICY, SupervisorState(), ran_for_s=500.0)
     assert outcome.verdict == Verdict.RESTART and outcome.decision.reason == "hang"
