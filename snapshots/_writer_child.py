@@ -23,7 +23,7 @@ import torch
 
 from snapshots import serialization
 from snapshots._local_storage import _Sink
-from snapshots._writer_process import HEADER, MAX_FDS
+from snapshots._writer_process import HEADER, MAX_FDS, recv_exactly
 
 # How often a wait for the next request checks that the parent is still there.
 POLL_S = 1.0
@@ -50,41 +50,28 @@ class _Decoder(pickle.Unpickler):
         return flat.view(shape)
 
 
-def _recv_exactly(sock: socket.socket, n: int, parent: int) -> bytes | None:
-    parts, got = [], 0
-    while got < n:
-        try:
-            part = sock.recv(n - got)
-        except TimeoutError:
-            if os.getppid() != parent:
-                return None
-            continue
-        if not part:
-            return None
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
 def _request(sock: socket.socket, parent: int) -> tuple[dict[str, Any], bytes, list[int]] | None:
+    def alive() -> bool:  # the parent is still there: keep waiting
+        return os.getppid() == parent
+
     while True:
         try:
             head, fds, _, _ = socket.recv_fds(sock, HEADER.size, MAX_FDS)
             break
         except TimeoutError:
-            if os.getppid() != parent:
+            if not alive():
                 return None
     if not head:
         return None
-    rest = _recv_exactly(sock, HEADER.size - len(head), parent) if len(head) < HEADER.size else b""
+    rest = recv_exactly(sock, HEADER.size - len(head), alive) if len(head) < HEADER.size else b""
     if rest is None:
         return None
     (length,) = HEADER.unpack(head + rest)
-    body = _recv_exactly(sock, length, parent)
-    size = _recv_exactly(sock, HEADER.size, parent)
+    body = recv_exactly(sock, length, alive)
+    size = recv_exactly(sock, HEADER.size, alive)
     if body is None or size is None:
         return None
-    tree = _recv_exactly(sock, HEADER.unpack(size)[0], parent)
+    tree = recv_exactly(sock, HEADER.unpack(size)[0], alive)
     if tree is None:
         return None
     return json.loads(body), tree, list(fds)

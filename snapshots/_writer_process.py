@@ -226,8 +226,8 @@ class WriterProcess:
         return self._read()
 
     def _read(self) -> dict[str, Any]:
-        (length,) = HEADER.unpack(_recv_exactly(self._sock, HEADER.size))
-        answer = json.loads(_recv_exactly(self._sock, length))
+        (length,) = HEADER.unpack(_recv_or_lost(self._sock, HEADER.size))
+        answer = json.loads(_recv_or_lost(self._sock, length))
         if not isinstance(answer, dict):
             raise WriterProcessLost(f"answered {answer!r}")
         return answer
@@ -256,15 +256,31 @@ class WriterProcess:
                     self._proc.wait()
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(
+    sock: socket.socket, n: int, still_wanted: Callable[[], bool] = lambda: True
+) -> bytes | None:
+    """``n`` bytes from ``sock``, or None at end of file. On a socket with a timeout, each
+    timeout asks ``still_wanted`` whether to keep waiting (None when not)."""
     parts, got = [], 0
     while got < n:
-        part = sock.recv(n - got)
+        try:
+            part = sock.recv(n - got)
+        except TimeoutError:
+            if not still_wanted():
+                return None
+            continue
         if not part:
-            raise WriterProcessLost("closed its socket")
+            return None
         parts.append(part)
         got += len(part)
     return b"".join(parts)
+
+
+def _recv_or_lost(sock: socket.socket, n: int) -> bytes:
+    data = recv_exactly(sock, n)
+    if data is None:
+        raise WriterProcessLost("closed its socket")
+    return data
 
 
 _state_lock = threading.Lock()
