@@ -4,6 +4,7 @@ step (``slots``, ``byte_layout.write_into``), checksummed by xxh3_128."""
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import blake3
 import pytest
@@ -340,3 +342,15 @@ def test_a_failed_background_copy_is_reported_and_training_goes_on(tmp_path, one
         assert not tier.holds(1)
     failed = [e for e in logs if e["event"] == "snapshot.memory_failed"]
     assert len(failed) == 1 and "No space left" in failed[0]["error"]
+
+
+def test_a_closed_tier_is_not_kept_alive_by_its_optimizer(tmp_path, one_rank):
+    model, optimizer = _bn_model()
+    tier = MemoryTier(str(tmp_path / "tier"), every=1)
+    tier.save(1, {"model": model, "optimizer": optimizer}, {})
+    tier.close()
+    gone = weakref.ref(tier)
+    del tier
+    gc.collect()
+    assert gone() is None  # its pre-hook was removed, with the slot mappings it held
+    optimizer.step()  # and the optimizer steps on without it

@@ -129,7 +129,7 @@ class MemoryTier:
         # forward/backward (``save``); ``optimizer.step()`` waits for it.
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="memory-copy")
         self._in_flight: cf.Future[None] | None = None
-        self._hooked: set[int] = set()
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook's handle
 
     # --- save -------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -179,9 +179,8 @@ class MemoryTier:
         self._copied = step
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) not in self._hooked:
-            self._hooked.add(id(optimizer))
-            optimizer.register_step_pre_hook(lambda *_: self.flush())
+        if id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.flush())
 
     def flush(self) -> None:
         """Wait for the copy in flight, if any (committed or failed once this returns)."""
@@ -193,6 +192,9 @@ class MemoryTier:
         """The session's end: nothing runs between ranks here (``flush`` is all)."""
         self.flush()
         self._pool.shutdown(wait=True)
+        for handle in self._hooks.values():  # else the optimizer keeps this tier (and its
+            handle.remove()  # slot mappings) alive for as long as it lives
+        self._hooks.clear()
 
     def holds(self, step: int) -> bool:
         """Local: this rank committed its part of ``step``'s copy (the copy is whole once every
