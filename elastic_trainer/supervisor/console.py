@@ -17,9 +17,14 @@ and ``--no-python`` has no wrapper). The worker writes into a pipe, or into a ps
 when the supervisor's own stream is a terminal: then the worker still sees a TTY, so the
 built-in job's progress bar (``\\r`` updates) and colours work as before. The relay prefixes
 every ``\\r`` segment as well as every line, so the bar redraws in place as
-``\\r[rank0]: 40%|████ ...``; the pty's width is the terminal's minus the prefix. Output is
-relayed as it arrives, not held back to whole lines (the bar never ends its line), so a
-line of one rank can still land inside another's unfinished line, as on torchrun's console.
+``\\r[rank0]: 40%|████ ...``; the pty's width is the terminal's minus the prefix.
+
+The relay forwards whole lines (and whole ``\\r`` segments): an unfinished one is held until
+its end arrives, or for at most ``HOLD_S`` (the bar never ends its line; a prompt may not
+either). An unbuffered worker (``PYTHONUNBUFFERED=1``, common in containers) writes
+``print``'s text and its newline in two calls; relayed as read, another rank's line or the
+supervisor's own log line landed between them, glued to the worker's text. Whole lines of up
+to 4 KiB are one write each, which a pipe keeps unmixed.
 
 JSON mode (``stderr_router``) does not use this: there every stderr line must stay one JSON
 object, so the worker streams stay the supervisor's, as before.
@@ -32,6 +37,7 @@ import errno
 import fcntl
 import os
 import re
+import select
 import socket
 import struct
 import termios
@@ -50,6 +56,7 @@ DEFAULT_TEMPLATE = "[rank${rank}]:"
 _CONSOLE = torch_compat.LOGS_DEST_CONSOLE  # "the agent's own stream, unchanged" in LogsDest
 _SEGMENTS = re.compile(rb"([\r\n])")
 _READ_SIZE = 65536
+HOLD_S = 0.25  # the longest an unfinished line waits for its end before it is shown
 _LOCKS = {1: threading.Lock(), 2: threading.Lock()}  # one writer at a time per console stream
 
 
@@ -86,6 +93,34 @@ class Prefixer:
         return bytes(out)
 
 
+class LineGate:
+    """Pure: what of the data read so far ends a line (``\\n``) or a segment (``\\r``).
+
+    ``feed`` returns everything up to the last end and holds the rest; ``release`` hands the
+    rest over (its wait is over, or the stream ended). A held rest of ``limit`` bytes or more
+    is not held: a line that long is not kept whole anyway."""
+
+    def __init__(self, limit: int = _READ_SIZE) -> None:
+        self._held = b""
+        self._limit = limit
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._held + data
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        whole, self._held = data[:end], data[end:]
+        if len(self._held) >= self._limit:
+            return whole + self.release()
+        return whole
+
+    def release(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
 class Relay:
     """One worker stream -> one console stream (fd 1 or 2), prefixed, on its own thread.
 
@@ -93,9 +128,11 @@ class Relay:
     until ``close``, so the stream does not end before torch has opened it; after ``close``
     it ends once the worker (and torch's handle) are gone too."""
 
-    def __init__(self, dest_fd: int, prefix: bytes) -> None:
+    def __init__(self, dest_fd: int, prefix: bytes, *, hold_s: float = HOLD_S) -> None:
         self._dest = dest_fd
         self._prefixer = Prefixer(prefix)
+        self._gate = LineGate()
+        self._hold_s = hold_s
         if _use_pty(dest_fd):
             self._read, self._keep = os.openpty()
             _fit_terminal(self._keep, dest_fd, len(prefix))
@@ -108,6 +145,9 @@ class Relay:
 
     def _pump(self) -> None:
         while True:
+            if self._gate.holding and not select.select([self._read], [], [], self._hold_s)[0]:
+                self._forward(self._gate.release())  # its end is late: show it as it is
+                continue
             try:
                 data = os.read(self._read, _READ_SIZE)
             except OSError as exc:  # a pty reads EIO once no writer is left: its end
@@ -116,11 +156,13 @@ class Relay:
                 data = b""
             if not data:
                 break
-            self._forward(self._prefixer.feed(data))
+            self._forward(self._gate.feed(data))
+        self._forward(self._gate.release())  # a last line without its end
         os.close(self._read)
 
-    def _forward(self, data: bytes) -> None:
-        if self._dest < 0:
+    def _forward(self, raw: bytes) -> None:
+        data = self._prefixer.feed(raw)
+        if self._dest < 0 or not data:
             return  # the console is gone: keep draining, so the worker never blocks on it
         try:
             with _LOCKS.get(self._dest, contextlib.nullcontext()):

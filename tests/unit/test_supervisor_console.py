@@ -6,13 +6,21 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import socket
 import struct
 import termios
+import time
 
 import pytest
 from torch.distributed.elastic.multiprocessing import Std
 
-from elastic_trainer.supervisor.console import ConsoleLogsSpecs, Prefixer, render_prefix
+from elastic_trainer.supervisor.console import (
+    ConsoleLogsSpecs,
+    LineGate,
+    Prefixer,
+    Relay,
+    render_prefix,
+)
 
 
 def _feed(prefix: bytes, *chunks: bytes) -> bytes:
@@ -126,3 +134,57 @@ def test_close_does_not_wait_for_a_stream_nobody_opened(tmp_path) -> None:
     specs = ConsoleLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
     specs.reify(_envs(0))
     specs.close(timeout_s=10)  # torch never opened it (a failed start): no hang
+
+
+def test_line_gate_holds_an_unfinished_line_until_its_end() -> None:
+    gate = LineGate(limit=16)
+    assert gate.feed(b"hello err 0") == b"" and gate.holding
+    assert gate.feed(b"\nnext") == b"hello err 0\n"
+    assert gate.feed(b"\r 40%|##") == b"next\r"  # a redraw ends the segment before it
+    assert gate.release() == b" 40%|##" and not gate.holding
+    assert gate.feed(b"x" * 20) == b"x" * 20  # too long to hold: passed on
+
+
+def _messages(console: socket.socket) -> list[bytes]:
+    got = []
+    while select.select([console], [], [], 10.0)[0] and (message := console.recv(65536)):
+        got.append(message)
+    return got
+
+
+def _unread(relay: Relay) -> int:
+    """Bytes written to the relay's stream that it has not read yet."""
+    size = fcntl.ioctl(relay._read, termios.FIONREAD, b"\0" * 4)
+    return struct.unpack("i", size)[0]
+
+
+@pytest.mark.timeout(30)
+def test_an_unbuffered_print_reaches_the_console_as_one_write() -> None:
+    """Regression: ``print`` in an unbuffered worker writes its text and its newline in two
+    calls; relayed as read, the supervisor's own log line landed between them (CI failure of
+    test_console_mode_prefixes_every_worker_line_with_its_rank). Each datagram read back is
+    one write of the relay's."""
+    console, relayed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    relay = Relay(relayed.fileno(), b"[rank0]:", hold_s=60.0)
+    worker = os.open(relay.path, os.O_WRONLY)
+    os.write(worker, b"hello err 0")
+    while _unread(relay):  # the relay has read the text alone before the newline is written
+        select.select([], [], [], 0.001)
+    os.write(worker, b"\n")
+    os.write(worker, b"tail without an end")
+    os.close(worker)
+    relay.close(time.monotonic() + 10)
+    relayed.shutdown(socket.SHUT_WR)
+    assert _messages(console) == [b"[rank0]:hello err 0\n", b"[rank0]:tail without an end"]
+
+
+@pytest.mark.timeout(30)
+def test_an_unfinished_line_is_shown_once_its_wait_is_over() -> None:
+    console, relayed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    relay = Relay(relayed.fileno(), b"[rank0]:", hold_s=0.01)
+    worker = os.open(relay.path, os.O_WRONLY)
+    os.write(worker, b"\r 40%|####")  # a progress bar never ends its line
+    assert select.select([console], [], [], 10.0)[0]
+    assert console.recv(65536) + console.recv(65536) == b"\r[rank0]: 40%|####"
+    os.close(worker)
+    relay.close(time.monotonic() + 10)
