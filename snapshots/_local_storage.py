@@ -197,6 +197,24 @@ class LocalStorage:
                 os.makedirs(aside, exist_ok=True)
                 os.replace(item.path, os.path.join(aside, key))
 
+    def release_set_aside(self) -> int:
+        """Delete the files set aside for the next save (the job has ended: there is none):
+        the bytes freed. Best effort; a file another save takes meanwhile stays its."""
+        aside = os.path.join(self.root, layout.REUSE_DIR)
+        freed = 0
+        try:
+            items = list(os.scandir(aside))
+        except OSError:
+            return 0
+        for item in items:
+            with contextlib.suppress(OSError):
+                size = item.stat(follow_symlinks=False).st_size
+                os.unlink(item.path)
+                freed += size
+        with contextlib.suppress(OSError):
+            os.rmdir(aside)
+        return freed
+
     def _take_set_aside(self, name: str, tmp: str) -> bool:
         """Rename the set-aside file of ``name``'s key to ``tmp`` (atomic: of two writers
         after the same file, one gets it); False when there is none."""

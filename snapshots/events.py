@@ -19,6 +19,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.corrupt": ("step", "url", "problem"),
     "snapshot.failed": ("step", "url", "error"),
     "snapshot.pruned": ("steps", "url"),
+    "snapshot.reserved_released": ("bytes", "url"),  # the job ended: ``.reuse/`` freed
     "snapshot.storage_retry": ("op", "url", "attempt", "error"),
     "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token"),
     # the writer process (``_writer_process``): started; lost (later saves on the thread)

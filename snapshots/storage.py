@@ -250,6 +250,12 @@ class RetryingStorage:
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self.inner.delete(path))
 
+    def release_set_aside(self) -> int:
+        """Local disk: delete the data files kept for the next save to write over (bytes
+        freed). Elsewhere nothing is kept: 0."""
+        release = getattr(self.inner, "release_set_aside", None)
+        return int(release()) if release is not None else 0
+
     def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
         p = self.policy
         retrying = tenacity.Retrying(

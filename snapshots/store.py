@@ -318,6 +318,17 @@ class SnapshotStore(StoreReading):
             self._closed = True
             self._writer.shutdown(wait=self._writer.pending is None)
 
+    def release_reserved(self) -> int:
+        """Once the job has ended: close, then delete the data files local storage keeps in
+        ``.reuse/`` for the next save to write over (about one snapshot's size). The bytes
+        freed (``snapshot.reserved_released`` when any); 0 on other storage, which keeps
+        nothing."""
+        self.close()
+        freed = self._storage.release_set_aside()
+        if freed:
+            emit("snapshot.reserved_released", bytes=freed, url=self.url)
+        return freed
+
     def __enter__(self) -> SnapshotStore:
         return self
 

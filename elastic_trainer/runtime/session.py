@@ -382,20 +382,25 @@ class TrainingSession:
         EXIT_PEER_PREEMPTED) unless ``exit_on_stop=False``; returns that code otherwise."""
         if not self._resumes_from_memory():
             self._save(blocking=True)
-        self.close()
-        D.shutdown()
         code = stop_exit_code(self.stop_reason)
+        self.close(ended=code is None)
+        D.shutdown()
         if code is not None and self.exit_on_stop:
             sys.exit(code)
         return code if code is not None else 0
 
-    def close(self) -> None:
-        """Collective: flush the in-flight snapshot and close files, without a final one."""
+    def close(self, *, ended: bool = False) -> None:
+        """Collective: flush the in-flight snapshot and close files, without a final one.
+        ``ended``: training is over (not stopped to go on later), so the disk space local
+        storage keeps for the next save is freed."""
         self._signals.uninstall()
         if self._memory is not None:
             self._memory.close()  # every rank at once: the sharded tier's mirrors end too
         if self._snapshots is not None:
-            self._snapshots.close()
+            if ended:
+                self._snapshots.release_reserved()
+            else:
+                self._snapshots.close()
         if self._audit is not None:
             self._audit.close()
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.context import WorkerContext
 from elastic_trainer.runtime.memory.interface import InMemoryTier
 from elastic_trainer.runtime.memory.plan import Source
@@ -166,6 +167,13 @@ class SessionSnapshots:
     def close(self) -> None:
         """Collective: flush the in-flight save and stop the writer."""
         self._snapshotter.close()
+
+    def release_reserved(self) -> None:
+        """Collective, once training has ended: close, then rank 0 frees the disk space kept
+        for the next save (``snapshot.reserved_released``)."""
+        self.close()
+        if D.rank() == 0:
+            self.store.release_reserved()
 
     def close_local(self) -> None:
         """No collective: only this process's writer (rank 0's) is flushed and stopped."""

@@ -360,3 +360,30 @@ def test_another_jobs_snapshot_folder_is_a_configuration_error(tmp_path):
             {"model": nn.Linear(1, 1)}, context=WorkerContext(settings=theirs), configure_logs=False
         )
     assert info.value.exit_code == 2 and "job-b" in str(info.value)
+
+
+@pytest.mark.parametrize("ending", ["max_steps", "preempted"])
+def test_disk_kept_for_the_next_save_is_freed_only_when_training_ends(tmp_path, ending):
+    control = tmp_path / "control"
+    control.mkdir()
+    job = Job(tmp_path, snapshot_every=1, keep=1, max_steps=3, control_dir=str(control),
+              exit_on_stop=False)  # fmt: skip
+    job.model.register_buffer("big", torch.zeros(1 << 20))  # 4 MiB: a file worth reusing
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        if ending == "preempted":
+            job.train(steps=2)
+            (control / protocol.STOP_FILE).touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+        job.train()
+        with capture_logs() as logs:
+            job.session.finish()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert job.session.stop_reason == ending
+    aside = tmp_path / "snapshots" / ".reuse"
+    released = [e for e in logs if e["event"] == "snapshot.reserved_released"]
+    if ending == "max_steps":
+        assert not aside.exists() and released and released[0]["bytes"] > 1 << 22
+    else:
+        assert any(aside.iterdir()) and not released  # the job goes on: its next save uses it

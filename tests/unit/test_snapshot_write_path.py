@@ -313,3 +313,25 @@ def test_reuse_can_be_turned_off(tmp_path: Path) -> None:
     assert not (tmp_path / layout.REUSE_DIR).exists()
     with pytest.raises(Exception, match="reuse_files"):
         SnapshotStore(str(tmp_path), storage_options={"reuse_files": "yes"})
+
+
+def test_release_reserved_frees_the_set_aside_files_once_the_job_has_ended(
+    tmp_path: Path,
+) -> None:
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    root = tmp_path / "snaps"
+    store = SnapshotStore(str(root), keep=1, async_save=True)
+    for step in (1, 2, 3):
+        store.save(step, {"w": torch.randn(CHUNK) + step})
+    store.wait()
+    aside = root / layout.REUSE_DIR
+    kept = sum(p.stat().st_size for p in aside.iterdir())
+    assert kept >= CHUNK * 4  # one pruned file set aside for the next save
+    (aside / "planted").symlink_to(victim)
+    planted = (aside / "planted").lstat().st_size  # the link itself, not what it points to
+    assert store.release_reserved() == kept + planted
+    assert not aside.exists() and victim.read_bytes() == b"precious"
+    assert store.committed_steps() == [3] and store.verify(3).ok
+    assert store.release_reserved() == 0  # closed, nothing left: idempotent
+
