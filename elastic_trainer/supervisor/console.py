@@ -1,4 +1,5 @@
-"""Worker output on a console, each line prefixed with its rank: ``[rank0]:loss 0.31``.
+"""Worker output relayed with its rank: on a console each line prefixed, ``[rank0]:loss 0.31``;
+in JSON mode each stderr line an ``output.stderr`` event with ``rank`` and ``local_rank``.
 
 What torchrun does (torch/distributed/run.py, elastic/multiprocessing/api.py, tail_log.py):
 by default a worker's stdout/stderr *are* the agent's, unchanged, so eight ranks interleave
@@ -26,8 +27,13 @@ either). An unbuffered worker (``PYTHONUNBUFFERED=1``, common in containers) wri
 supervisor's own log line landed between them, glued to the worker's text. Whole lines of up
 to 4 KiB are one write each, which a pipe keeps unmixed.
 
-JSON mode (``stderr_router``) does not use this: there every stderr line must stay one JSON
-object, so the worker streams stay the supervisor's, as before.
+JSON mode: every stderr line must be one JSON object. A worker's stderr left on the console
+goes through a relay that passes its JSON lines (its own events, which carry their rank)
+unchanged and makes any other line (a traceback, a library's warning) an ``output.stderr``
+event with the worker's ``rank``, ``local_rank`` and ``restart_count``, as the worker's own
+events have, into the supervisor's stderr pipe (``stderr_router``), which passes JSON on.
+Before, those lines reached the pipe bare and the router could not tell whose they were.
+Worker stdout is not JSON in either mode, and stays the supervisor's stdout in JSON mode.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
-from elastic_trainer import torch_compat
+from elastic_trainer import stderr_router, torch_compat
 
 DEFAULT_TEMPLATE = "[rank${rank}]:"
 _CONSOLE = torch_compat.LOGS_DEST_CONSOLE  # "the agent's own stream, unchanged" in LogsDest
@@ -93,6 +99,21 @@ class Prefixer:
         return bytes(out)
 
 
+class JsonLines:
+    """Pure: whole lines -> one JSON object per line (``stderr_router.render``) with
+    ``fields``. A JSON object line passes unchanged; a line released unfinished (its end came
+    late) is an event of its own."""
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        self._fields = dict(fields)
+
+    def feed(self, data: bytes) -> bytes:
+        lines = data.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()  # the end of the last line, not an empty line after it
+        return b"".join(stderr_router.render(line, self._fields) for line in lines)
+
+
 class LineGate:
     """Pure: what of the data read so far ends a line (``\\n``) or a segment (``\\r``).
 
@@ -128,14 +149,17 @@ class Relay:
     until ``close``, so the stream does not end before torch has opened it; after ``close``
     it ends once the worker (and torch's handle) are gone too."""
 
-    def __init__(self, dest_fd: int, prefix: bytes, *, hold_s: float = HOLD_S) -> None:
+    def __init__(
+        self, dest_fd: int, transform: Prefixer | JsonLines, *, hold_s: float = HOLD_S
+    ) -> None:
+        """``transform``: what becomes of the lines on their way (a prefix, or JSON)."""
         self._dest = dest_fd
-        self._prefixer = Prefixer(prefix)
+        self._transform = transform
         self._gate = LineGate()
         self._hold_s = hold_s
-        if _use_pty(dest_fd):
+        if isinstance(transform, Prefixer) and _use_pty(dest_fd):
             self._read, self._keep = os.openpty()
-            _fit_terminal(self._keep, dest_fd, len(prefix))
+            _fit_terminal(self._keep, dest_fd, len(transform.prefix))
             self.path = os.ttyname(self._keep)
         else:
             self._read, self._keep = os.pipe()
@@ -161,7 +185,7 @@ class Relay:
         os.close(self._read)
 
     def _forward(self, raw: bytes) -> None:
-        data = self._prefixer.feed(raw)
+        data = self._transform.feed(raw)
         if self._dest < 0 or not data:
             return  # the console is gone: keep draining, so the worker never blocks on it
         try:
@@ -214,19 +238,22 @@ def _write_all(fd: int, data: bytes) -> None:
             time.sleep(0.01)  # a non-blocking terminal that is full: let it drain
 
 
-class ConsoleLogsSpecs(DefaultLogsSpecs):
+class RelayedLogsSpecs(DefaultLogsSpecs):
     """torch's ``DefaultLogsSpecs`` (files, ``--tee``, ``--local-ranks-filter`` unchanged),
-    with every stream it would leave on the console sent through a prefixing ``Relay``."""
+    with every stream it would leave on the console sent through a ``Relay``: prefixed, or
+    (``json_fields`` given: JSON mode) stderr as JSON events with those fields and the rank."""
 
     def __init__(
         self,
         *,
         template: str | None,
         consoles: Mapping[str, int] | None = None,
+        json_fields: Mapping[str, Any] | None = None,
         **torch_options: Any,
     ) -> None:
         super().__init__(**torch_options)
         self._template = template
+        self._json_fields = None if json_fields is None else dict(json_fields)
         self._consoles = dict(consoles or {"stdout": 1, "stderr": 2})
         self._relays: list[Relay] = []
         self._hostname = socket.gethostname()
@@ -236,20 +263,34 @@ class ConsoleLogsSpecs(DefaultLogsSpecs):
         # their relays drain on their own; a restart must not wait on a straggler)
         dest = super().reify(envs)
         for local_rank, env in envs.items():
-            prefix = render_prefix(
-                self._template,
-                role=env.get("ROLE_NAME", ""),
-                rank=env.get("RANK", local_rank),
-                local_rank=local_rank,
-                hostname=self._hostname,
-            ).encode()
-            for paths, fd in ((dest.stdouts, self._consoles["stdout"]),
-                              (dest.stderrs, self._consoles["stderr"])):  # fmt: skip
+            streams = [(dest.stderrs, self._consoles["stderr"])]
+            if self._json_fields is None:
+                streams.insert(0, (dest.stdouts, self._consoles["stdout"]))
+            for paths, fd in streams:
                 if paths.get(local_rank) == _CONSOLE:
-                    relay = Relay(fd, prefix)
+                    relay = Relay(fd, self._transform(local_rank, env))
                     self._relays.append(relay)
                     paths[local_rank] = relay.path
         return dest
+
+    def _transform(self, local_rank: int, env: Mapping[str, str]) -> Prefixer | JsonLines:
+        rank = env.get("RANK", local_rank)
+        if self._json_fields is not None:
+            restarts = env.get("TORCHELASTIC_RESTART_COUNT")
+            return JsonLines({
+                **self._json_fields,
+                "rank": int(rank),
+                "local_rank": local_rank,
+                "restart_count": int(restarts) if restarts is not None else None,
+            })  # fmt: skip
+        prefix = render_prefix(
+            self._template,
+            role=env.get("ROLE_NAME", ""),
+            rank=rank,
+            local_rank=local_rank,
+            hostname=self._hostname,
+        )
+        return Prefixer(prefix.encode())
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Relay what the workers wrote last; a stream still held open after ``timeout_s``

@@ -310,7 +310,7 @@ class Supervisor:
             local_addr=cfg.local_addr,
         )
         console = resolve_format(cfg.log_format) == "console"  # type: ignore[arg-type]
-        logs = workerenv.logs_specs(cfg, control_root, console=console)
+        logs = workerenv.logs_specs(cfg, control_root, console=console, fields=static_fields())
         agent = agent_mod.ElasticTrainAgent(
             spec=spec,
             logs_specs=logs,

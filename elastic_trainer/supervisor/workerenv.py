@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from elastic_trainer.config import RunConfig
@@ -110,13 +110,16 @@ def worker_args(cfg: RunConfig) -> tuple[str, ...]:
     return ("-u", "-m", BOOTSTRAP_MODULE, *cfg.entrypoint.argv())
 
 
-def logs_specs(cfg: RunConfig, control_root: str, *, console: bool) -> Any:
+def logs_specs(
+    cfg: RunConfig, control_root: str, *, console: bool, fields: Mapping[str, Any]
+) -> Any:
     """torch's per-rank log files, as torchrun's --log-dir/--redirects/--tee ask for them;
-    on a ``console`` (not JSON) the streams left on it carry a ``[rank0]:`` prefix
-    (``supervisor/console.py``). Close it (``close_logs``) once the workers are gone."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    the streams left on the console are relayed (``supervisor/console.py``): on a
+    ``console`` with a ``[rank0]:`` prefix, in JSON mode stderr as events with ``fields``
+    and the rank. Close it (``close_logs``) once the workers are gone."""
+    from torch.distributed.elastic.multiprocessing import Std
 
-    from elastic_trainer.supervisor.console import ConsoleLogsSpecs
+    from elastic_trainer.supervisor.console import RelayedLogsSpecs
 
     options = cfg.torchrun
     torch_options = {
@@ -127,9 +130,11 @@ def logs_specs(cfg: RunConfig, control_root: str, *, console: bool) -> Any:
         if options.local_ranks_filter
         else None,
     }
-    if console:
-        return ConsoleLogsSpecs(template=options.log_line_prefix_template, **torch_options)
-    return DefaultLogsSpecs(**torch_options)
+    return RelayedLogsSpecs(
+        template=options.log_line_prefix_template,
+        json_fields=None if console else fields,
+        **torch_options,
+    )
 
 
 def close_logs(specs: Any) -> None:

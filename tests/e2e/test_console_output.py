@@ -1,6 +1,7 @@
 """Console mode under the real CLI: worker lines carry ``[rankN]:``; --local-ranks-filter
 still keeps ranks off the console; on a terminal the built-in job's progress bar redraws
-behind the prefix; JSON mode stays one JSON object per line."""
+behind the prefix; JSON mode stays one JSON object per line, a worker's text lines marked
+with its rank."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_json_mode_stays_one_json_object_per_line(worker_env) -> None:
     done = _run(env_with(worker_env), "json")
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in done.stderr.splitlines()]  # each line parses
-    texts = {r.get("text") for r in records if r["event"] == "output.stderr"}
-    assert {"hello err 0", "hello err 1"} <= texts
+    lines = {(r["text"], r.get("rank"), r.get("local_rank"))
+             for r in records if r["event"] == "output.stderr"}  # fmt: skip
+    assert {("hello err 0", 0, 0), ("hello err 1", 1, 1)} <= lines  # whose line it is
 
 
 def _read_all(fd: int, proc: subprocess.Popen) -> bytes:

@@ -4,6 +4,7 @@ rank as torchrun's ``[rank0]:``; torch's --tee/--local-ranks-filter keep their m
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import select
 import socket
@@ -15,10 +16,11 @@ import pytest
 from torch.distributed.elastic.multiprocessing import Std
 
 from elastic_trainer.supervisor.console import (
-    ConsoleLogsSpecs,
+    JsonLines,
     LineGate,
     Prefixer,
     Relay,
+    RelayedLogsSpecs,
     render_prefix,
 )
 
@@ -85,7 +87,7 @@ def _write_as_worker(path: str, text: str) -> None:
 
 def test_streams_left_on_the_console_are_relayed_with_the_global_rank(tmp_path) -> None:
     (out_r, err_r), consoles = _pipes()
-    specs = ConsoleLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
+    specs = RelayedLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
     dest = specs.reify(_envs(2, 3))
     _write_as_worker(dest.stdouts[0], "hello\nworld\n")
     _write_as_worker(dest.stderrs[1], "oops\n")
@@ -96,7 +98,7 @@ def test_streams_left_on_the_console_are_relayed_with_the_global_rank(tmp_path) 
 
 def test_local_ranks_filter_and_tee_stay_torchs(tmp_path) -> None:
     (out_r, _), consoles = _pipes()
-    specs = ConsoleLogsSpecs(
+    specs = RelayedLogsSpecs(
         template=None, consoles=consoles, log_dir=str(tmp_path),
         tee={1: Std.OUT}, local_ranks_filter={1, 2},
     )  # fmt: skip
@@ -114,7 +116,7 @@ def test_a_terminal_console_gives_the_worker_a_terminal_of_its_width(tmp_path) -
     attrs[1] &= ~termios.OPOST
     termios.tcsetattr(term, termios.TCSANOW, attrs)
     fcntl.ioctl(term, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
-    specs = ConsoleLogsSpecs(
+    specs = RelayedLogsSpecs(
         template=None, consoles={"stdout": term, "stderr": term}, log_dir=str(tmp_path)
     )
     dest = specs.reify(_envs(0))
@@ -131,7 +133,7 @@ def test_a_terminal_console_gives_the_worker_a_terminal_of_its_width(tmp_path) -
 @pytest.mark.timeout(30)
 def test_close_does_not_wait_for_a_stream_nobody_opened(tmp_path) -> None:
     _, consoles = _pipes()
-    specs = ConsoleLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
+    specs = RelayedLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
     specs.reify(_envs(0))
     specs.close(timeout_s=10)  # torch never opened it (a failed start): no hang
 
@@ -165,7 +167,7 @@ def test_an_unbuffered_print_reaches_the_console_as_one_write() -> None:
     test_console_mode_prefixes_every_worker_line_with_its_rank). Each datagram read back is
     one write of the relay's."""
     console, relayed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    relay = Relay(relayed.fileno(), b"[rank0]:", hold_s=60.0)
+    relay = Relay(relayed.fileno(), Prefixer(b"[rank0]:"), hold_s=60.0)
     worker = os.open(relay.path, os.O_WRONLY)
     os.write(worker, b"hello err 0")
     while _unread(relay):  # the relay has read the text alone before the newline is written
@@ -181,10 +183,45 @@ def test_an_unbuffered_print_reaches_the_console_as_one_write() -> None:
 @pytest.mark.timeout(30)
 def test_an_unfinished_line_is_shown_once_its_wait_is_over() -> None:
     console, relayed = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    relay = Relay(relayed.fileno(), b"[rank0]:", hold_s=0.01)
+    relay = Relay(relayed.fileno(), Prefixer(b"[rank0]:"), hold_s=0.01)
     worker = os.open(relay.path, os.O_WRONLY)
     os.write(worker, b"\r 40%|####")  # a progress bar never ends its line
     assert select.select([console], [], [], 10.0)[0]
     assert console.recv(65536) + console.recv(65536) == b"\r[rank0]: 40%|####"
     os.close(worker)
     relay.close(time.monotonic() + 10)
+
+
+def test_json_lines_keep_json_and_make_any_other_line_an_event_with_the_rank() -> None:
+    fields = {"job_id": "j", "rank": 3, "local_rank": 1}
+    out = JsonLines(fields).feed(b'{"event": "train.progress", "rank": 3}\nTraceback (most\n\n')
+    first, second, third = (json.loads(line) for line in out.splitlines())
+    assert first == {"event": "train.progress", "rank": 3}
+    assert second["event"] == "output.stderr" and second["text"] == "Traceback (most"
+    assert (second["rank"], second["local_rank"], second["job_id"]) == (3, 1, "j")
+    assert third["text"] == ""  # an empty line is a line
+
+
+def test_in_json_mode_worker_stderr_carries_its_rank_and_stdout_stays_the_console(
+    tmp_path,
+) -> None:
+    (out_r, err_r), consoles = _pipes()
+    specs = RelayedLogsSpecs(
+        template=None, consoles=consoles, log_dir=str(tmp_path), json_fields={"node": "n1"}
+    )
+    envs = _envs(4, 5)
+    envs[1]["TORCHELASTIC_RESTART_COUNT"] = "2"
+    dest = specs.reify(envs)
+    assert dest.stdouts[0] == dest.stdouts[1] == ""  # torch's "the agent's own stream"
+    _write_as_worker(dest.stderrs[1], 'oops\n{"event": "snapshot.saved"}\n')
+    specs.close()
+    oops, saved = (json.loads(line) for line in _drain(err_r).splitlines())
+    assert oops["event"] == "output.stderr" and oops["text"] == "oops"
+    assert (oops["node"], oops["rank"], oops["local_rank"], oops["restart_count"]) == (
+        "n1",
+        5,
+        1,
+        2,
+    )
+    assert saved == {"event": "snapshot.saved"}
+    assert _drain(out_r) == b""
