@@ -62,6 +62,7 @@ DEFAULT_TEMPLATE = "[rank${rank}]:"
 _CONSOLE = torch_compat.LOGS_DEST_CONSOLE  # "the agent's own stream, unchanged" in LogsDest
 _SEGMENTS = re.compile(rb"([\r\n])")
 _READ_SIZE = 65536
+_LONGEST_HELD = 1 << 20  # a line longer than this is passed on in parts (a JSON event is not)
 HOLD_S = 0.25  # the longest an unfinished line waits for its end before it is shown
 _LOCKS = {1: threading.Lock(), 2: threading.Lock()}  # one writer at a time per console stream
 
@@ -121,7 +122,7 @@ class LineGate:
     rest over (its wait is over, or the stream ended). A held rest of ``limit`` bytes or more
     is not held: a line that long is not kept whole anyway."""
 
-    def __init__(self, limit: int = _READ_SIZE) -> None:
+    def __init__(self, limit: int = _LONGEST_HELD) -> None:
         self._held = b""
         self._limit = limit
 

@@ -3,6 +3,7 @@ rank as torchrun's ``[rank0]:``; torch's --tee/--local-ranks-filter keep their m
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import fcntl
 import json
 import os
@@ -10,6 +11,7 @@ import select
 import socket
 import struct
 import termios
+import threading
 import time
 
 import pytest
@@ -78,6 +80,21 @@ def _read_until(fd: int, expected: bytes, timeout_s: float = 10.0) -> bytes:
     while len(got) < len(expected) and select.select([fd], [], [], timeout_s)[0]:
         got += os.read(fd, 65536)
     return got
+
+
+def _write_all_async(fd: int, data: bytes) -> None:
+    """Write and close on a thread: a pipe holds less than ``data`` until it is read."""
+
+    def write() -> None:
+        with open(fd, "wb") as stream:
+            stream.write(data)
+
+    threading.Thread(target=write, daemon=True).start()
+
+
+def _read_to_end(fd: int) -> bytes:
+    with open(fd, "rb") as stream:
+        return stream.read()
 
 
 def _write_as_worker(path: str, text: str) -> None:
@@ -225,3 +242,16 @@ def test_in_json_mode_worker_stderr_carries_its_rank_and_stdout_stays_the_consol
     )
     assert saved == {"event": "snapshot.saved"}
     assert _drain(out_r) == b""
+
+
+@pytest.mark.timeout(30)
+def test_a_long_json_line_read_in_parts_stays_one_event() -> None:
+    console, relayed = os.pipe()
+    relay = Relay(relayed, JsonLines({"rank": 0}), hold_s=60.0)
+    worker = os.open(relay.path, os.O_WRONLY)
+    event = json.dumps({"event": "train.progress", "note": "x" * 200_000}).encode() + b"\n"
+    shown = cf.ThreadPoolExecutor(1).submit(_read_to_end, console)
+    _write_all_async(worker, event)  # more than one read of the relay's (64 KiB)
+    relay.close(time.monotonic() + 10)
+    os.close(relayed)
+    assert shown.result(timeout=10) == event  # not parts of it as output.stderr text
