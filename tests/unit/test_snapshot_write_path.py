@@ -334,4 +334,3 @@ def test_release_reserved_frees_the_set_aside_files_once_the_job_has_ended(
     assert not aside.exists() and victim.read_bytes() == b"precious"
     assert store.committed_steps() == [3] and store.verify(3).ok
     assert store.release_reserved() == 0  # closed, nothing left: idempotent
-
