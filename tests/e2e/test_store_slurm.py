@@ -83,6 +83,8 @@ JobAcctGatherType=jobacct_gather/none
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# A requeued job starts at the scheduler's next pass: every second here, not every 30-60 s.
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
