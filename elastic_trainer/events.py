@@ -42,7 +42,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "rendezvous.expire_failed": ("nodes", "error", "consequence"),
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
-    "preemption.received": ("signal", "grace_s"),
+    "preemption.received": ("signal", "grace_s", "signalled_ranks"),
     "recovery.completed": (
         "cause",
         "downtime_s",

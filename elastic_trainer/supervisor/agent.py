@@ -33,7 +33,7 @@ from elastic_trainer.supervisor.observer import GroupObserver
 from elastic_trainer.supervisor.policy import RestartPolicy, WorkerExit, signal_name
 from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.signals import StopRequest, StopRequested
-from elastic_trainer.supervisor.watchdog import HangVerdict
+from elastic_trainer.supervisor.watchdog import HangVerdict, read_progress
 from elastic_trainer.supervisor.workerenv import new_control_dir, set_worker_env
 
 # kept for callers that compare statuses as strings (run.py, tests)
@@ -428,7 +428,17 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _preempt(self) -> tuple[str, int]:
         stop = self._stop
         grace = self._cfg.grace_period
-        emit("preemption.received", level="warning", signal=stop.signal_name, grace_s=grace)
+        local_ranks = range(self._worker_group.spec.local_world_size)
+        in_session = read_progress(stop.control_dir, local_ranks) if stop.control_dir else {}
+        plain = decisions.signal_at_once(local_ranks, in_session)
+        emit(
+            "preemption.received",
+            level="warning",
+            signal=stop.signal_name,
+            grace_s=grace,
+            signalled_ranks=[self._global_rank(r) for r in plain],
+        )
+        self._procs.terminate(plain)
         self._worker_group.spec.rdzv_handler.leave()
         received = stop.received_at or time.monotonic()
         kill_at = decisions.preemption_kill_at(received, grace)

@@ -257,6 +257,17 @@ def on_partial_exit(
     return PeerStop.KILL_REST, peer_stop_seen
 
 
+def signal_at_once(local_ranks: Iterable[int], in_session: Iterable[int]) -> list[int]:
+    """At a preemption, the workers to SIGTERM at once, as torchrun does: those that have not
+    published progress (``protocol.progress_file``: a ``TrainingSession`` writes it when it
+    starts), so do not read the stop file. An unmodified script's own SIGTERM handler (its
+    checkpoint) then has the whole grace period, not its last 2 s. A session is not signalled:
+    the stop file reaches it at its next step boundary, and a SIGTERM to its process group
+    would kill its DataLoader workers before the final snapshot."""
+    speaking = set(in_session)
+    return [rank for rank in local_ranks if rank not in speaking]
+
+
 def preemption_kill_at(received_at: float, grace_s: float) -> float:
     """When to stop waiting for workers to finish their final snapshot and kill them: the
     grace period minus a margin (at most 2 s) so the kill itself fits inside it."""

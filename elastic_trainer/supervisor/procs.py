@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import psutil
@@ -168,6 +169,16 @@ class ProcessTracker:
                     continue
             out[local_rank] = Resources(rss_bytes=rss, cpu_percent=cpu, num_procs=count)
         return out
+
+    def terminate(self, local_ranks: Iterable[int]) -> list[int]:
+        """SIGTERM the process trees of these workers now (as torchrun signals a worker's
+        process group), with no SIGKILL after it: ``kill`` ends whatever is left. The pids
+        signalled."""
+        self.refresh()
+        procs = [p for r in local_ranks for p in self._known.get(r, {}).values() if _running(p)]
+        self.killed_pids.update(p.pid for p in procs)
+        _signal_all(procs, signal.SIGTERM)
+        return [p.pid for p in procs]
 
     def kill(self, *, grace_s: float) -> None:
         """SIGTERM every tracked process (then SIGKILL after ``grace_s``); reap orphans.

@@ -32,9 +32,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 GONE_WITHIN_S = 15.0
 
 
-def _start(tmp_path: Path, worker_env, *, nproc: int, new_session: bool = False, args=()) -> Agent:
+def _start(
+    tmp_path: Path, worker_env, *, nproc: int, new_session: bool = False, args=(), flags=()
+) -> Agent:
     env = env_with(worker_env, ORPHAN_DIR=str(tmp_path))
-    argv = ["--nproc-per-node", str(nproc), ORPHAN, *args]
+    argv = ["--nproc-per-node", str(nproc), *flags, ORPHAN, *args]
     return start_agent(tmp_path, "n0", argv, env, port=free_port(), new_session=new_session)
 
 
@@ -128,11 +130,16 @@ def test_clean_exit_and_sigterm_leave_no_sentinel_and_no_zombie(tmp_path, worker
 
     stopped = tmp_path / "stopped"
     stopped.mkdir()
-    agent = _start(stopped, worker_env, nproc=2)
+    # A long grace period: these plain workers (no TrainingSession, no stop file read) get
+    # SIGTERM at once, as torchrun's do, not at its end (regression: they got it 2 s before
+    # it, so a script's own SIGTERM checkpoint had 2 s of the 25).
+    agent = _start(stopped, worker_env, nproc=2, args=(), flags=("--grace-period", "300"))
     agents.append(agent)
     _workers(stopped, 2)
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.wait(60) == 143
+    (received,) = agent.events("preemption.received")
+    assert sorted(received["signalled_ranks"]) == [0, 1]
     _assert_all_gone(stopped)
 
 

@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -126,6 +127,11 @@ class FakePeers:
 class FakeProcs:
     def __init__(self) -> None:
         self.killed_pids: set[int] = set()
+        self.terminated: list[int] = []
+
+    def terminate(self, local_ranks: Any) -> list[int]:
+        self.terminated += local_ranks
+        return []
 
     def track(self, popens: dict[int, Any]) -> None:
         pass
@@ -389,14 +395,20 @@ def test_a_worker_refusing_its_configuration_ends_the_job_at_once(tmp_path) -> N
     assert outcome.error.startswith("worker rank 0 refused its configuration (exit 2)")
 
 
+@pytest.mark.parametrize("in_session", [True, False], ids=["session", "plain-script"])
 @pytest.mark.parametrize("requested_at_tick", [0, 1])
-def test_a_stop_request_preempts_and_leaves_the_rendezvous(tmp_path, requested_at_tick) -> None:
+def test_a_stop_request_preempts_and_leaves_the_rendezvous(
+    tmp_path, requested_at_tick, in_session
+) -> None:
     def stop_soon(agent: ScriptedAgent) -> None:
         original = agent.stop.wait
 
         def wait(timeout: float) -> bool:
             if agent.script.tick >= requested_at_tick:
                 agent.stop.requested, agent.stop.signal_name = True, "SIGTERM"
+                if in_session:  # what a TrainingSession publishes when it starts
+                    progress = Path(agent.stop.control_dir) / protocol.progress_file(0)
+                    progress.write_text('{"step": 0, "epoch": 0, "restored_step": null}')
             return original(timeout)
 
         agent.stop.wait = wait  # type: ignore[method-assign]
@@ -404,8 +416,11 @@ def test_a_stop_request_preempts_and_leaves_the_rendezvous(tmp_path, requested_a
     rounds = [Round(nodes=1, ticks=[{0: RUNNING}] * 3)]
     outcome, logs, agent = run(rounds, tmp_path, prepare=stop_soon)
     assert (outcome.status, outcome.exit_code) == ("preempted", 143)
-    assert named(logs, "preemption.received")[0]["signal"] == "SIGTERM"
+    (received,) = named(logs, "preemption.received")
+    assert received["signal"] == "SIGTERM"
     assert agent._worker_group.spec.rdzv_handler.left
+    # a session reads the stop file; an unmodified script gets SIGTERM at once, as torchrun's
+    assert received["signalled_ranks"] == agent._procs.terminated == ([] if in_session else [0])
 
 
 def test_a_silent_peer_is_dropped_once_confirmed_without_waiting_for_a_timeout(tmp_path) -> None:

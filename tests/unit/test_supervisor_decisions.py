@@ -205,3 +205,8 @@ def test_a_node_joining_a_running_job_waits_for_its_warm_pool_first():
     assert not join(first_join=True, round_running=True, pool_ready=True)
     assert not join(first_join=True, round_running=False, pool_ready=False)  # the job's start
     assert not join(first_join=False, round_running=True, pool_ready=False)  # a re-formation
+
+
+def test_at_a_preemption_only_workers_outside_a_session_get_sigterm_at_once() -> None:
+    assert decisions.signal_at_once(range(4), in_session={0: "p", 2: "p"}) == [1, 3]
+    assert decisions.signal_at_once(range(2), in_session=()) == [0, 1]

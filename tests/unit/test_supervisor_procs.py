@@ -107,3 +107,35 @@ def test_the_subreaper_flag_can_be_read_back_and_given_up():
     finally:
         procs.become_subreaper(False)
     assert not procs.is_subreaper()
+
+
+def test_terminate_sigterms_only_the_chosen_workers_and_does_not_kill(tmp_path):
+    from elastic_trainer.supervisor.procs import ProcessTracker
+
+    # Each "worker" writes a file when SIGTERM reaches it, and stays: terminate never kills.
+    handles = textwrap.dedent(
+        """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1], "w").close())
+        print("ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    marks = [tmp_path / "0", tmp_path / "1"]
+    workers = {
+        rank: subprocess.Popen([sys.executable, "-c", handles, str(mark)], stdout=subprocess.PIPE)
+        for rank, mark in enumerate(marks)
+    }
+    try:
+        for worker in workers.values():
+            assert worker.stdout.readline() == b"ready\n"  # its handler is in place
+        tracker = ProcessTracker()
+        tracker.track(workers)
+        assert tracker.terminate([1]) == [workers[1].pid]
+        wait_for(marks[1].exists, 30, "rank 1 to get SIGTERM")
+        assert not marks[0].exists() and all(w.poll() is None for w in workers.values())
+        assert workers[1].pid in tracker.killed_pids  # its exit is ours, not a root cause
+    finally:
+        for worker in workers.values():
+            worker.kill()
+            worker.wait()
