@@ -144,7 +144,8 @@ class LineGate:
 
 
 class Relay:
-    """One worker stream -> one console stream (fd 1 or 2), prefixed, on its own thread.
+    """One worker stream -> one console stream (fd 1 or 2), whole lines, each transformed
+    (prefixed, or made JSON), on its own thread.
 
     ``path`` is what torch opens as the worker's stream. The relay holds a writer end itself
     until ``close``, so the stream does not end before torch has opened it; after ``close``
