@@ -247,6 +247,14 @@ def connect(host: str, port: int, *, deadline_s: float, read_timeout_s: float) -
         ) from exc
 
 
+def try_once(host: str, port: int, read_timeout_s: float) -> Any:
+    """One bounded attempt: the connected store, or None when nothing answers (yet)."""
+    try:
+        return _attempt(host, port, read_timeout_s)
+    except _Transient:
+        return None
+
+
 def _attempt(host: str, port: int, read_timeout_s: float) -> Any:
     resolve(host, port)
     reach(host, port)

@@ -47,7 +47,7 @@ from elastic_trainer import torch_compat
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import ConfigError, first_line
 from elastic_trainer.events import emit
-from elastic_trainer.supervisor import decisions
+from elastic_trainer.supervisor import decisions, static_host
 from elastic_trainer.supervisor.membership import node_name
 
 
@@ -95,6 +95,15 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._await_all_checked()
             raise ConfigError(problem)
 
+    def _raise_if_static_conflict(self) -> None:
+        """Static mode: a second node rank 0 on another host wrote what it found into our
+        store while we wait for a round (``static_host``): exit 2 with that line."""
+        if self._static_rank is None or self.store is None:
+            return
+        problem = static_host.conflict_in(self.store, self.get_run_id())
+        if problem is not None:
+            raise ConfigError(problem)
+
     def _await_all_checked(self) -> None:
         """Every member finds the same conflict; the one hosting the store must not exit (and
         take the store along) before the others have read the ranks, or they would report a
@@ -123,6 +132,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             )
 
     def _join_hook(self, view: torch_compat.RoundView, may_wait: bool) -> str | None:
+        self._raise_if_static_conflict()
         close = decisions.close_round_now(
             me=view.me,
             complete=view.complete,
@@ -153,6 +163,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         key = torch_compat.rendezvous_key(self.get_run_id())
         while time.monotonic() < until:
             time.sleep(self.poll_s)
+            self._raise_if_static_conflict()
             try:
                 state = torch_compat.decode_rendezvous_state(self.store.get(key))
             except Exception:  # unreadable now: torch's own sync reports store trouble

@@ -265,7 +265,7 @@ class Supervisor:
         )
 
         from elastic_trainer.supervisor import agent as agent_mod
-        from elastic_trainer.supervisor import workerenv
+        from elastic_trainer.supervisor import static_host, workerenv
         from elastic_trainer.supervisor.endpoint import (
             EndpointError,
             StoreUnreachable,
@@ -280,6 +280,7 @@ class Supervisor:
             if stop.requested:  # type: ignore[attr-defined]
                 raise StopRequested("stop")
             handler = create_handler(cfg, serve=hosts_store(cfg))
+            probe = static_host.start_probe(cfg, handler.store, serving=hosts_store(cfg))
             if not hosts_store(cfg):  # a partition must not block us past its bound
                 bound_silent_connections(
                     cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
@@ -332,6 +333,8 @@ class Supervisor:
             self._store_unreachable(exc)
             return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
         finally:
+            if probe is not None:
+                probe.stop()
             workerenv.close_logs(logs)
             shutil.rmtree(control_root, ignore_errors=True)
             workerenv.remove_memory_dir(cfg)

@@ -251,3 +251,30 @@ def test_torchrun_static_command_line_by_ip(net, tmp_path, worker_env, agents):
     assert (seen["WORLD_SIZE"], seen["MASTER_ADDR"]) == ("2", high.addr)
     assert sum(len(x.events("worker.failed")) for x in agents) >= 1
     assert nodes_empty(net)
+
+
+@pytest.mark.parametrize("first_up", ["master", "other"])
+def test_two_nodes_given_node_rank_0_on_separate_hosts_exit_2_naming_it(
+    net, tmp_path, worker_env, agents, first_up
+):
+    """Both declare node rank 0, each on its own host: no port collides, so each hosted a
+    store of its own and both waited alone until the join timeout (torchrun hangs the same
+    way). The one whose --master-addr is elsewhere finds the other's store there, whichever
+    started first: both exit 2 with one line naming the conflict, before any worker."""
+    port = "29613"
+    master, other = net.add_node("n0"), net.add_node("n1")
+    order = (master, other) if first_up == "master" else (other, master)
+    for node in order:
+        argv = ["--local-addr", node.addr,
+                "--nnodes", "2", "--node-rank", "0", "--master-addr", master.addr,
+                "--master-port", port, PLAIN_DDP, str(tmp_path / "env.json")]  # fmt: skip
+        agent = spawn_agent(tmp_path, node.name, argv, node_env(worker_env), wrap=node.cmd([]))
+        agents.append(agent)
+        wait_for(lambda a=agent: a.events("supervisor.started"), 60, f"{node.name} to start")
+    codes = [x.wait(120) for x in agents]  # it was a hang: a generous bound
+    assert codes == [2, 2], agents[-1].stderr_file.read_text()[-2000:]
+    for agent in agents:
+        (finished,) = agent.events("job.finished")
+        assert finished["error"].startswith("--node-rank=0 is given to 2 nodes (n1, ")
+        assert master.addr in finished["error"] and not agent.events("workers.started")
+    assert nodes_empty(net)
