@@ -20,9 +20,12 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_trainer.supervisor import endpoint
+
+if TYPE_CHECKING:
+    from elastic_trainer.config import RunConfig
 
 PROBE_EVERY_S = 1.0  # between probes of --master-addr while nothing answers there
 
@@ -37,7 +40,9 @@ def conflict_key(job_id: str) -> str:
 
 def is_local_address(host: str) -> bool:
     """Whether ``host`` resolves to an address of this machine: one a socket can bind to (no
-    traffic is sent)."""
+    traffic is sent). Not torch's ``_matches_machine_hostname`` (``torch_compat``): it only
+    knows the addresses the hostname resolves to, so a node's ``--local-addr`` on a second
+    NIC would count as elsewhere."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
@@ -114,7 +119,7 @@ class HostProbe:
             store.set(conflict_key(self._job_id), self._line)
 
 
-def start_probe(cfg: Any, store: Any, *, serving: bool) -> HostProbe | None:
+def start_probe(cfg: RunConfig, store: Any, *, serving: bool) -> HostProbe | None:
     """The probe, for a static-mode node rank 0 hosting a store while ``--master-addr`` is not
     one of its addresses; else None (the usual case: nothing to check)."""
     if cfg.torchrun.node_rank != 0 or not serving or is_local_address(cfg.rdzv_host):
