@@ -66,6 +66,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "session.stopping": ("step", "reason", "signal"),
     "session.setting_overridden": ("setting", "script_value", "operator_value"),
     "snapshot.memory_failed": ("step", "dir", "error"),
+    # a folder or file of the in-memory tier that is not ours alone: never used
+    "snapshot.memory_refused": ("path", "reason"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),

@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.private_files import NotOursError, private_dirs
 from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.context import WorkerContext
 from elastic_trainer.runtime.memory.interface import InMemoryTier
 from elastic_trainer.runtime.memory.plan import Source
 from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
+from elastic_trainer.runtime.memory.slots import refused
 from elastic_trainer.runtime.memory.tier import MemoryTier
 from snapshots import (
     Owner,
@@ -202,9 +204,23 @@ def open_memory_tier(
 
     if not (directory and every > 0 and dist.is_initialized()):
         return None
+    # every rank opens it or none does (opening is collective)
+    if D.all_reduce_ints([int(_private_folder(directory))], op=dist.ReduceOp.MIN) != [1]:
+        return None
     if has_dtensors(state):
         return ShardedMemoryTier(directory, every=every)
     return MemoryTier(directory, every=every)
+
+
+def _private_folder(directory: str) -> bool:
+    """Whether the tier's folder is ours alone (made so when missing): a folder someone else
+    can write is never used, ``snapshot.memory_refused`` says so, storage stays."""
+    try:
+        private_dirs(directory)
+    except NotOursError as exc:
+        refused(exc)
+        return False
+    return True
 
 
 _NO_STORAGE = "no snapshot directory to write the survivors' in-memory copies to"

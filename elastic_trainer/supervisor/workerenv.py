@@ -5,6 +5,7 @@ fresh control directory per attempt (stop file, progress files; ``elastic_traine
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import sys
@@ -13,6 +14,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from elastic_trainer.config import RunConfig
+from elastic_trainer.events import emit
+from elastic_trainer.private_files import NotOursError, private_dir
 
 # Workers run their script through this module (see its docstring: a clean interpreter exit)
 BOOTSTRAP_MODULE = "elastic_trainer.supervisor.bootstrap"
@@ -43,16 +46,42 @@ def tune_malloc(environ: MutableMapping[str, str]) -> bool:
 
 def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
     """Put this attempt's settings into our environment, which torch hands to the workers."""
-    cfg.worker_settings(control_dir, memory_dir(cfg)).apply_to(os.environ)
+    cfg.worker_settings(control_dir, prepare_memory_dir(cfg)).apply_to(os.environ)
+
+
+def memory_base() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@functools.cache
+def memory_root(base: str, uid: int) -> str:
+    """This user's private folder for in-memory tiers in the shared ``base``:
+    ``elastic-train-<uid>``, mode 0700 (``private_files``). When that name is taken by
+    something not ours (another user made it first), a fresh private folder instead, and
+    ``snapshot.memory_refused`` says so: the job is not stopped by a name someone took."""
+    path = os.path.join(base, f"elastic-train-{uid}")
+    try:
+        return private_dir(path)
+    except NotOursError as exc:
+        fresh = tempfile.mkdtemp(prefix=f"elastic-train-{uid}-", dir=base)
+        emit("snapshot.memory_refused", level="warning", path=path, reason=str(exc), using=fresh)
+        return fresh
 
 
 def memory_dir(cfg: RunConfig) -> str:
-    """This agent's in-memory tier folder: on tmpfs (/dev/shm) where there is one, named by
-    the job and this supervisor's pid, so it outlives worker restarts on this agent, differs
-    per agent (two on one machine too), and ``remove_memory_dir`` frees it at exit."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    """This agent's in-memory tier folder: on tmpfs (/dev/shm) where there is one, inside
+    this user's private folder, named by the job and this supervisor's pid, so it outlives
+    worker restarts on this agent, differs per agent (two on one machine too), and
+    ``remove_memory_dir`` frees it at exit."""
     job = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.job_id)
-    return os.path.join(base, "elastic-train", job, str(os.getpid()))
+    return os.path.join(memory_root(memory_base(), os.geteuid()), job, str(os.getpid()))
+
+
+def prepare_memory_dir(cfg: RunConfig) -> str:
+    """``memory_dir``, its job's folder and it made (mode 0700) and checked ours."""
+    path = memory_dir(cfg)
+    private_dir(os.path.dirname(path))
+    return private_dir(path)
 
 
 def remove_stale_memory_dirs(cfg: RunConfig) -> None:

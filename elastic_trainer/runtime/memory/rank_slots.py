@@ -20,10 +20,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from elastic_trainer.private_files import NotOursError, open_file, private_dirs
 from elastic_trainer.runtime.memory import byte_layout
 from elastic_trainer.runtime.memory import shard_plan as plan_
 from elastic_trainer.runtime.memory.plan import SLOTS
-from elastic_trainer.runtime.memory.slots import FailureStreak, MappedFile
+from elastic_trainer.runtime.memory.slots import FailureStreak, MappedFile, refused
 
 T = TypeVar("T")
 
@@ -42,8 +43,11 @@ class RankSlots:
 
     def copies(self) -> list[plan_.RankCopy]:
         try:
-            with open(self._path(plan_.MARKER)) as f:
+            with open_file(self._path(plan_.MARKER), "r") as f:
                 return plan_.copies_of(json.load(f))
+        except NotOursError as exc:
+            refused(exc)
+            return []
         except (OSError, ValueError):
             return []
 
@@ -79,7 +83,7 @@ class RankSlots:
     def _write(
         self, step: int, world_size: int, size: int, put: Callable[[torch.Tensor], str]
     ) -> plan_.RankCopy:
-        os.makedirs(self.directory, exist_ok=True)
+        private_dirs(self.directory)
         slot, kept = plan_.slot_to_write(self.copies())
         self._commit(kept)  # the slot about to be overwritten is no longer listed
         digest = put(self.slots[slot].tensor(size))
@@ -91,7 +95,7 @@ class RankSlots:
 
     def _commit(self, copies: list[plan_.RankCopy]) -> None:
         tmp = self._path(f".{plan_.MARKER}.{uuid.uuid4().hex}")
-        with open(tmp, "w") as f:
+        with open_file(tmp, "w") as f:
             f.write(plan_.marker_json(copies))
         os.replace(tmp, self._path(plan_.MARKER))
 
@@ -111,7 +115,7 @@ class RankSlots:
         if os.path.getsize(path) < copy.nbytes:  # a slot is rounded up to its mapping's
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {copy.nbytes}")
         data = bytearray(copy.nbytes)
-        with open(path, "rb") as f:
+        with open_file(path, "rb") as f:
             if f.readinto(data) != copy.nbytes:
                 raise ValueError(f"{copy.slot} changed while it was read")
         return copy, data

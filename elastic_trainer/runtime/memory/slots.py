@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from elastic_trainer.events import emit
+from elastic_trainer.private_files import NotOursError, open_file, open_private, private_dirs
 from elastic_trainer.runtime.memory import byte_layout
 from elastic_trainer.runtime.memory.plan import (
     SLOTS,
@@ -107,13 +108,13 @@ class MappedFile:
 
     def _same_file(self) -> bool:
         try:
-            return os.stat(self.path).st_ino == self._ino
+            return os.lstat(self.path).st_ino == self._ino
         except FileNotFoundError:
             return False
 
     def _map(self, nbytes: int) -> torch.Tensor:
         self.close()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
@@ -168,7 +169,7 @@ class NodeCopies:
         if os.path.getsize(path) < size:  # a slot is rounded up to its mapping's size
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {size}")
         data = bytearray(size)
-        with open(path, "rb") as f:
+        with open_file(path, "rb") as f:
             if f.readinto(data) != size:
                 raise ValueError(f"{copy.slot} changed while it was read")
         view = memoryview(data)
@@ -196,7 +197,7 @@ class NodeCopies:
         step, on another thread; None when all is done. Until then no copy of this slot is
         whole: its marker is gone."""
         layout = byte_layout.plan(payload, replicated)  # before the slot is touched
-        os.makedirs(self.directory, exist_ok=True)
+        private_dirs(self.directory)
         slot = next_slot(self.newest_copy())
         bounds = part_bounds(
             layout.offsets, layout.split_from, layout.skeleton_offset, layout.size, self.parts
@@ -219,7 +220,7 @@ class NodeCopies:
                 byte_layout.CHECKSUM_ALGORITHM: digest,
             }  # fmt: skip
             tmp = f"{marker}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "w") as f:
+            with open_file(tmp, "w") as f:
                 json.dump(body, f)
             os.replace(tmp, marker)
 
@@ -249,10 +250,24 @@ class NodeCopies:
 
 def _load_json(path: str) -> Any:
     try:
-        with open(path) as f:
+        with open_file(path, "r") as f:
             return json.load(f)
+    except NotOursError as exc:
+        refused(exc)
+        return None
     except (OSError, ValueError):
         return None
+
+
+_refused: set[str] = set()
+
+
+def refused(exc: NotOursError) -> None:
+    """``snapshot.memory_refused`` for a folder or file of the tier that is not ours alone
+    (never read, written or followed), once per reason in this process."""
+    if str(exc) not in _refused:
+        _refused.add(str(exc))
+        emit("snapshot.memory_refused", level="warning", path=exc.path, reason=str(exc))
 
 
 def _maybe_crash(step: int, mapped: torch.Tensor, start: int, stop: int) -> None:

@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.events import emit
+from elastic_trainer.private_files import NotOursError, open_file, private_dirs
 from elastic_trainer.runtime.memory import byte_layout
 from elastic_trainer.runtime.memory.plan import RestorePlan, Source, shares
 from elastic_trainer.runtime.memory.plan import plan_restore as plan_restore
 from elastic_trainer.runtime.memory.slots import KILL_MID_WRITE_ENV as KILL_MID_WRITE_ENV
-from elastic_trainer.runtime.memory.slots import FailureStreak
+from elastic_trainer.runtime.memory.slots import FailureStreak, refused
 from elastic_trainer.runtime.memory.slots import NodeCopies as NodeCopies
 from snapshots.serialization import Stager, is_stateful
 from snapshots.store import restore_into
@@ -64,12 +65,12 @@ class RankStreams:
 
     def write(self, step: int, value: Mapping[str, Any], committed: int | None) -> None:
         """Write ``step``'s; drop those older than the node's committed copy (no longer of use)."""
-        os.makedirs(self.directory, exist_ok=True)
+        private_dirs(self.directory)
         tmp = f"{self._path(step)}.{uuid.uuid4().hex}.tmp"
         body = io.BytesIO()
         torch.save(dict(value), body)
         digest = byte_layout.checksum(body.getbuffer())
-        with open(tmp, "xb") as f:  # "<algorithm> <checksum>" on a line, then torch.save's
+        with open_file(tmp, "xb") as f:  # "<algorithm> <checksum>" on a line, then torch.save's
             f.write(f"{byte_layout.CHECKSUM_ALGORITHM} {digest}\n".encode())
             f.write(body.getbuffer())
         os.replace(tmp, self._path(step))
@@ -78,10 +79,13 @@ class RankStreams:
     def read(self, step: int) -> dict[str, Any] | None:
         """None where this rank has no streams of ``step``; ValueError for a damaged file."""
         try:
-            with open(self._path(step), "rb") as f:
+            with open_file(self._path(step), "rb") as f:
                 data = f.read(MAX_STREAMS_BYTES + 1)
         except FileNotFoundError:
             return None
+        except NotOursError as exc:  # damage to us: never read
+            refused(exc)
+            raise ValueError(str(exc)) from exc
         if len(data) > MAX_STREAMS_BYTES:
             raise ValueError(f"{self._path(step)} is over {MAX_STREAMS_BYTES} bytes")
         line, _, body = data.partition(b"\n")
