@@ -38,17 +38,103 @@ def read_state(endpoint: str, job_id: str, timeout_s: float) -> dict[str, Any] |
         raise ConfigError(
             f"the store at {endpoint} holds no readable state for {job_id}: {exc}"
         ) from None
+    check_state_shape(state, endpoint=endpoint)
     return describe(state, now=datetime.now(timezone.utc))
+
+
+def _type(value: Any) -> str:
+    return type(value).__name__
+
+
+def _node_problem(where: str, node: Any) -> str | None:
+    addr, pid = getattr(node, "addr", None), getattr(node, "pid", None)
+    if not isinstance(addr, str) or not _is_int(pid):
+        return f"{where} is {_type(node)}, expected a node (addr, pid)"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _participants_problem(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"participants is {_type(value)}, expected a dict"
+    for node, rank in value.items():
+        if problem := _node_problem("a participant", node):
+            return problem
+        if not _is_int(rank):
+            return f"the rank of {node.addr!r} is {_type(rank)}, expected an int"
+    return None
+
+
+def _wait_list_problem(value: Any) -> str | None:
+    if not isinstance(value, (set, frozenset)):
+        return f"wait_list is {_type(value)}, expected a set"
+    for node in value:
+        if problem := _node_problem("a waiting node", node):
+            return problem
+    return None
+
+
+def _heartbeats_problem(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"last_heartbeats is {_type(value)}, expected a dict"
+    for node, beat in value.items():
+        if problem := _node_problem("a heartbeat's node", node):
+            return problem
+        if not isinstance(beat, datetime):
+            return f"the heartbeat of {node.addr!r} is {_type(beat)}, expected a datetime"
+    return None
+
+
+def _flags_problem(state: Any) -> str | None:
+    if not _is_int(state.round):
+        return f"round is {_type(state.round)}, expected an int"
+    for name in ("complete", "closed"):
+        if not isinstance(getattr(state, name), bool):
+            return f"{name} is {_type(getattr(state, name))}, expected a bool"
+    return None
+
+
+_FIELDS = ("round", "complete", "closed", "participants", "wait_list", "last_heartbeats")
+
+
+def state_shape_problem(state: Any) -> str | None:
+    """Pure: what in a decoded state ``describe`` could not use, or None. The decoder only
+    bounds the classes; a foreign or future writer can still put any of them anywhere."""
+    if state is None:
+        return None
+    missing = [name for name in _FIELDS if not hasattr(state, name)]
+    if missing:
+        return f"the state is {_type(state)} without {', '.join(missing)}"
+    return (
+        _flags_problem(state)
+        or _participants_problem(state.participants)
+        or _wait_list_problem(state.wait_list)
+        or _heartbeats_problem(state.last_heartbeats)
+    )
+
+
+def check_state_shape(state: Any, *, endpoint: str) -> None:
+    """Raise the one-line bad-input error for a state ``describe`` could not use."""
+    if problem := state_shape_problem(state):
+        raise ConfigError(
+            f"the rendezvous state at {endpoint} is not one this version understands: "
+            f"{problem}; is the endpoint another job's store?"
+        )
 
 
 def describe(state: Any, *, now: datetime) -> dict[str, Any]:
     """Pure: a decoded rendezvous state -> what ops want to see."""
     if state is None:
         return {"round": 0, "complete": False, "closed": False, "nodes": [], "waiting": []}
-    beats = dict(getattr(state, "last_heartbeats", {}))
+    beats = dict(state.last_heartbeats)
 
     def node(desc: Any) -> dict[str, Any]:
         beat = beats.get(desc)
+        if beat is not None and beat.tzinfo is None:  # older torch wrote utcnow(): naive UTC
+            beat = beat.replace(tzinfo=timezone.utc)
         age = round((now - beat).total_seconds(), 1) if beat is not None else None
         return {"addr": desc.addr, "pid": desc.pid, "heartbeat_age_s": age}
 

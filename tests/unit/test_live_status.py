@@ -6,7 +6,8 @@ import json
 import pickle
 import socket
 from base64 import b64encode
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
@@ -14,9 +15,12 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
+    _NodeDesc,
+    _RendezvousState,
 )
 
 from elastic_trainer import torch_compat
+from elastic_trainer.live_status import describe, state_shape_problem
 from elastic_trainer.status import main
 
 
@@ -84,3 +88,69 @@ def test_the_state_decoder_loads_nothing_but_a_rendezvous_state() -> None:
 def test_run_or_endpoint_not_both(tmp_path, capsys) -> None:
     assert main([]) == 2
     assert "give a RUN" in capsys.readouterr().err
+
+
+_NODE = _NodeDesc("10.0.0.1", 4242, 0)
+
+
+def _state(**fields: Any) -> _RendezvousState:
+    """A formed one-node round as torch stores it, with ``fields`` put over it."""
+    state = _RendezvousState()
+    state.complete = True
+    state.participants = {_NODE: 0}
+    state.last_heartbeats = {_NODE: datetime.now(timezone.utc)}
+    for name, value in fields.items():
+        setattr(state, name, value)
+    return state
+
+
+def _show(server: TCPStore, port: int, state: Any) -> int:
+    # what C10dRendezvousBackend writes: the base64 of the pickled state under the job's key
+    server.set(torch_compat.rendezvous_key("job-1"), b64encode(pickle.dumps(state)))
+    return main(["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "job-1", "--json"])
+
+
+def test_a_well_formed_stored_state_is_shown(store, capsys) -> None:
+    server, port = store
+    assert _show(server, port, _state()) == 0
+    (node,) = json.loads(capsys.readouterr().out)["nodes"]
+    assert (node["addr"], node["pid"], node["group_rank"]) == ("10.0.0.1", 4242, 0)
+
+
+@pytest.mark.parametrize(
+    ("state", "named"),
+    [
+        (_state(last_heartbeats=5), "last_heartbeats is int, expected a dict"),
+        (_state(participants={_NODE}), "participants is set, expected a dict"),
+        (_state(participants=[[_NODE, 0]]), "participants is list, expected a dict"),
+        (_state(wait_list=[["10.0.0.2", 7]]), "wait_list is list, expected a set"),
+        (
+            _state(last_heartbeats={_NODE: "2024-01-01T00:00:00"}),
+            "the heartbeat of '10.0.0.1' is str, expected a datetime",
+        ),
+        ({"round": 1}, "the state is dict without round, complete, closed"),
+    ],
+    ids=[
+        "int-heartbeats",
+        "set-participants",
+        "nested-list-participants",
+        "nested-list-wait-list",
+        "str-heartbeat",
+        "not-a-state",
+    ],
+)
+def test_a_state_of_another_shape_is_one_line_exit_2(store, capsys, state, named) -> None:
+    server, port = store
+    assert _show(server, port, state) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("elastic-train: error: ")
+    assert f"the rendezvous state at 127.0.0.1:{port} is not one this version understands" in err
+    assert named in err and "another job's store?" in err
+
+
+def test_a_naive_heartbeat_is_read_as_utc() -> None:
+    now = datetime(2024, 1, 1, 0, 0, 10, tzinfo=timezone.utc)
+    naive = datetime(2024, 1, 1, 0, 0, 0)  # as an older torch's utcnow() wrote it
+    shown = describe(_state(last_heartbeats={_NODE: naive}), now=now)
+    assert state_shape_problem(_state(last_heartbeats={_NODE: naive})) is None
+    assert shown["nodes"][0]["heartbeat_age_s"] == 10.0
