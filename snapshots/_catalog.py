@@ -66,7 +66,9 @@ class Catalog:
             manifest = _reader.read_manifest(self._storage, step)
         except (SnapshotCorruptError, FileNotFoundError) as exc:
             return VerifyResult(step=step, ok=False, problems=[_manifest_problem(exc)])
-        problems, data = _reader.check_files(self._storage, step, manifest, manifest.files)
+        problems, data = _table_size_problems(manifest), {}
+        if not problems:
+            problems, data = _reader.check_files(self._storage, step, manifest, manifest.files)
         if deep and not problems:
             problems = _load_problems(step, manifest, data)
         info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
@@ -76,7 +78,7 @@ class Catalog:
         """A sharded snapshot's files per rank and its shard table in figures (``snapshots
         show``); None for a format-1 snapshot. SnapshotCorruptError: the table is damaged."""
         manifest = _reader.read_manifest(self._storage, step)
-        table = manifest.table_file()
+        table = _shard_reader.table_entry(manifest)
         if table is None:
             return None
         data = _reader.verified_bytes(self._storage, step, manifest, [table])
@@ -123,7 +125,7 @@ class Catalog:
         entry_files = manifest.entry_files()
         rank_files = manifest.rank_files()
         wanted = list(entry_files.values())
-        table = manifest.table_file()
+        table = _shard_reader.table_entry(manifest)
         wanted += [table] if table is not None else []
         if rank is not None:
             wanted += [rank_files[rank]] if rank in rank_files else []
@@ -160,6 +162,14 @@ class Catalog:
             f"({' | '.join(problems)[:1000]}); run 'elastic-train snapshots verify {self.url}', "
             "then repair or remove them, or point to another snapshot URL"
         )
+
+
+def _table_size_problems(manifest: Manifest) -> list[str]:
+    try:
+        _shard_reader.table_entry(manifest)
+    except SnapshotCorruptError as exc:
+        return [str(exc)]
+    return []
 
 
 def _load_problems(step: int, manifest: Manifest, data: dict[str, bytes]) -> list[str]:

@@ -123,6 +123,9 @@ def _commit_all(
         shard_files = [r.entry for r in reports if r.entry is not None]
         table = _shards.merge(part.world_size, [r.records or {} for r in reports])
         body = sharding.to_json(table)
+        if len(body) > sharding.MAX_TABLE_BYTES:
+            problem = sharding.table_size_problem(len(body))
+            raise SnapshotSaveError(f"{problem}: the state has too many chunks to save")
         name = sharding.table_file_name(job.token)
         committer.storage.write(f"{layout.step_dir(job.step)}/{name}", body)
         table_entry = FileEntry(name=name, size=len(body), checksum=checksum(body), table=True)

@@ -255,6 +255,10 @@ def dtype_of(name: str) -> torch.dtype:
     return value
 
 
+def itemsize_of(name: str) -> int:
+    return torch.empty((), dtype=dtype_of(name)).element_size()
+
+
 def full_templates(table: ShardTable, names: list[str]) -> dict[str, torch.Tensor]:
     """Empty full tensors to read whole tensors into (export, replicated state)."""
     out = {}

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +55,10 @@ CHUNK_ALGORITHM = "blake3"
 TENSOR_MARKER = "__snapshots_tensor__"
 SHARD_SUFFIX = ".bin"
 TABLE_PREFIX = "shards"
-# A shard table is a few hundred bytes per chunk; bounds the read of a damaged one.
-MAX_TABLE_BYTES = 256 * 2**20
+# A shard table holds ~300 bytes per chunk, and chunks hold up to 1 MiB: 1 GiB of table
+# lists ~3.5M chunks, ~3.5 TB of tensors. A load refuses a larger table before reading it;
+# a save whose table would be larger fails instead of committing a snapshot no load takes.
+MAX_TABLE_BYTES = 2**30
 _DTYPE = re.compile(r"^torch\.[a-z0-9_]+$")
 
 
@@ -145,6 +147,8 @@ def _record_json(record: TensorRecord) -> dict[str, Any]:
 
 def from_json(data: bytes) -> ShardTable:
     """Parse and validate; every problem is a SnapshotCorruptError naming it."""
+    if len(data) > MAX_TABLE_BYTES:
+        raise SnapshotCorruptError(table_size_problem(len(data)))
     try:
         body = json.loads(data.decode("utf-8"))
         table = _table(body)
@@ -220,6 +224,53 @@ def _ints(raw: Any) -> tuple[int, ...]:
     if not isinstance(raw, list):
         raise TypeError("expected a list of integers")
     return tuple(_int(v) for v in raw)
+
+
+def table_size_problem(size: int) -> str:
+    return f"shard table has {size} bytes, more than a table may ({MAX_TABLE_BYTES})"
+
+
+def check_extents(
+    table: ShardTable, file_sizes: Mapping[str, int], itemsize: Callable[[str], int]
+) -> None:
+    """Every size the table gives, checked before any of it is allocated or read: each chunk
+    lies inside its shard file (``file_sizes``: the checked real sizes) and inside its
+    tensor's shape, ``nbytes`` is its box's elements times the dtype's ``itemsize``, and a
+    tensor holds no more bytes than its chunks do (the full tensor a load allocates).
+    SnapshotCorruptError names the first entry that fails."""
+    for name, record in table.tensors.items():
+        width = itemsize(record.dtype)
+        for chunk in record.chunks:
+            problem = _chunk_problem(record, chunk, width, file_sizes.get(chunk.file, 0))
+            if problem:
+                raise SnapshotCorruptError(f"shard table, tensor {name[:120]}: {problem}")
+        stored = sum(c.nbytes for c in record.chunks)
+        if _volume(record.shape) * width > stored:
+            raise SnapshotCorruptError(
+                f"shard table, tensor {name[:120]}: shape {list(record.shape)[:8]} needs "
+                f"more bytes than its chunks hold ({stored})"
+            )
+
+
+def _chunk_problem(record: TensorRecord, chunk: Chunk, width: int, file_size: int) -> str | None:
+    where = f"the chunk at byte {chunk.byte_offset} of {chunk.file}"
+    end = chunk.byte_offset + chunk.nbytes
+    if end > file_size:
+        return f"{where} ({chunk.nbytes} bytes) runs past the file's end ({file_size} bytes)"
+    boxes = zip(chunk.offsets, chunk.sizes, record.shape, strict=True)
+    if any(start + length > dim for start, length, dim in boxes):
+        return f"{where} lies outside the tensor's shape {list(record.shape)[:8]}"
+    expected = _volume(chunk.sizes) * width
+    if chunk.nbytes != expected:
+        return f"{where} has nbytes {chunk.nbytes}, its box of {record.dtype} needs {expected}"
+    return None
+
+
+def _volume(sizes: Sequence[int]) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
 
 
 def _int(value: Any) -> int:
