@@ -21,6 +21,7 @@ thread's socket is shut down, which ends its blocking read at once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import socket
@@ -271,8 +272,8 @@ def open_store(
     """
     if serve:
         try:
-            return _server(port, read_timeout_s=read_timeout_s)
-        except RuntimeError as exc:  # torch's DistNetworkError: the port is taken
+            return _server(host, port, read_timeout_s=read_timeout_s)
+        except (RuntimeError, OSError) as exc:  # the port is taken (EADDRINUSE)
             if explicit:
                 raise EndpointError(
                     f"--rdzv-endpoint={host}:{port}: cannot host the store here "
@@ -281,17 +282,94 @@ def open_store(
     return connect(host, port, deadline_s=deadline_s, read_timeout_s=read_timeout_s)
 
 
-def _server(port: int, *, read_timeout_s: float) -> Any:
+# Pending connections the hosted store's listener queues (as `elastic-train store`'s default).
+LISTEN_BACKLOG = 512
+EXPOSED_HINT = (
+    "c10d has no authentication: whoever reaches this port can join or break the job; "
+    "keep it on a private network or firewall it to the nodes"
+)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on exactly ``host``'s address (OSError when it cannot be had)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # a restarted agent takes its port back while old connections sit in TIME_WAIT;
+        # on Linux two live listeners still cannot share the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(sockaddr)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _own_name_on_loopback(host: str) -> bool:
+    """A host name, other than localhost, that this machine resolves to loopback: Debian's
+    /etc/hosts maps the machine's own name to 127.0.1.1, while the other nodes reach it by
+    that name at its real address."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return False  # an address, not a name
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return False
+    return ipaddress.ip_address(_plain(resolved)).is_loopback
+
+
+def _bound_listener(host: str, port: int) -> socket.socket:
+    """The endpoint's own address, so that loopback stays loopback. Every interface only
+    where the endpoint's address cannot be the one the other nodes use: an address that is
+    not on this machine (a Service or NAT address that forwards here, with ``is_host=true``)
+    or this machine's name resolved to loopback here; ``store.exposed`` says so."""
+    if _own_name_on_loopback(host):
+        return _listen("", port)
+    try:
+        return _listen(host, port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+    return _listen("", port)
+
+
+def _server(host: str, port: int, *, read_timeout_s: float) -> Any:
     from torch.distributed import TCPStore
 
-    return TCPStore(
-        "0.0.0.0",  # ignored by the server side (it listens on every address, as torch's)
-        port,
-        is_master=True,
-        multi_tenant=True,
-        timeout=timedelta(seconds=read_timeout_s),
-        wait_for_workers=False,
-    )
+    listener = _bound_listener(host, port)
+    bound_host = listener.getsockname()[0]
+    try:
+        store = TCPStore(
+            bound_host,
+            port,
+            is_master=True,
+            timeout=timedelta(seconds=read_timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        listener.close()  # torch did not take it
+        raise
+    listener.detach()  # the TCPStore owns the descriptor now and closes it when deleted
+    if not ipaddress.ip_address(_plain(bound_host)).is_loopback:
+        everywhere = ipaddress.ip_address(_plain(bound_host)).is_unspecified
+        emit(
+            "store.exposed",
+            level="warning" if everywhere else "info",
+            host=bound_host,
+            port=port,
+            hint=EXPOSED_HINT,
+        )
+    return store
 
 
 def check(host: str, port: int, *, read_timeout_s: float) -> None:

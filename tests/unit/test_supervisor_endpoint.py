@@ -135,3 +135,57 @@ def test_store_connections_get_a_silence_limit() -> None:
             assert client.getsockopt(level, name) == 9000
             keepalive = client.getsockopt(socket_module.SOL_SOCKET, socket_module.SO_KEEPALIVE)
             assert keepalive == 1
+
+
+def _listening_addresses(port: int) -> set[str]:
+    import psutil
+
+    return {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+
+
+def test_the_hosted_store_listens_on_the_endpoints_address_only():
+    port = _closed_port()
+    with capture_logs() as logs:
+        store = endpoint.open_store(
+            "127.0.0.1", port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
+        )
+    assert _listening_addresses(port) == {"127.0.0.1"}  # not every interface
+    assert "store.exposed" not in [e["event"] for e in logs]  # loopback stays quiet
+    client = endpoint.connect("127.0.0.1", port, deadline_s=5, read_timeout_s=5)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_an_endpoint_address_not_on_this_machine_is_hosted_everywhere_and_said_so():
+    port = _closed_port()  # 192.0.2.1 (TEST-NET-1) is never an address here: only bound
+    with capture_logs() as logs:
+        store = endpoint.open_store(
+            "192.0.2.1", port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
+        )
+    assert _listening_addresses(port) == {"0.0.0.0"}
+    exposed = [e for e in logs if e["event"] == "store.exposed"]
+    assert len(exposed) == 1 and exposed[0]["log_level"] == "warning"
+    assert exposed[0]["port"] == port and "authentication" in exposed[0]["hint"]
+    del store
+
+
+def test_this_machines_name_resolved_to_loopback_is_hosted_everywhere(monkeypatch):
+    real = socket.getaddrinfo
+
+    def debian_hosts(host, *args, **kwargs):  # /etc/hosts: "127.0.1.1 node7"
+        return real("127.0.1.1" if host == "node7" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", debian_hosts)
+    assert endpoint._own_name_on_loopback("node7")
+    assert not endpoint._own_name_on_loopback("localhost")
+    assert not endpoint._own_name_on_loopback("127.0.0.1")
+    port = _closed_port()
+    store = endpoint.open_store(
+        "node7", port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
+    )
+    assert _listening_addresses(port) == {"0.0.0.0"}  # the other nodes use its real address
+    del store
