@@ -28,7 +28,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "entrypoint",
     ),
     "preflight.warning": ("warning",),
-    "rendezvous.completed": ("round", "world_size", "num_nodes", "duration_ms"),
+    "rendezvous.completed": ("round", "world_size", "num_nodes", "duration_ms", "store_host"),
     "workers.started": ("world_size", "local_world_size", "group_rank", "restart_count"),
     "warm_pool.ready": ("pid", "import_s", "modules"),
     "warm_pool.unavailable": ("reason", "consequence"),

@@ -26,7 +26,7 @@ from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import first_line
 from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
-from elastic_trainer.supervisor import decisions, presence, warm_workers
+from elastic_trainer.supervisor import decisions, presence, rendezvous, warm_workers
 from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.observer import GroupObserver
@@ -282,6 +282,10 @@ class ElasticTrainAgent(LocalElasticAgent):
         # torch's message without an error file is boilerplate; only @record/session write one
         return first_line(failure.message) if os.path.isfile(failure.error_file) else None
 
+    def _store_host(self, handler: Any) -> str | None:
+        store = getattr(handler, "store", None)
+        return rendezvous.store_host(store, self._cfg.job_id) if store is not None else None
+
     # ---- torch hooks (the template methods of SimpleElasticAgent; see torch_compat) -------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
@@ -298,6 +302,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             num_nodes=worker_group.group_world_size,
             duration_ms=round((time.monotonic() - began) * 1000),
             group_rank=worker_group.group_rank,
+            store_host=self._store_host(handler),
         )
         new = decisions.on_new_world(self._state, world_size)
         self._state = new.state

@@ -270,16 +270,46 @@ def open_store(
     A host that was only inferred from the address (``explicit`` False) falls back to being
     a client when the port is taken: several agents on one machine share one store.
     """
+    return open_store_hosted(
+        host, port, serve=serve, explicit=explicit, deadline_s=deadline_s,
+        read_timeout_s=read_timeout_s,
+    )[0]  # fmt: skip
+
+
+def claim_port(host: str, port: int) -> socket.socket | None:
+    """The store's listening socket, bound now; None when another process holds the port.
+    An agent that may host claims the port as soon as it starts, before its preflight, so
+    that of the agents on one machine the one started first hosts the store, not the one
+    whose preflight happened to finish first. Where old connections of a previous store
+    hold the port (TIME_WAIT), no claim: the store binds later, as any agent may."""
+    try:
+        return _bound_listener(host, port, reuse=False)
+    except OSError:
+        return None
+
+
+def open_store_hosted(
+    host: str,
+    port: int,
+    *,
+    serve: bool,
+    explicit: bool,
+    deadline_s: float,
+    read_timeout_s: float,
+    claimed: socket.socket | None = None,
+) -> tuple[Any, bool]:
+    """``open_store``, and whether this process hosts the store; ``claimed``: the port
+    bound earlier (``claim_port``), which the store then serves on."""
     if serve:
         try:
-            return _server(host, port, read_timeout_s=read_timeout_s)
+            return _server(host, port, read_timeout_s=read_timeout_s, claimed=claimed), True
         except (RuntimeError, OSError) as exc:  # the port is taken (EADDRINUSE)
             if explicit:
                 raise EndpointError(
                     f"--rdzv-endpoint={host}:{port}: cannot host the store here "
                     f"({_first_line(exc)}): pick a free port or stop what holds it"
                 ) from exc
-    return connect(host, port, deadline_s=deadline_s, read_timeout_s=read_timeout_s)
+    return connect(host, port, deadline_s=deadline_s, read_timeout_s=read_timeout_s), False
 
 
 # Pending connections the hosted store's listener queues (as `elastic-train store`'s default).
@@ -290,20 +320,23 @@ EXPOSED_HINT = (
 )
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on exactly ``host``'s address (OSError when it cannot be had)."""
+def _listen(host: str, port: int, *, reuse: bool = True) -> socket.socket:
+    """A socket bound to exactly ``host``'s address (OSError when it cannot be had), not yet
+    listening: until the store serves on it, a connection is refused, which a client takes
+    for a store not up yet and retries, not for a port that is not a store."""
     family, _, _, _, sockaddr = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         # a restarted agent takes its port back while old connections sit in TIME_WAIT;
-        # on Linux two live listeners still cannot share the port
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # on Linux two live listeners still cannot share the port. Two sockets bound and
+        # not yet listening can, so a claim (``claim_port``) goes without it.
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and host:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(sockaddr)
-        sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -326,27 +359,30 @@ def _own_name_on_loopback(host: str) -> bool:
     return ipaddress.ip_address(_plain(resolved)).is_loopback
 
 
-def _bound_listener(host: str, port: int) -> socket.socket:
+def _bound_listener(host: str, port: int, *, reuse: bool = True) -> socket.socket:
     """The endpoint's own address, so that loopback stays loopback. Every interface only
     where the endpoint's address cannot be the one the other nodes use: an address that is
     not on this machine (a Service or NAT address that forwards here, with ``is_host=true``)
     or this machine's name resolved to loopback here; ``store.exposed`` says so."""
     if _own_name_on_loopback(host):
-        return _listen("", port)
+        return _listen("", port, reuse=reuse)
     try:
-        return _listen(host, port)
+        return _listen(host, port, reuse=reuse)
     except OSError as exc:
         if exc.errno != errno.EADDRNOTAVAIL:
             raise
-    return _listen("", port)
+    return _listen("", port, reuse=reuse)
 
 
-def _server(host: str, port: int, *, read_timeout_s: float) -> Any:
+def _server(
+    host: str, port: int, *, read_timeout_s: float, claimed: socket.socket | None = None
+) -> Any:
     from torch.distributed import TCPStore
 
-    listener = _bound_listener(host, port)
+    listener = claimed if claimed is not None else _bound_listener(host, port)
     bound_host = listener.getsockname()[0]
     try:
+        listener.listen(LISTEN_BACKLOG)
         store = TCPStore(
             bound_host,
             port,

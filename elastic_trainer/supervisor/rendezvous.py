@@ -256,7 +256,9 @@ def with_group_rank(info: RendezvousInfo, rank: int | None, *, local_addr: str) 
     return RendezvousInfo(info.store, rank, info.world_size, master)
 
 
-def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHandler:
+def create_handler(
+    cfg: RunConfig, *, serve: bool, claimed: Any = None
+) -> FastRecoveryRendezvousHandler:
     """Host (``serve``) or connect to the c10d store and build the handler.
 
     The store comes from ``endpoint.open_store`` rather than torch's ``create_backend``:
@@ -266,13 +268,14 @@ def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHand
     from elastic_trainer.supervisor import endpoint
 
     tuning = cfg.rdzv
-    store = endpoint.open_store(
+    store, hosted = endpoint.open_store_hosted(
         cfg.rdzv_host,
         cfg.rdzv_port,
         serve=serve,
         explicit=cfg.is_host is not None,
         deadline_s=tuning.join_timeout,
         read_timeout_s=tuning.read_timeout,
+        claimed=claimed,
     )
     backend = C10dRendezvousBackend(store, cfg.job_id)
     handler = FastRecoveryRendezvousHandler.from_backend(
@@ -297,4 +300,19 @@ def create_handler(cfg: RunConfig, *, serve: bool) -> FastRecoveryRendezvousHand
     )
     handler.use_static_rank(cfg.torchrun.node_rank)
     handler.store = store
+    if hosted:  # every agent's rendezvous.completed names it (``store_host``)
+        store.set(store_host_key(cfg.job_id), cfg.node)
     return handler
+
+
+def store_host_key(job_id: str) -> str:
+    return f"elastic-train/{job_id}/store-host"
+
+
+def store_host(store: Any, job_id: str) -> str | None:
+    """The node whose agent hosts the rendezvous store; None for a standalone store."""
+    key = store_host_key(job_id)
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # the store gone: the field says unknown, the agent finds out itself
+        return None

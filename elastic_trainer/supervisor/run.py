@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_file=cfg.log_file,
             static_fields={"job_id": cfg.job_id, "node": cfg.node, "pid": os.getpid()},
         )
+        claimed = claim_store_port(cfg)
         preflight(cfg)
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
         serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if resolve_format(cfg.log_format) == "json":  # type: ignore[arg-type]
         router = stderr_router.install(static_fields)
     try:
-        return Supervisor(cfg, serving=serving).run()
+        return Supervisor(cfg, serving=serving, claimed=claimed).run()
     finally:
         if router is not None:
             router.close()
@@ -175,6 +176,17 @@ def _scrub(text: str, url: str) -> str:
     return text
 
 
+def claim_store_port(cfg: RunConfig) -> Any:
+    """An agent that may host the store binds its port first thing (``endpoint.claim_port``):
+    on one machine the agent started first hosts it. A port that is taken is left to the
+    rendezvous, which reports it as before (bad input only when asked to host)."""
+    if not hosts_store(cfg):
+        return None
+    from elastic_trainer.supervisor import endpoint
+
+    return endpoint.claim_port(cfg.rdzv_host, cfg.rdzv_port)
+
+
 def hosts_store(cfg: RunConfig) -> bool:
     if cfg.is_host is not None:
         return cfg.is_host
@@ -208,9 +220,10 @@ def _route_torch_logs() -> None:
 
 # ---- the run ------------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, cfg: RunConfig, *, serving: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, *, serving: Any = None, claimed: Any = None) -> None:
         self.cfg = cfg
         self.serving = serving  # metrics_server.Serving, started by main (None: started here)
+        self.claimed = claimed  # the store's port, bound by main (``claim_store_port``)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -279,7 +292,7 @@ class Supervisor:
         try:
             if stop.requested:  # type: ignore[attr-defined]
                 raise StopRequested("stop")
-            handler = create_handler(cfg, serve=hosts_store(cfg))
+            handler = create_handler(cfg, serve=hosts_store(cfg), claimed=self.claimed)
             probe = static_host.start_probe(cfg, handler.store, serving=hosts_store(cfg))
             if not hosts_store(cfg):  # a partition must not block us past its bound
                 bound_silent_connections(

@@ -189,3 +189,21 @@ def test_this_machines_name_resolved_to_loopback_is_hosted_everywhere(monkeypatc
     )
     assert _listening_addresses(port) == {"0.0.0.0"}  # the other nodes use its real address
     del store
+
+
+def test_the_agent_that_claims_the_port_first_hosts_and_the_later_one_is_its_client():
+    from elastic_trainer.supervisor import rendezvous
+
+    port = _closed_port()
+    first = endpoint.claim_port("127.0.0.1", port)
+    assert first is not None
+    assert endpoint.claim_port("127.0.0.1", port) is None  # the later agent never hosts
+    # until the first agent serves (its preflight runs), the port refuses: not up yet
+    assert endpoint.try_once("127.0.0.1", port, read_timeout_s=5) is None
+    opened = dict(serve=True, explicit=False, deadline_s=5, read_timeout_s=5)
+    store, hosts = endpoint.open_store_hosted("127.0.0.1", port, claimed=first, **opened)
+    client, client_hosts = endpoint.open_store_hosted("127.0.0.1", port, **opened)
+    assert (hosts, client_hosts) == (True, False)
+    assert rendezvous.store_host(client, "job") is None  # a standalone store: nobody named
+    store.set(rendezvous.store_host_key("job"), "a")
+    assert rendezvous.store_host(client, "job") == "a"
