@@ -20,7 +20,7 @@ from typing import Any
 from elastic_trainer import protocol, stderr_router
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import ConfigError, ElasticTrainError, StorageUnavailable
-from elastic_trainer.events import emit
+from elastic_trainer.events import JobStatus, emit
 from elastic_trainer.logging import (
     configure_logging,
     redact,
@@ -28,6 +28,7 @@ from elastic_trainer.logging import (
     route_torch_logs,
     static_fields,
 )
+from elastic_trainer.supervisor import finished
 from elastic_trainer.supervisor import preflight as entrypoint_preflight
 
 # torch's C++ warnings (c10d's TCPStore retries, with stack traces) are noise in a job whose
@@ -96,7 +97,10 @@ def preflight(cfg: RunConfig) -> None:
     for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
         emit("preflight.warning", level="warning", warning=warning)
     if cfg.snapshot_dir:
-        check_snapshot_dir(cfg.snapshot_dir, storage_timeout=cfg.storage_timeout)
+        storage = check_snapshot_dir(cfg.snapshot_dir, storage_timeout=cfg.storage_timeout)
+        reused = finished.check(storage, redact(cfg.snapshot_dir))
+        if reused is not None:
+            emit("preflight.warning", level="warning", warning=reused)
     if not hosts_store(cfg):
         check_endpoint(cfg.rdzv_host, cfg.rdzv_port, read_timeout_s=cfg.rdzv.read_timeout)
 
@@ -135,7 +139,7 @@ def _check_entrypoint(cfg: RunConfig) -> None:
         raise ConfigError(f"-m {module!r}: no such module; check the name and the PYTHONPATH")
 
 
-def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> None:
+def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> Any:
     """Write and delete a probe file through the snapshot store's own storage layer, within
     its deadline (``--storage-timeout``). A permanent problem (permissions, a missing bucket,
     no backend) is ConfigError (exit 2); storage that stays unreachable through the deadline
@@ -150,6 +154,7 @@ def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> Non
         probe = f".elastic-train-probe-{uuid.uuid4().hex}"
         storage.write(probe, b"probe")
         storage.delete(probe)
+        return storage
     except Exception as exc:
         cause = exc.__cause__ or exc
         reason = _scrub(str(cause).splitlines()[0] if str(cause) else type(cause).__name__, url)
@@ -255,6 +260,8 @@ class Supervisor:
         if error and resolve_format(self.cfg.log_format) == "console":  # type: ignore[arg-type]
             # why this node cannot go on, for a person; JSON mode has it in job.finished.error
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
+        if status == JobStatus.SUCCEEDED:
+            self._record_finished()
         emit(
             "job.finished",
             level="info" if code in (0, protocol.SUPERVISOR_EXIT_PREEMPTED) else "error",
@@ -266,6 +273,19 @@ class Supervisor:
             error=error,
         )
         return code
+
+    def _record_finished(self) -> None:
+        """``finished.json`` in the run folder (see ``supervisor/finished.py``); best effort:
+        a folder that cannot take it only loses the next run's warning."""
+        cfg = self.cfg
+        if not cfg.snapshot_dir:
+            return
+        from snapshots.manifest import now_iso
+        from snapshots.storage import open_storage
+
+        body = finished.record(cfg.job_id, list(cfg.entrypoint.argv()), now_iso())
+        with contextlib.suppress(Exception):
+            open_storage(cfg.snapshot_dir).write(finished.FINISHED_NAME, body)
 
     def _run_agent(
         self, stop: object, metrics: object = None
