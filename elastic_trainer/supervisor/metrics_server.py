@@ -9,9 +9,11 @@ a logging handler (``EventFeed``), its workers' through the control directory
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -143,8 +145,21 @@ class EventFeed(logging.Handler):
 
 
 # ---- HTTP ---------------------------------------------------------------------------------
+# Anyone on the host can connect: each connection costs a thread, so they are capped, and one
+# that does not send its request in time is dropped. Prometheus scrapes one at a time.
+MAX_CONNECTIONS = 16
+REQUEST_TIMEOUT_S = 5.0
+
+_log = logging.getLogger(__name__)
+
+
 class _Handler(BaseHTTPRequestHandler):
     metrics: SupervisorMetrics  # set on the per-server subclass
+    server: _Server
+    timeout = REQUEST_TIMEOUT_S  # on each read of the request (StreamRequestHandler.setup)
+
+    def parse_request(self) -> bool:
+        return super().parse_request() and self.server.request_read(self.connection)
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -163,25 +178,130 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.server.served()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # scrapes every few seconds would flood the event log
 
+    def log_error(self, format: str, *args: Any) -> None:
+        self.server.client_error()  # a timed-out or malformed request: the client's doing
+
 
 class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them: when full, the oldest
+    connection still sending its request makes room (a scrape sends it at once), else the
+    new one is closed. Client errors are counted, never printed."""
+
     daemon_threads = True
+    request_queue_size = 64  # a burst of connections is accepted and sorted out, not refused
+
+    def __init__(
+        self, address: tuple[str, int], handler: type[_Handler], max_connections: int
+    ) -> None:
+        self.max_connections = max_connections
+        self._state = threading.Condition()
+        self._live: set[Any] = set()  # connections with a thread
+        self._reading: dict[Any, None] = {}  # of those, still reading their request; oldest first
+        self.accepted = self.rejected = self.evicted = 0
+        self.client_errors = self.handler_errors = 0
+        self._failing = False  # a handler error was logged; the next ones are only counted
+        super().__init__(address, handler)
+
+    @property
+    def connections(self) -> int:
+        with self._state:
+            return len(self._live)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``predicate`` (reading this server's counters) holds; False on timeout."""
+        with self._state:
+            return self._state.wait_for(predicate, timeout)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._state:
+            self.accepted += 1
+            admitted = self._admit(request)
+            self._state.notify_all()
+        if not admitted:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(request)
+            raise
+
+    def _admit(self, request: Any) -> bool:
+        # evicted threads are on their way out: 2x the cap bounds them all the same
+        if len(self._live) >= self.max_connections:
+            if not self._reading or len(self._live) >= 2 * self.max_connections:
+                self.rejected += 1
+                return False
+            oldest = next(iter(self._reading))
+            del self._reading[oldest]
+            with contextlib.suppress(OSError):
+                oldest.shutdown(socket.SHUT_RDWR)  # its blocked read returns: the thread ends
+            self.evicted += 1
+        self._live.add(request)
+        self._reading[request] = None
+        return True
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: Any) -> None:
+        with self._state:
+            self._live.discard(request)
+            self._reading.pop(request, None)
+            self._state.notify_all()
+
+    def request_read(self, request: Any) -> bool:
+        """The request is in: no longer evictable. False if it was evicted meanwhile."""
+        with self._state:
+            return self._reading.pop(request, False) is None
+
+    def served(self) -> None:
+        self._failing = False
+
+    def client_error(self) -> None:
+        with self._state:
+            self.client_errors += 1
+            self._state.notify_all()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # broken pipe, reset, timeout: the client went away
+            self.client_error()
+            return
+        with self._state:
+            self.handler_errors += 1
+            first, self._failing = not self._failing, True
+            self._state.notify_all()
+        if first:  # a bug fails every scrape alike: one line until a scrape succeeds again
+            _log.warning("metrics request failed: %r (until one succeeds, not logged again)", error)
 
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def serve(metrics: SupervisorMetrics, host: str, port: int) -> ThreadingHTTPServer:
+def serve(
+    metrics: SupervisorMetrics,
+    host: str,
+    port: int,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
+) -> _Server:
     """Bind and serve in a daemon thread; ConfigError (one line) if the port is taken."""
-    handler = type("MetricsHandler", (_Handler,), {"metrics": metrics})
+    fields = {"metrics": metrics, "timeout": request_timeout_s}
+    handler = type("MetricsHandler", (_Handler,), fields)
     server_class = _Server6 if ":" in host else _Server
     try:
-        server = server_class((host.strip("[]"), port), handler)
+        server = server_class((host.strip("[]"), port), handler, max_connections)
     except OSError as exc:
         raise ConfigError(
             f"--metrics-port={port} on --metrics-host={host} cannot be served "

@@ -14,11 +14,14 @@ the connection is *refused* (nothing listens there any more); a timeout proves n
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import ipaddress
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,10 +46,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Anyone who can reach the port can connect, so what a connection may hold is bounded: a
+# peer says HELLO at once (else it is dropped), and connections per address and in all are
+# capped. A connection turned away is told so (REFUSED): its peer is unknown, not lost.
+HELLO = b"presence/1\n"  # the first bytes on every watch connection
+REFUSED = b"r"
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_PER_PEER = 8  # agents of one job sharing a host (and so an address) each hold one
+MAX_CONNECTIONS = 512  # well below the common 1,024 open files
+
+
+@dataclasses.dataclass
+class _Conn:
+    peer: str  # the remote address, whatever its port
+    deadline: float  # for HELLO
+    got: bytes = b""
+    greeted: bool = False
+
+
 class PresenceServer:
     """This agent's port: accepts peers' connections and holds them while the agent lives."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        *,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_per_peer: int = MAX_PER_PEER,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self._handshake_timeout_s = handshake_timeout_s
+        self._max_per_peer, self._max_connections = max_per_peer, max_connections
+        self._per_peer: collections.Counter[str] = collections.Counter()
+        self.refused = 0  # over a cap, or not a HELLO
+        self.timed_out = 0  # no HELLO in time
         self._sock = socket.create_server((host, 0), backlog=128)
         self._sock.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -61,16 +94,72 @@ class PresenceServer:
 
     def _serve(self) -> None:
         while not self._closed.is_set():
-            for key, _ in self._selector.select(timeout=0.5):
-                sock = key.fileobj
-                if sock is self._sock:
-                    with contextlib.suppress(OSError):
-                        conn, _ = self._sock.accept()
-                        conn.setblocking(False)
-                        self._selector.register(conn, selectors.EVENT_READ)
-                else:  # a peer closed its end (it re-watches each round, or it died)
-                    self._selector.unregister(sock)
-                    sock.close()  # type: ignore[union-attr]
+            for key, _ in self._selector.select(timeout=self._wait_s()):
+                if key.fileobj is self._sock:
+                    self._accept()
+                else:
+                    self._read(key.fileobj, key.data)  # type: ignore[arg-type]
+            self._expire()
+
+    def _pending(self) -> list[tuple[socket.socket, _Conn]]:
+        """Connections still owing their HELLO (the listening socket has no ``_Conn``)."""
+        keys = list(self._selector.get_map().values())
+        pending = [k for k in keys if k.data is not None and not k.data.greeted]
+        return [(k.fileobj, k.data) for k in pending]  # type: ignore[misc]
+
+    def _wait_s(self) -> float:
+        deadlines = [conn.deadline for _, conn in self._pending()]
+        return max(0.0, min([0.5, *(d - time.monotonic() for d in deadlines)]))
+
+    def _accept(self) -> None:
+        try:
+            sock, address = self._sock.accept()
+        except OSError:
+            return
+        peer = str(address[0])
+        held = len(self._selector.get_map()) - 1
+        if held >= self._max_connections or self._per_peer[peer] >= self._max_per_peer:
+            self.refused += 1
+            _turn_away(sock)
+            return
+        sock.setblocking(False)
+        conn = _Conn(peer, time.monotonic() + self._handshake_timeout_s)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        self._per_peer[peer] += 1
+
+    def _read(self, sock: socket.socket, conn: _Conn) -> None:
+        try:
+            data = sock.recv(len(HELLO))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if conn.greeted or not data:  # a peer closed its end (it re-watches each round, or died)
+            self._drop(sock, conn)
+            return
+        conn.got += data
+        if not HELLO.startswith(conn.got):
+            self.refused += 1
+            self._drop(sock, conn, refuse=True)
+        elif conn.got == HELLO:
+            conn.greeted = True  # held from now on, however long
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sock, conn in self._pending():
+            if conn.deadline <= now:
+                self.timed_out += 1
+                self._drop(sock, conn, refuse=True)
+
+    def _drop(self, sock: socket.socket, conn: _Conn, *, refuse: bool = False) -> None:
+        self._selector.unregister(sock)
+        self._per_peer[conn.peer] -= 1
+        if not self._per_peer[conn.peer]:
+            del self._per_peer[conn.peer]  # addresses come and go: keep only those held
+        if refuse:
+            _turn_away(sock)
+        else:
+            sock.close()
 
     def close(self) -> None:
         """Say goodbye on every held connection (we leave on purpose), then close."""
@@ -83,6 +172,17 @@ class PresenceServer:
                     sock.send(BYE)
                 sock.close()
         self._selector.close()
+
+
+def _turn_away(sock: socket.socket) -> None:
+    """REFUSED, then an orderly close: what the client sent is read first, since closing on
+    unread data resets the connection instead."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(REFUSED)
+        sock.shutdown(socket.SHUT_WR)
+        sock.recv(4096)
+    sock.close()
 
 
 class PeerWatch:
@@ -99,15 +199,22 @@ class PeerWatch:
         for node, address in peers.items():
             try:
                 sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
-                sock.setblocking(False)  # lost() only peeks
-                self._socks[node] = sock
             except ConnectionRefusedError:
                 self._lost.add(node)  # nothing listens there: its agent is gone
+                continue
             except OSError:
-                pass  # unreachable or slow: unknown, the heartbeat expiry decides
+                continue  # unreachable or slow: unknown, the heartbeat expiry decides
+            try:
+                sock.sendall(HELLO)
+            except OSError:
+                sock.close()  # unknown, as above
+                continue
+            sock.setblocking(False)  # lost() only peeks
+            self._socks[node] = sock
 
     def lost(self) -> set[Any]:
-        """Peers whose connection was closed or reset (read without blocking)."""
+        """Peers whose connection was closed or reset (read without blocking); one their port
+        turned away is no longer watched, and not lost."""
         for node, sock in list(self._socks.items()):
             try:
                 data: bytes | None = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
@@ -117,6 +224,8 @@ class PeerWatch:
                 data = None  # reset
             if data == BYE:
                 self._left.add(node)
+            elif data == REFUSED:
+                pass  # its port is full: unknown, the heartbeat expiry decides
             else:  # EOF or reset without a goodbye: the process is gone
                 self._lost.add(node)
             sock.close()

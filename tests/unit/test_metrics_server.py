@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -122,3 +123,62 @@ def test_the_flags_reach_the_config_and_bad_ports_are_one_line() -> None:
     assert args.parse(["train.py"], env={}).metrics_port is None
     with pytest.raises(ConfigError, match=r"^--metrics-port=70000 is invalid: use a TCP port"):
         args.parse(["--metrics-port", "70000", "train.py"], env={})
+
+
+HALF_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: flood\r\n"  # no blank line: never finished
+
+
+def test_a_flood_of_half_requests_is_bounded_and_a_scrape_still_answers(capfd) -> None:
+    server = S.serve(S.SupervisorMetrics(), "127.0.0.1", 0, max_connections=8)
+    port = server.server_address[1]
+    before = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100)]
+    try:
+        for sock in flood:
+            sock.sendall(HALF_REQUEST)
+        assert server.wait_for(lambda: server.accepted == 100, timeout=30)
+        assert threading.active_count() <= before + 2 * 8
+        code, body = _get(port, "/metrics")  # while the flood is held
+        assert code == 200 and b"elastic_train_world_size" in body
+        assert server.connections <= 8
+    finally:
+        for sock in flood:
+            sock.close()
+    try:
+        assert server.wait_for(lambda: server.connections == 0, timeout=30)
+        assert server.handler_errors == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_request_not_sent_in_time_is_dropped_and_counted(capfd) -> None:
+    server = S.serve(S.SupervisorMetrics(), "127.0.0.1", 0, request_timeout_s=0.2)
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as sock:
+            sock.sendall(HALF_REQUEST)
+            assert sock.recv(1) == b""  # closed by the server, well before our own timeout
+        assert server.wait_for(lambda: server.client_errors == 1, timeout=10)
+        assert server.wait_for(lambda: server.connections == 0, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_handler_bug_is_one_line_per_streak_not_a_traceback(capfd, caplog) -> None:
+    metrics = S.SupervisorMetrics()
+    server = S.serve(metrics, "127.0.0.1", 0)
+    port = server.server_address[1]
+    try:
+        metrics.exposition = lambda: 1 / 0  # type: ignore[method-assign]
+        for _ in range(3):
+            with pytest.raises(OSError):  # closed without a reply
+                _get(port, "/metrics")
+        assert server.wait_for(lambda: server.handler_errors == 3, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["metrics request failed"]
+    assert "Traceback" not in capfd.readouterr().err

@@ -106,3 +106,54 @@ def test_where_to_listen(local_addr, rdzv_host, bind) -> None:
 def test_addresses_round_trip(host, text) -> None:
     assert presence.format_address(host, 80) == text
     assert presence.parse_address(text) == (host, 80)
+
+
+def turned_away(sock: socket.socket) -> bool:
+    """The server said REFUSED and closed (the 5 s timeout is a did-not-hang bound)."""
+    sock.settimeout(5)
+    return sock.recv(1) == presence.REFUSED and sock.recv(1) == b""
+
+
+def test_a_connection_without_hello_is_dropped_and_a_real_peer_is_kept() -> None:
+    server = PresenceServer("127.0.0.1", handshake_timeout_s=0.2)
+    watch = PeerWatch()
+    try:
+        watch.watch({"b": ("127.0.0.1", server.port)})  # first: its deadline passes first
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(5)]
+        junk = socket.create_connection(("127.0.0.1", server.port))
+        junk.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert all(turned_away(sock) for sock in [*idle, junk])
+        assert (server.timed_out, server.refused) == (5, 1)
+        assert watch.lost() == set() and watch.watching() == {"b"}
+    finally:
+        for sock in [*idle, junk]:
+            sock.close()
+        server.close()
+        watch.close()
+
+
+@pytest.mark.parametrize("caps", [{"max_per_peer": 3}, {"max_connections": 3}])
+def test_connections_over_a_cap_are_refused_and_their_peer_is_not_lost(caps) -> None:
+    server = PresenceServer("127.0.0.1", **caps)
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+    watch = PeerWatch()
+    try:
+        for sock in held:
+            sock.sendall(presence.HELLO)
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        assert turned_away(extra)
+        watch.watch({"b": ("127.0.0.1", server.port)})
+        deadline = time.monotonic() + 10
+        while watch.watching() and time.monotonic() < deadline:
+            assert watch.lost() == set()
+            time.sleep(0.01)
+        assert not watch.watching() and watch.lost() == set() and watch.left() == set()
+        assert server.refused == 2
+        for sock in held:  # still held: each reads nothing until the server says goodbye
+            with pytest.raises(BlockingIOError):
+                sock.recv(1, socket.MSG_DONTWAIT)
+    finally:
+        for sock in held:
+            sock.close()
+        server.close()
+        watch.close()
