@@ -3,7 +3,8 @@
 RUN is the run's JSON event log (the supervisor's ``--log-file``, which the workers append
 to as well) or a run folder holding ``events*.jsonl`` files (one per node, merged by time).
 The PNG goes to ``-o/--output`` (default: ``<log name>.png`` next to the log, or
-``events.png`` in the folder); ``--json`` prints the summary as JSON.
+``events.png`` in the folder); ``--json`` prints the summary as JSON. The summary needs
+nothing optional: without matplotlib the PNG is skipped with a line saying how to get it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from elastic_trainer.reporting.events import load_event_log
 from elastic_trainer.reporting.summary import format_summary, summarize
 
 PROG = "elastic-train report"
+PLOT_SKIPPED = "skipped: matplotlib is not installed (pip install 'elastic-train[report]')"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,22 +41,33 @@ def default_output(log_path: str) -> str:
     return os.path.splitext(log_path)[0] + ".png"
 
 
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def run(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     log = load_event_log(args.run)
     summary = summarize(log.events)
     output = None
-    if not args.no_plot:
+    skipped = not args.no_plot and not has_matplotlib()
+    if not args.no_plot and not skipped:
         from elastic_trainer.reporting.plot import draw_report
 
         output = args.output or default_output(log.path)
         draw_report(log.events, output, title=f"elastic-train run: {log.path}")
     if args.json:
         print(json.dumps({**summary.to_dict(), "log": log.path, "png": output}, indent=2))
+        if skipped:  # stdout stays one JSON document
+            print(f"plot: {PLOT_SKIPPED}", file=sys.stderr)
     else:
         print(format_summary(summary, source=log.path))
-        if output:
-            print(f"plot:        {output}")
+        if output or skipped:
+            print(f"plot:        {output or PLOT_SKIPPED}")
     return 0
 
 

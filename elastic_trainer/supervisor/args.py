@@ -5,7 +5,9 @@ raises ``ConfigError`` (one line, exit 2) before any process starts.
 
 The command line is split by hand at the first positional word (SCRIPT) or at ``-m MODULE``:
 everything after it belongs to the training script, so its own flags never collide with ours.
-Without a SCRIPT, arguments after ``--`` go to the built-in job.
+Without a SCRIPT, arguments after ``--`` go to the built-in job; a ``--`` right after SCRIPT
+or ``-m MODULE`` is the same separator and is not passed on (the job's own parser would read
+every flag after it as a positional word).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from elastic_trainer.cliparse import OneLineParser
+from elastic_trainer.cliparse import UNKNOWN_OPTION, OneLineParser
 from elastic_trainer.config import (
     DEFAULT_MODULE,
     DEFAULT_RDZV_PORT,
@@ -40,9 +42,10 @@ _BACKEND_KEYS = {"is_host", "store_type"}
 
 ENV_PREFIX = "ELASTIC_TRAIN_"
 SUBCOMMANDS_HELP = """sub-commands (each has --help):
-  elastic-train snapshots list|show|verify|prune URL   inspect and manage snapshots
-  elastic-train report RUN                            what happened in a run, as a PNG
-  elastic-train store --host ADDR --port N            a standalone rendezvous store
+  elastic-train snapshots list|show|verify|export|prune URL   inspect and manage snapshots
+  elastic-train report RUN                          what happened in a run, as a PNG
+  elastic-train status RUN | --rdzv-endpoint H:P    is it running, where, at what step
+  elastic-train store --host ADDR --port N          a standalone rendezvous store
 
 Every option also reads ELASTIC_TRAIN_<NAME> (e.g. ELASTIC_TRAIN_SNAPSHOT_DIR); a flag wins
 over its variable, which wins over torchrun's PET_* and the default."""
@@ -129,13 +132,23 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> SplitArg
         if tok in ("-m", "--module"):
             if i + 1 >= len(args):
                 raise ConfigError(f"{PROG}: -m needs a MODULE name")
-            return SplitArgv(options=args[:i], script=None, module=args[i + 1], rest=args[i + 2 :])
+            return SplitArgv(
+                options=args[:i], script=None, module=args[i + 1], rest=_job_args(args[i + 2 :])
+            )
         if tok.startswith("--module="):
-            return SplitArgv(options=args[:i], script=None, module=tok[9:], rest=args[i + 1 :])
+            return SplitArgv(
+                options=args[:i], script=None, module=tok[9:], rest=_job_args(args[i + 1 :])
+            )
         if not tok.startswith("-") or tok == "-":
-            return SplitArgv(options=args[:i], script=tok, module=None, rest=args[i + 1 :])
+            return SplitArgv(
+                options=args[:i], script=tok, module=None, rest=_job_args(args[i + 1 :])
+            )
         i += 2 if tok in valued else 1
     return SplitArgv(options=args, script=None, module=None, rest=[])
+
+
+def _job_args(rest: list[str]) -> list[str]:
+    return rest[1:] if rest[:1] == ["--"] else rest
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, str]:
@@ -421,8 +434,12 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
 
 
 def _with_job_flag_hint(exc: ConfigError, split: SplitArgv) -> ConfigError:
-    """``elastic-train --epochs 2``: the built-in job's (or a script's) flags go after ``--``."""
-    if "unrecognized arguments" not in str(exc):
+    """``elastic-train --epochs 2``: the built-in job's (or a script's) flags go after ``--``.
+    An option close to one of ours was a typo: the suggestion alone says it."""
+    text = str(exc)
+    if "unrecognized arguments" not in text and (
+        UNKNOWN_OPTION not in text or "did you mean" in text
+    ):
         return exc
     return ConfigError(
         f"{exc}; the training job's own flags go after `--` (elastic-train [options] -- "

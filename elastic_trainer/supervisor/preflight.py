@@ -94,6 +94,9 @@ def _answer(entry: Entrypoint, done: subprocess.CompletedProcess[str]) -> list[s
         raise ConfigError(f"the preflight of {entry.name()} failed: {last}") from None
     if answer.get("error"):
         raise ConfigError(str(answer["error"]))
+    if answer.get("exit", 1) in (0, None):  # the job's own --help: printed, and all it asked
+        print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("{")))
+        raise SystemExit(0)
     if "exit" in answer:  # the script's argument parser exited: its last line says why
         last = (done.stderr.strip().splitlines() or [f"exit {answer['exit']}"])[-1]
         raise ConfigError(f"{entry.name()} refused its arguments: {last}")

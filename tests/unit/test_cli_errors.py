@@ -12,6 +12,8 @@ import pytest
     "argv",
     [
         ["--bogus"],
+        ["--max-node", "4"],
+        ["status", "--jso", "/no/such/run"],
         ["--max-restarts", "many", "x.py"],
         ["store", "--bogus"],
         ["store", "--port", "http"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -68,3 +69,25 @@ def test_unwritable_output_is_exit_2(tmp_path, capsys) -> None:
     write_log(log, a_run())
     assert main([str(log), "-o", str(tmp_path / "no" / "such" / "dir.png")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_summary_prints_and_the_plot_is_skipped(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    write_log(tmp_path / "events.jsonl", a_run())
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "restarts:    3" in out
+    assert "plot:        skipped" in out and "pip install 'elastic-train[report]'" in out
+    assert main([str(tmp_path), "--json"]) == 0
+    done = capsys.readouterr()
+    assert json.loads(done.out)["png"] is None and "elastic-train[report]" in done.err
+    assert not (tmp_path / "events.png").exists()
+
+
+def test_an_abbreviated_option_is_refused_with_the_full_name(tmp_path, capsys) -> None:
+    write_log(tmp_path / "events.jsonl", a_run())
+    assert main([str(tmp_path), "--no-plo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "elastic-train: error: unknown option --no-plo: did you mean --no-plot?"

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from elastic_trainer.cli import SUBCOMMANDS
+from elastic_trainer.cli import main as cli_main
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor import args
 from elastic_trainer.supervisor.run import main
@@ -107,7 +109,7 @@ BAD = [
     (["--log-format", "xml"], "invalid choice"),
     (["--snapshot-every", "0"], "--snapshot-every"),
     (["--memory-snapshot-every", "-1"], "--memory-snapshot-every"),
-    (["--frobnicate"], "unrecognized"),
+    (["--frobnicate"], "unknown option --frobnicate"),
     (["-m"], "MODULE"),
     (["--grace-period", "-3"], "--grace-period"),
 ]
@@ -352,13 +354,59 @@ def test_version_and_help_list_the_sub_commands(capsys) -> None:
     assert capsys.readouterr().out.strip() == "elastic-train 0.1.0"
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"elastic-train {c}" in out for c in ("snapshots", "report", "store"))
+    assert all(f"elastic-train {c} " in out for c in SUBCOMMANDS)
 
 
 def test_job_flags_before_the_separator_get_a_hint(capsys) -> None:
     assert main(["--epochs", "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "unrecognized arguments: --epochs" in err and "go after `--`" in err
+    assert "unknown option --epochs" in err and "go after `--`" in err
+
+
+@pytest.mark.parametrize("argv", [["--max-node", "4"], ["--max-node=4"], ["--max-node=4", "x.py"]])
+def test_an_unknown_option_names_the_closest_flag_and_abbreviations_are_off(
+    argv: list[str], capsys
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "elastic-train: error: unknown option --max-node: did you mean --max-nodes?"
+
+
+def test_a_separator_after_script_is_not_passed_to_the_job() -> None:
+    assert parse(["x.py", "--", "--lr", "1"]).entrypoint.args == ("--lr", "1")
+    assert parse(["-m", "pkg", "--", "--", "a"]).entrypoint.args == ("--", "a")
+
+
+PREFLIGHTED_JOB = """
+import argparse
+
+def parser():
+    p = argparse.ArgumentParser(prog="myjob")
+    p.add_argument("--lr", type=float, default=0.1)
+    return p
+
+def preflight(argv, world_sizes):
+    parser().parse_args(argv)
+
+if __name__ == "__main__":
+    parser().parse_args()
+    print("TRAINED")
+"""
+
+
+@pytest.mark.parametrize("sep", [["--"], []])
+def test_the_jobs_help_prints_and_exits_0(tmp_path, capfd, sep: list[str]) -> None:
+    script = tmp_path / "myjob.py"
+    script.write_text(PREFLIGHTED_JOB)  # its preflight runs the parser, which exits on --help
+    assert cli_main(["--standalone", str(script), *sep, "--help"]) == 0
+    out = capfd.readouterr().out
+    assert "usage: myjob" in out and "--lr" in out and "TRAINED" not in out
+
+
+def test_the_builtin_jobs_help_prints_and_exits_0(capfd) -> None:
+    assert cli_main(["--", "--help"]) == 0
+    out, err = capfd.readouterr()
+    assert "--epochs" in out and "error" not in err
 
 
 def test_gloo_uses_the_interface_of_local_addr_unless_the_operator_chose() -> None:
