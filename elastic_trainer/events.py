@@ -71,7 +71,12 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),
+    # a stdlib record of a foreign logger (torch, a library, the script): its text is in
+    # ``message``; written by ``elastic_trainer.logging``, never by ``emit``
+    "log.record": ("logger", "level", "message"),
 }
+FOREIGN_RECORD = "log.record"
+_LOGGING_ONLY = frozenset({FOREIGN_RECORD})
 
 
 # Closed vocabularies of some fields: dashboards may switch on these values, and policy,
@@ -122,6 +127,8 @@ def emit(event: str, *, level: str = "info", logger: Any = None, **fields: Any) 
     """
     if event not in CATALOGUE:
         raise KeyError(f"event {event!r} is not in elastic_trainer.events.CATALOGUE")
+    if event in _LOGGING_ONLY:
+        raise KeyError(f"event {event!r} is written by elastic_trainer.logging, not emitted")
     missing = [name for name in CATALOGUE[event] if name not in fields]
     if missing:
         raise KeyError(f"event {event!r} is missing its fields {missing}")

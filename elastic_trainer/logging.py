@@ -2,7 +2,10 @@
 
 torch's own stdlib logging goes through the same pipeline, so an ops team parses one
 format. Every line carries ``timestamp`` (ISO-8601 UTC), ``level``, ``event`` and the
-static fields bound here (``job_id``, ``node``, ``pid``; workers add ``rank``...).
+static fields bound here (``job_id``, ``node``, ``pid``; workers add ``rank``...). ``event``
+is always a catalogued name (``events.CATALOGUE``): a foreign stdlib record (torch's, a
+library's, a script's ``logging.info``) is ``log.record`` with its text in ``message`` and
+its ``logger`` and ``level``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal
 
 import structlog
+
+from elastic_trainer.events import FOREIGN_RECORD
 
 LogFormat = Literal["json", "console", "auto"]
 
@@ -59,6 +64,7 @@ def _resolve_format(fmt: LogFormat, stream: Any) -> Literal["json", "console"]:
 # Storage clients log routine steps at INFO ("Found credentials in environment variables."):
 # not events ops should page through. Their warnings and errors still come through.
 _CHATTY_LIBRARIES = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "fsspec", "urllib3")
+_OURS = ("elastic_trainer", "snapshots")  # stdlib loggers whose event is already a name
 
 # Fields every event of this process carries (job_id, node, pid; workers add rank...). Kept
 # process-wide rather than in contextvars: a context is per thread, and events logged from
@@ -150,7 +156,7 @@ def route_torch_logs() -> None:
 def _make_handler(handler: logging.Handler, shared: list[Any], renderer: Any) -> logging.Handler:
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=shared,
+            foreign_pre_chain=[*shared, _name_foreign_record],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 _drop_logger_name,
@@ -162,9 +168,23 @@ def _make_handler(handler: logging.Handler, shared: list[Any], renderer: Any) ->
     return handler
 
 
+def _name_foreign_record(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Any:
+    # A foreign record's text ("failed (exitcode: 1) local_rank: 0 ...") is no event name:
+    # dashboards switch on ``event``, so it gets one name and its text moves to ``message``.
+    if not _is_ours(event_dict.get("logger")):
+        event_dict["message"] = event_dict.get("event")
+        event_dict["event"] = FOREIGN_RECORD
+    return event_dict
+
+
+def _is_ours(logger: Any) -> bool:
+    name = str(logger or "")
+    return any(name == ours or name.startswith(f"{ours}.") for ours in _OURS)
+
+
 def _drop_logger_name(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Any:
     # Keep the stdlib logger's name only for foreign (torch) records, where it says who spoke.
-    if str(event_dict.get("logger", "")).startswith(("elastic_trainer", "snapshots")):
+    if _is_ours(event_dict.get("logger")):
         event_dict.pop("logger", None)
     return event_dict
 

@@ -24,7 +24,6 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 
 from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
-from elastic_trainer.errors import first_line
 from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
 from elastic_trainer.supervisor import decisions, presence, rendezvous, warm_workers
 from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
@@ -33,6 +32,7 @@ from elastic_trainer.supervisor.observer import GroupObserver
 from elastic_trainer.supervisor.policy import RestartPolicy, WorkerExit, signal_name
 from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.signals import StopRequest, StopRequested
+from elastic_trainer.supervisor.tail import exception_line, message_line
 from elastic_trainer.supervisor.watchdog import HangVerdict, read_progress
 from elastic_trainer.supervisor.workerenv import new_control_dir, set_worker_env
 
@@ -277,10 +277,18 @@ class ElasticTrainAgent(LocalElasticAgent):
             **self._observer.resources_fields(failure.local_rank),
         )
 
-    @staticmethod
-    def _error_summary(failure: ProcessFailure) -> str | None:
-        # torch's message without an error file is boilerplate; only @record/session write one
-        return first_line(failure.message) if os.path.isfile(failure.error_file) else None
+    def _error_summary(self, failure: ProcessFailure) -> str | None:
+        """The one line that says why: the error file's message (written by ``@record`` and
+        our session), else the exception line of the traceback at the end of the worker's
+        stderr (any Python script); None for a death without either (a signal)."""
+        # torch's message without an error file is boilerplate ("To enable traceback see")
+        if os.path.isfile(failure.error_file) and (line := message_line(failure.message)):
+            return line
+        return exception_line(self._stderr_tail(failure.local_rank))
+
+    def _stderr_tail(self, local_rank: int) -> list[str]:
+        tail = getattr(self._logs_specs, "stderr_tail", None)  # torch's own specs keep none
+        return tail(local_rank) if tail is not None else []
 
     def _store_host(self, handler: Any) -> str | None:
         store = getattr(handler, "store", None)

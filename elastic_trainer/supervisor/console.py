@@ -34,6 +34,12 @@ event with the worker's ``rank``, ``local_rank`` and ``restart_count``, as the w
 events have, into the supervisor's stderr pipe (``stderr_router``), which passes JSON on.
 Before, those lines reached the pipe bare and the router could not tell whose they were.
 Worker stdout is not JSON in either mode, and stays the supervisor's stdout in JSON mode.
+
+Every relayed stderr also keeps its last lines (``tail.StderrTail``): a worker that dies of an
+exception printed its traceback there, and the agent puts the exception's line in
+``worker.failed``'s ``error_summary`` (``RelayedLogsSpecs.stderr_tail``). A rank that
+``--local-ranks-filter`` keeps off the console is relayed to nowhere for that tail; with
+``--redirects``/``--tee`` the tail is read back from torch's ``stderr.log``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import re
 import select
 import socket
 import struct
+import sys
 import termios
 import threading
 import time
@@ -57,6 +64,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
 from elastic_trainer import stderr_router, torch_compat
+from elastic_trainer.supervisor.tail import StderrTail, read_file_tail
 
 DEFAULT_TEMPLATE = "[rank${rank}]:"
 _CONSOLE = torch_compat.LOGS_DEST_CONSOLE  # "the agent's own stream, unchanged" in LogsDest
@@ -65,6 +73,7 @@ _READ_SIZE = 65536
 _LONGEST_HELD = 1 << 20  # a line longer than this is passed on in parts (a JSON event is not)
 HOLD_S = 0.25  # the longest an unfinished line waits for its end before it is shown
 _LOCKS = {1: threading.Lock(), 2: threading.Lock()}  # one writer at a time per console stream
+NOWHERE = -1  # a relay's destination when only its tail is wanted
 
 
 def render_prefix(
@@ -152,13 +161,23 @@ class Relay:
     it ends once the worker (and torch's handle) are gone too."""
 
     def __init__(
-        self, dest_fd: int, transform: Prefixer | JsonLines, *, hold_s: float = HOLD_S
+        self,
+        dest_fd: int,
+        transform: Prefixer | JsonLines,
+        *,
+        hold_s: float = HOLD_S,
+        tail: StderrTail | None = None,
     ) -> None:
-        """``transform``: what becomes of the lines on their way (a prefix, or JSON)."""
+        """``transform``: what becomes of the lines on their way (a prefix, or JSON);
+        ``tail``: keeps the last lines as the worker wrote them (``lines``)."""
         self._dest = dest_fd
         self._transform = transform
         self._gate = LineGate()
         self._hold_s = hold_s
+        self._tail = tail
+        # held while a read is turned into output, so ``lines`` can tell all is handled
+        self._handled = threading.Condition()
+        self._ended = False
         if isinstance(transform, Prefixer) and _use_pty(dest_fd):
             self._read, self._keep = os.openpty()
             _fit_terminal(self._keep, dest_fd, len(transform.prefix))
@@ -171,22 +190,51 @@ class Relay:
 
     def _pump(self) -> None:
         while True:
-            if self._gate.holding and not select.select([self._read], [], [], self._hold_s)[0]:
-                self._forward(self._gate.release())  # its end is late: show it as it is
-                continue
-            try:
-                data = os.read(self._read, _READ_SIZE)
-            except OSError as exc:  # a pty reads EIO once no writer is left: its end
-                if exc.errno != errno.EIO:
-                    raise
-                data = b""
+            ready = _readable(self._read, self._hold_s if self._gate.holding else None)
+            with self._handled:
+                if not ready:
+                    self._forward(self._gate.release())  # its end is late: show it as it is
+                    continue
+                data = self._read_some()
+                if data:
+                    self._forward(self._gate.feed(data))
+                self._handled.notify_all()
             if not data:
                 break
-            self._forward(self._gate.feed(data))
-        self._forward(self._gate.release())  # a last line without its end
-        os.close(self._read)
+        with self._handled:
+            self._forward(self._gate.release())  # a last line without its end
+            self._ended = True
+            os.close(self._read)
+            self._handled.notify_all()
+
+    def _read_some(self) -> bytes:
+        try:
+            return os.read(self._read, _READ_SIZE)
+        except OSError as exc:  # a pty reads EIO once no writer is left: its end
+            if exc.errno != errno.EIO:
+                raise
+            return b""
+
+    def lines(self, timeout_s: float = 1.0) -> list[str]:
+        """The tail's lines, once what was written to the stream so far is read (a worker
+        that just died: its last lines are in the pipe), or ``timeout_s`` is over."""
+        if self._tail is None:
+            return []
+        deadline = time.monotonic() + timeout_s
+        if not self._handled.acquire(timeout=timeout_s):
+            return []  # the relay is stuck writing to a console that does not drain
+        try:
+            self._handled.wait_for(
+                lambda: self._ended or _unread(self._read) == 0,
+                max(0.0, deadline - time.monotonic()),
+            )
+            return self._tail.lines()
+        finally:
+            self._handled.release()
 
     def _forward(self, raw: bytes) -> None:
+        if self._tail is not None:
+            self._tail.feed(raw)
         data = self._transform.feed(raw)
         if self._dest < 0 or not data:
             return  # the console is gone: keep draining, so the worker never blocks on it
@@ -202,6 +250,18 @@ class Relay:
             os.close(self._keep)
             self._keep = -1
         self._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _readable(fd: int, timeout_s: float | None) -> bool:
+    """Data (or the stream's end) is there; poll, as an fd number may be past select's 1024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))
+
+
+def _unread(fd: int) -> int:
+    """Bytes in a pipe or pty not read yet."""
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4), sys.byteorder)
 
 
 def _use_pty(dest_fd: int) -> bool:
@@ -258,22 +318,50 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         self._json_fields = None if json_fields is None else dict(json_fields)
         self._consoles = dict(consoles or {"stdout": 1, "stderr": 2})
         self._relays: list[Relay] = []
+        self._stderr_tails: dict[int, Relay | str] = {}  # a relay, or torch's stderr.log
         self._hostname = socket.gethostname()
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         self.close(timeout_s=0)  # a new attempt: the previous workers are gone (no waiting:
         # their relays drain on their own; a restart must not wait on a straggler)
         dest = super().reify(envs)
+        self._stderr_tails.clear()
         for local_rank, env in envs.items():
-            streams = [(dest.stderrs, self._consoles["stderr"])]
-            if self._json_fields is None:
-                streams.insert(0, (dest.stdouts, self._consoles["stdout"]))
-            for paths, fd in streams:
-                if paths.get(local_rank) == _CONSOLE:
-                    relay = Relay(fd, self._transform(local_rank, env))
-                    self._relays.append(relay)
-                    paths[local_rank] = relay.path
+            if self._json_fields is None and dest.stdouts.get(local_rank) == _CONSOLE:
+                dest.stdouts[local_rank] = self._relay(
+                    self._consoles["stdout"], local_rank, env
+                ).path
+            self._reify_stderr(dest, local_rank, env)
         return dest
+
+    def _reify_stderr(self, dest: LogsDest, local_rank: int, env: Mapping[str, str]) -> None:
+        path = dest.stderrs.get(local_rank)
+        if path == _CONSOLE or (path == os.devnull and self._filtered_out(local_rank)):
+            fd = self._consoles["stderr"] if path == _CONSOLE else NOWHERE
+            relay = self._relay(fd, local_rank, env, tail=StderrTail())
+            self._stderr_tails[local_rank] = relay
+            dest.stderrs[local_rank] = relay.path
+        elif path and path != os.devnull:
+            self._stderr_tails[local_rank] = path
+
+    def _filtered_out(self, local_rank: int) -> bool:
+        ranks = self._local_ranks_filter
+        return bool(ranks) and local_rank not in ranks
+
+    def _relay(
+        self, fd: int, local_rank: int, env: Mapping[str, str], tail: StderrTail | None = None
+    ) -> Relay:
+        relay = Relay(fd, self._transform(local_rank, env), tail=tail)
+        self._relays.append(relay)
+        return relay
+
+    def stderr_tail(self, local_rank: int, timeout_s: float = 1.0) -> list[str]:
+        """The last lines the worker at ``local_rank`` of the current attempt wrote to its
+        stderr (empty if they went nowhere we can read)."""
+        source = self._stderr_tails.get(local_rank)
+        if isinstance(source, Relay):
+            return source.lines(timeout_s)
+        return read_file_tail(source) if source is not None else []
 
     def _transform(self, local_rank: int, env: Mapping[str, str]) -> Prefixer | JsonLines:
         rank = env.get("RANK", local_rank)

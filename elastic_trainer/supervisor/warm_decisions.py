@@ -22,7 +22,10 @@ SESSION_MODULES = ("elastic_trainer.runtime.session",)
 SAFE_ROOTS = frozenset({"torch", "torchvision", "numpy", *OWN_PACKAGES})
 # Variables read when the interpreter or torch's native libraries load: a worker whose value
 # differs from the pool's must start fresh to see its own.
-IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTHON", "LD_", "MALLOC_")
+IMPORT_TIME_PREFIXES = (
+    *("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_"),  # thread pools (GOTO_: OpenBLAS)
+    *("PYTHON", "LD_", "MALLOC_"),
+)
 
 
 def pool_argv(entrypoint: str, args: Sequence[str], *, executable: str) -> list[str] | None:

@@ -10,8 +10,10 @@ stdin/stdout/stderr passed as fds) -> the worker's pid, or an ``error`` the supe
 by starting that worker the old way.
 
 Why this is safe to fork: the pool never starts a thread and never initialises CUDA (both are
-checked before every fork, see ``fork_refusal``), and OMP/MKL read their thread settings when
-torch is loaded, from the same environment the supervisor gives its workers.
+checked before every fork, see ``fork_refusal``), and OMP/MKL/OpenBLAS read their thread
+settings when torch is loaded, from the same environment the supervisor gives its workers.
+The one library that starts threads at import, numpy's OpenBLAS (one per core where no
+OMP_NUM_THREADS is set), has them joined before ``ready`` (``stop_blas_threads``).
 
 How a worker is made (``_fork_worker``): the pool forks a short-lived middle process, which
 forks the worker and exits at once. The worker is thereby re-parented to the nearest child
@@ -29,6 +31,7 @@ node sentinel (it carries the supervisor's pid in its environment, like every wo
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import json
@@ -103,6 +106,41 @@ def warm_up() -> float:
     return time.monotonic() - began
 
 
+# What OpenBLAS registers with pthread_atfork itself: join its threads, keep its settings.
+# numpy's wheels name it alike; some builds prefix their exported symbols.
+BLAS_THREAD_SHUTDOWN = ("blas_thread_shutdown_", "scipy_blas_thread_shutdown_")
+
+
+def stop_blas_threads() -> int:
+    """Join the threads of every OpenBLAS loaded here (numpy's, imported by torch): started at
+    import, one per core unless OPENBLAS_NUM_THREADS/OMP_NUM_THREADS say fewer, they left a
+    pool without those variables multi-threaded, unable to fork. OpenBLAS does the same before
+    any fork (its pthread_atfork handler); its thread count stays what it read from the
+    environment -- the worker's, see ``import_env_mismatch`` -- and a worker's first BLAS call
+    starts that many again. The number of libraries whose threads were stopped."""
+    stopped = 0
+    for path in _loaded_libraries("openblas"):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:  # unloaded meanwhile: no threads of its own left
+            continue
+        shutdown = next((getattr(lib, n) for n in BLAS_THREAD_SHUTDOWN if hasattr(lib, n)), None)
+        if shutdown is not None:
+            shutdown()
+            stopped += 1
+    return stopped
+
+
+def _loaded_libraries(word: str) -> list[str]:
+    """Paths of the shared libraries mapped into this process whose name contains ``word``."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = [line.split(maxsplit=5)[-1].strip() for line in f if ".so" in line]
+    except OSError:
+        return []
+    return [p for p in dict.fromkeys(paths) if word in os.path.basename(p).lower()]
+
+
 def fork_refusal() -> str | None:
     """Why forking a worker now would be unsafe, or None. A thread (ours or a library's)
     may hold a lock the child would wait on for ever; a CUDA context does not survive fork."""
@@ -126,6 +164,7 @@ def serve(sock: socket.socket, modules: list[str]) -> int:
     began = time.monotonic()
     loaded = preload(modules)
     warm_s = warm_up()
+    stop_blas_threads()
     # Everything imported so far is the workers' too: move it out of the collector's sight.
     # A worker's collections (and the one of its exit, bootstrap.exit_without_finalizing) then
     # walk its own objects, not the ~300k of torch and its lazy imports: 0.5-1.3 s less per
@@ -133,6 +172,7 @@ def serve(sock: socket.socket, modules: list[str]) -> int:
     gc.collect()
     gc.freeze()
     ready = {"ready": True, "pid": os.getpid(), "loaded": loaded, "warm_up_s": warm_s}
+    ready["threads"] = _native_threads()
     send(sock, {**ready, "import_s": time.monotonic() - began})
     while True:
         request, fds = receive(sock, max_fds=STDIO_FDS)

@@ -48,6 +48,8 @@ POOL_MODULE = "elastic_trainer.supervisor.warm_pool"
 READY_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 30.0  # one fork; a pool that does not answer is treated as dead
 FALLBACK = "workers start as fresh processes"
+# What each of those pays that a forked one does not: the interpreter and its imports.
+COST = "each worker start pays python and its imports again"
 # The exit status of a worker someone else reaped: unknown, so never a false success.
 STATUS_LOST = 255
 
@@ -157,6 +159,7 @@ class WarmPool:
         self.failure: str | None = None
         self._sock = sock
         self._ready = False
+        self._import_s: float | None = None  # what the pool's imports took: a worker's too
 
     @classmethod
     def start(cls, modules: Sequence[str], env: Mapping[str, str] | None = None) -> WarmPool:
@@ -212,12 +215,14 @@ class WarmPool:
             return False
         if not message.get("ready"):
             self._fail(f"it answered {message!r} instead of ready")
+        self._import_s = float(message.get("import_s", 0.0))
         emit(
             "warm_pool.ready",
             pid=self.pid,
-            import_s=round(float(message.get("import_s", 0.0)), 3),
+            import_s=round(self._import_s, 3),
             modules=list(message.get("loaded", [])),
             warm_up_s=round(float(message.get("warm_up_s", 0.0)), 3),
+            threads=message.get("threads"),
         )
         return True
 
@@ -261,9 +266,16 @@ class WarmPool:
                 level="warning",
                 reason=reason,
                 consequence=FALLBACK,
+                cost=self.cost(),
             )
             self.close()
         raise WarmPoolUnavailable(reason)
+
+    def cost(self) -> str:
+        """What giving the pool up costs each worker, in words (measured once it was ready)."""
+        if self._import_s is None:
+            return COST
+        return f"{COST} (the pool's took {self._import_s:.1f} s)"
 
     def close(self) -> None:
         """End the pool: EOF on its socket ends its loop; a pool that hangs is killed."""

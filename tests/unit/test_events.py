@@ -68,6 +68,12 @@ def test_snapshot_events_have_one_catalogue() -> None:
     assert {k: events.CATALOGUE[k] for k in EVENTS} == EVENTS
 
 
+def test_log_record_is_catalogued_but_written_only_by_logging() -> None:
+    assert events.CATALOGUE["log.record"] == ("logger", "level", "message")
+    with pytest.raises(KeyError, match=r"written by elastic_trainer\.logging"):
+        events.emit("log.record", message="x")
+
+
 def test_vocabularies_are_the_enums() -> None:
     assert events.FAILURE_CAUSES == tuple(c.value for c in events.FailureCause)
     assert "node_lost" in events.RECOVERY_CAUSES

@@ -33,9 +33,31 @@ def test_structlog_and_stdlib_records_share_one_json_schema(json_log) -> None:
     ours, torch_line = _lines(json_log)
     assert REQUIRED <= ours.keys() and REQUIRED <= torch_line.keys()
     assert ours["job_id"] == torch_line["job_id"] == "job-7"
-    assert torch_line["event"] == "rendezvous slow"
+    assert torch_line["event"] == "log.record" and torch_line["message"] == "rendezvous slow"
     assert torch_line["logger"] == "torch.distributed.elastic.agent"
     assert ours["timestamp"].endswith("Z")
+
+
+def test_a_foreign_records_text_is_its_message_never_its_event_name(json_log) -> None:
+    """Regression: torch's "failed (exitcode: 1) local_rank: 0 (pid: 13186) of binary: ..."
+    arrived as the ``event`` itself; dashboards switch on ``event``."""
+    from elastic_trainer.events import CATALOGUE
+
+    text = "failed (exitcode: 1) local_rank: 0 (pid: 13186) of binary: /usr/bin/python"
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").error(text)
+    logging.getLogger().warning("the script's own %s", "line")
+    logging.getLogger("elastic_trainer.supervisor").warning("supervisor.started")
+    torch_line, script_line, ours = _lines(json_log)
+    assert set(CATALOGUE["log.record"]) <= torch_line.keys()
+    assert (torch_line["event"], torch_line["message"], torch_line["level"]) == (
+        "log.record",
+        text,
+        "error",
+    )
+    assert torch_line["logger"] == "torch.distributed.elastic.multiprocessing.api"
+    assert (script_line["event"], script_line["logger"]) == ("log.record", "root")
+    assert script_line["message"] == "the script's own line"
+    assert ours["event"] == "supervisor.started" and "logger" not in ours
 
 
 def test_credentials_in_urls_are_redacted_in_events(json_log) -> None:
@@ -90,8 +112,9 @@ def test_events_from_background_threads_carry_the_static_fields(json_log) -> Non
 def test_every_catalogued_event_gets_the_common_fields(json_log) -> None:
     from elastic_trainer.events import CATALOGUE, emit
 
-    for name, fields in CATALOGUE.items():
-        emit(name, **dict.fromkeys(fields))
+    emitted = [name for name in CATALOGUE if name != "log.record"]  # logging writes that one
+    for name in emitted:
+        emit(name, **dict.fromkeys(CATALOGUE[name]))
     lines = _lines(json_log)
-    assert [line["event"] for line in lines] == list(CATALOGUE)
+    assert [line["event"] for line in lines] == emitted
     assert all(REQUIRED <= line.keys() for line in lines)

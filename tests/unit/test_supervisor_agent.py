@@ -178,6 +178,7 @@ class Script:
 class ScriptedAgent(ElasticTrainAgent):
     def __init__(self, script: Script, cfg: RunConfig, tmp_path: Any, nproc: int = 1) -> None:
         self.script = script
+        self.error_file = "/nonexistent"  # torch's: what the worker wrote under @record
         spec = WorkerSpec(
             role="trainer",
             local_world_size=nproc,
@@ -244,7 +245,7 @@ class ScriptedAgent(ElasticTrainAgent):
                 state=WorkerState.FAILED,
                 failures={
                     lr: ProcessFailure(
-                        local_rank=lr, pid=1000 + lr, exitcode=c, error_file="/nonexistent"
+                        local_rank=lr, pid=1000 + lr, exitcode=c, error_file=self.error_file
                     )
                     for lr, c in failed.items()
                 },
@@ -393,6 +394,60 @@ def test_a_worker_refusing_its_configuration_ends_the_job_at_once(tmp_path) -> N
     assert named(logs, "worker.failed")[0]["cause"] == "config"
     assert not named(logs, "group.restarting")
     assert outcome.error.startswith("worker rank 0 refused its configuration (exit 2)")
+
+
+class TailedSpecs(DefaultLogsSpecs):
+    """torch's specs with what console.RelayedLogsSpecs adds: each worker's stderr tail."""
+
+    def __init__(self, lines: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lines = lines
+
+    def stderr_tail(self, local_rank: int) -> list[str]:
+        return self.lines
+
+
+_TRACEBACK = [
+    "loading the model",
+    "Traceback (most recent call last):",
+    '  File "/job/train.py", line 3, in <module>',
+    "    from transformers import Trainer",
+    "ImportError: Using the Trainer with PyTorch requires accelerate>=1.1.0",
+]
+
+
+def test_a_plain_scripts_failure_is_summed_up_by_its_exception_line(tmp_path) -> None:
+    def prepare(agent: ScriptedAgent) -> None:
+        agent._logs_specs = TailedSpecs(_TRACEBACK, log_dir=str(tmp_path / "logs"))
+
+    rounds = [Round(nodes=1, ticks=[{0: 1}])]
+    _, logs, _ = run(rounds, tmp_path, max_restarts=0, prepare=prepare)
+    (failed,) = named(logs, "worker.failed")
+    assert failed["error_summary"] == _TRACEBACK[-1]
+
+
+def test_a_configuration_error_from_the_error_file_is_one_line_without_its_callstack(
+    tmp_path, monkeypatch
+) -> None:
+    """Regression: job.finished's error was the repr of @record's dict, py_callstack and all."""
+    from elastic_trainer.errors import ConfigError
+    from elastic_trainer.runtime.failure import record_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise ConfigError("--batch-size=0 must be positive: pass --batch-size 1 or more")
+    except ConfigError as exc:
+        record_error(exc)  # what the worker's session does before it exits 2
+
+    def prepare(agent: ScriptedAgent) -> None:
+        agent.error_file = str(error_file)
+
+    rounds = [Round(nodes=1, ticks=[{0: protocol.EXIT_CONFIG}])]
+    outcome, logs, _ = run(rounds, tmp_path, prepare=prepare)
+    line = "ConfigError: --batch-size=0 must be positive: pass --batch-size 1 or more"
+    assert named(logs, "worker.failed")[0]["error_summary"] == line
+    assert outcome.error == f"worker rank 0 refused its configuration (exit 2): {line}"
 
 
 @pytest.mark.parametrize("in_session", [True, False], ids=["session", "plain-script"])

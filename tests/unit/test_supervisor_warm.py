@@ -236,6 +236,8 @@ def test_a_pool_with_a_thread_refuses_to_fork_and_is_given_up(subreaper, tmp_pat
             _spawn(pool, tmp_path, [_script(tmp_path, REPORT)])
         assert pool.failure is not None and "single-threaded" in pool.failure
         assert [e["event"] for e in logs] == ["warm_pool.unavailable"]
+        assert logs[0]["log_level"] == "warning"
+        assert "pays python and its imports again" in logs[0]["cost"]
         with pytest.raises(WarmPoolUnavailable):  # for good: the next worker goes the old way
             _spawn(pool, tmp_path, [_script(tmp_path, REPORT)])
     finally:
@@ -263,6 +265,34 @@ def test_a_torch_pool_is_warmed_up_once_and_stays_single_threaded(subreaper, tmp
         assert json.loads(out.read_text()) == {"before": True, "after": True}
         assert logs[-1]["event"] == "warm_pool.ready" and logs[-1]["warm_up_s"] > 0
         assert len(os.listdir(f"/proc/{pool.pid}/task")) == 1  # native threads too
+    finally:
+        pool.close()
+
+
+THREADS = """
+    import json, os, numpy, torch
+    a = numpy.ones((512, 512))
+    a @ a  # a forked worker starts numpy's BLAS threads here, a fresh one at import
+    print(json.dumps({"torch": torch.get_num_threads(), "os": len(os.listdir("/proc/self/task"))}))
+"""
+
+
+def test_a_torch_pool_serves_where_no_thread_variable_is_set(subreaper, tmp_path, monkeypatch):
+    """Users set no OMP_NUM_THREADS: then numpy's OpenBLAS (imported by torch) starts a thread
+    per core at import, and a pool left so could fork nothing. Its worker gets the thread
+    counts a fresh worker would have: torch's, and numpy's BLAS threads (OS threads)."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    script = _script(tmp_path, THREADS)
+    fresh = subprocess.run(
+        [sys.executable, script], env=_env(), capture_output=True, text=True, check=True
+    )
+    pool = WarmPool.start(["torch"], env=_env())
+    try:
+        assert pool.wait_ready(120), pool.failure
+        pid, out = _spawn(pool, tmp_path, [script])
+        assert WarmProcess(pid).wait(120) == 0
+        assert json.loads(out.read_text()) == json.loads(fresh.stdout)
     finally:
         pool.close()
 
