@@ -54,7 +54,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = SUBCOMMANDS.get(args[0]) if args else None
     if command is not None:
         return command(args[1:])
-    return _supervise(args)
+    code = _supervise(args)
+    if argv is None:  # the process's own command line: it ends here
+        _exit_without_finalizing(code)
+    return code
+
+
+def _exit_without_finalizing(code: int) -> None:
+    """End the supervisor's process as ``bootstrap`` ends a worker's: the interpreter's exit
+    up to finalization, then ``os._exit``. torch's threads (the rendezvous keep-alive inside
+    a store call, the hosted store's server) may still be in C++ when it finalizes; one that
+    then asks for the GIL is ended with ``pthread_exit``, whose unwind through ``noexcept``
+    frames aborts the process (SIGABRT, "terminate called without an active exception")
+    after the job's own exit code was decided: seen once in four runs of a failing job."""
+    from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
+
+    exit_without_finalizing(code)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,8 @@ class RunConfig:
     metrics_host: str = "127.0.0.1"  # loopback unless the operator opens it up
     # workers forked from a pool that has imported torch (supervisor/warm_workers.py)
     warm_workers: bool = True
+    # in-memory copies of the workers' state (runtime.memory); off: storage snapshots only
+    memory_tier: bool = True
 
     def __post_init__(self) -> None:
         self._check_nodes()

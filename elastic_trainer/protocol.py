@@ -18,8 +18,10 @@ from elastic_trainer.errors import EnvironmentProblem
 # --- defaults: the one place each is written ----------------------------------------------
 DEFAULT_SNAPSHOT_EVERY = 100  # steps between periodic snapshots
 DEFAULT_SNAPSHOT_KEEP = 3  # newest committed snapshots kept
-# steps between in-memory copies of the state (runtime.memory.tier); 0 = none
-DEFAULT_MEMORY_SNAPSHOT_EVERY = 1
+# steps between periodic in-memory copies of the state (runtime.memory.tier); unset: none
+# for replicated state (its copy is made just in time, on failure: runtime.memory.on_failure),
+# this for sharded state (its shards exist nowhere else)
+DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY = 1
 # not torch's 30 min: a hung or cut-off peer must be noticed; the hang watchdog is faster
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_GRACE_PERIOD_S = 25.0  # SIGTERM -> final snapshot -> exit, under common kill delays
@@ -168,6 +170,16 @@ STOP_FILE = "stop"
 # with a snapshot, but labels the stop "restarting" rather than "preempted"; a TrainingSession
 # whose memory tier copied that step saves nothing to storage (the new group resumes from it).
 RESTART_FILE = "restarting"
+# Created by the supervisor before it stops the workers to re-form the group: every worker
+# with a consistent state copies it into its node's memory once (``runtime.memory.on_failure``,
+# from a thread: a rank blocked in a collective with a frozen peer never gets back to its
+# loop) and answers in ``copied_file``; the supervisor waits for the answers, bounded.
+COPY_NOW_FILE = "copy-now"
+
+
+def copied_file(local_rank: int) -> str:
+    """A worker's answer to ``COPY_NOW_FILE``: "copied", or "none" (no consistent state)."""
+    return f"copied-{local_rank}"
 
 
 def progress_file(local_rank: int) -> str:

@@ -89,9 +89,10 @@ def _parse(line: str) -> AuditRecord | None:
 
 
 def effective_records(records: Iterable[AuditRecord]) -> list[AuditRecord]:
-    """For each step keep only the records of the newest attempt that trained it."""
+    """For each step keep only the records of the newest attempt that trained it, each once
+    (a rank's just-in-time copy records the step for every rank: ``session``)."""
     by_step: dict[int, list[AuditRecord]] = defaultdict(list)
-    for record in records:
+    for record in dict.fromkeys(records):
         by_step[record.step].append(record)
     kept = []
     for step in sorted(by_step):

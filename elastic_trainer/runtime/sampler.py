@@ -212,6 +212,21 @@ class ElasticSampler(Sampler[int]):
         self.cursor = min(self.cursor + global_samples, self.end)
         return self._indices(mine)
 
+    def after_step(self) -> dict[str, Any] | None:
+        """The state once the step at the cursor completes, without advancing
+        (``complete_step``): with a global batch the plan knows it; None without one (the
+        step's sample counts are agreed only at its end)."""
+        if self.global_batch_size is None:
+            return None
+        state = self.state_dict()
+        state["cursor"] = self.cursor + self.current_share().step_size
+        return state
+
+    def step_indices(self, rank: int) -> list[int]:
+        """The dataset indices ``rank`` trains in the step at the cursor (global batch)."""
+        share = P.step_share(self.cursor, end=self.end, plan=self.batch_plan(), rank=rank)
+        return [] if share.padding else self._indices(share.positions)
+
     def _indices(self, positions: range) -> list[int]:
         return self.permutation()[positions.start : positions.stop : positions.step].tolist()
 

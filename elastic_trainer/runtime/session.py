@@ -37,6 +37,7 @@ from elastic_trainer.runtime.progress import (
 )
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.snapshotting import (
+    open_failure_copy,
     open_memory_tier,
     open_snapshots,
     restore_state,
@@ -46,7 +47,7 @@ from snapshots import RNGState
 _DEFAULTS = {
     "snapshot_every": protocol.DEFAULT_SNAPSHOT_EVERY,
     "snapshot_keep": protocol.DEFAULT_SNAPSHOT_KEEP,
-    "memory_snapshot_every": protocol.DEFAULT_MEMORY_SNAPSHOT_EVERY,
+    "memory_snapshot_every": None,  # replicated state: just in time; sharded: see protocol
 }
 SAMPLER_KEY = "elastic_sampler"
 SESSION_KEY = "elastic_session"
@@ -107,6 +108,9 @@ class TrainingSession:
         self._signals.install()
         self._audit = self._open_audit(audit_dir)
         self._restore()
+        self._on_failure = open_failure_copy(
+            self._memory, self.state, self._consistent_state, self.context
+        )
         self._started(url)
 
     # --- start ----------------------------------------------------------------------------
@@ -255,10 +259,11 @@ class TrainingSession:
                 "ElasticSampler without global_batch_size: call step_done(num_samples=len(batch))"
             )
         any_stop, total = D.all_reduce_ints([int(own_stop), num_samples or 0])
-        indices = self._advance_sampler(num_samples, total)
-        self.step += 1
-        self._micro = 0
-        self._record(indices)
+        with self._counting():
+            indices = self._advance_sampler(num_samples, total)
+            self.step += 1
+            self._micro = 0
+            self._record(indices)
         if self._memory is not None and self._memory.due(self.step):
             self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
@@ -268,6 +273,40 @@ class TrainingSession:
             self.stop_reason = STOP_MAX_STEPS
         elif self.step % self.snapshot_every == 0:
             self._save(blocking=False)
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Counting a step: a just-in-time copy (``on_failure``) waits, then sees it done."""
+        if self._on_failure is None:
+            yield
+            return
+        with self._on_failure.lock:
+            yield
+            self._on_failure.counted()
+
+    def _consistent_state(
+        self, stepped: bool
+    ) -> tuple[int, Mapping[str, Any], Mapping[str, Any]] | None:
+        """(step, state, per-rank state) as of the last counted step, or (``stepped``) of the
+        step the optimizer has just taken, which the session has not counted yet: its
+        sampler state is the plan's (None without a global batch: the counts are agreed at
+        the step's end). The audit then records that step for every rank: its all-reduce
+        completed, so each rank's share went into the update, whether or not that rank lives
+        to record it (the audit keeps one of identical records)."""
+        state = self._snapshot_state()
+        step = self.step
+        if stepped:
+            sampler = self.sampler
+            after = sampler.after_step() if sampler is not None else None
+            if sampler is not None and after is None:
+                return None
+            step += 1
+            if sampler is not None and after is not None:
+                state[SAMPLER_KEY] = after
+                for rank in range(D.world_size()):
+                    self._record(sampler.step_indices(rank), step=step, rank=rank)
+            state[SESSION_KEY] = {"step": step, "epoch": self.epoch}
+        return step, state, {"rng": RNGState()}
 
     def _check_micro_batches(self) -> None:
         expected = self.micro_batches_per_step
@@ -299,14 +338,16 @@ class TrainingSession:
             return self.sampler.complete_step()
         return self.sampler.complete_step(local_samples=local, global_samples=total)
 
-    def _record(self, indices: list[int]) -> None:
+    def _record(
+        self, indices: list[int], *, step: int | None = None, rank: int | None = None
+    ) -> None:
         if self._audit is None:
             return
         self._audit.write(
             AuditRecord(
                 epoch=self.epoch,
-                step=self.step,
-                rank=D.rank(),
+                step=self.step if step is None else step,
+                rank=D.rank() if rank is None else rank,
                 world_size=D.world_size(),
                 restart_count=self.context.restart_count,
                 indices=tuple(indices),
@@ -330,10 +371,15 @@ class TrainingSession:
         rank (tmpfs full, a sharded write still running) means the storage save after all, on
         every rank together. A preemption still saves: the memory copy dies with the node."""
         memory = self._memory
-        if self.stop_reason != STOP_RESTARTING or memory is None or not memory.due(self.step):
+        if self.stop_reason != STOP_RESTARTING or memory is None:
             return False  # the same on every rank: none enters the agreement below
-        held = int(memory.holds(self.step))
-        return D.all_reduce_ints([held], op=dist.ReduceOp.MIN)[0] == 1
+        if memory.due(self.step):
+            held = memory.holds(self.step)
+        elif self._on_failure is not None:  # replicated state on every rank, or on none
+            held = self._on_failure.copy()  # at a step's end: consistent
+        else:
+            return False
+        return D.all_reduce_ints([int(held)], op=dist.ReduceOp.MIN)[0] == 1
 
     # --- the script's own figures -----------------------------------------------------------
     def log_metrics(self, **figures: Any) -> None:
@@ -394,6 +440,8 @@ class TrainingSession:
         ``ended``: training is over (not stopped to go on later), so the disk space local
         storage keeps for the next save is freed."""
         self._signals.uninstall()
+        if self._on_failure is not None:
+            self._on_failure.close()
         if self._memory is not None:
             self._memory.close()  # every rank at once: the sharded tier's mirrors end too
         if self._snapshots is not None:
@@ -406,7 +454,12 @@ class TrainingSession:
 
     def abort(self) -> None:
         """After an error: local clean-up only. No collective (a peer may be stuck in another
-        one); rank 0 still lets its in-flight snapshot commit, it was taken at a good step."""
+        one); rank 0 still lets its in-flight snapshot commit, it was taken at a good step.
+        A consistent state is first copied into the node's memory (``on_failure``): the
+        group's failure is what the copy is for."""
+        if self._on_failure is not None:
+            self._on_failure.copy()
+            self._on_failure.close()
         self._signals.uninstall()
         if self._memory is not None:
             self._memory.flush()
@@ -422,7 +475,7 @@ class TrainingSession:
         if exc_type is None:
             self.finish()
         else:
-            self.abort()  # a crashed step's state is not worth a snapshot
+            self.abort()  # a storage snapshot, no; a consistent state, copied to memory
 
 
 def _check_keys(state: Mapping[str, Any]) -> None:

@@ -21,11 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_trainer import protocol
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.private_files import NotOursError, private_dirs
 from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.context import WorkerContext
 from elastic_trainer.runtime.memory.interface import InMemoryTier
+from elastic_trainer.runtime.memory.on_failure import Capture, FailureCopy
 from elastic_trainer.runtime.memory.plan import Source
 from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
 from elastic_trainer.runtime.memory.slots import refused
@@ -195,21 +197,46 @@ def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
 
 
 def open_memory_tier(
-    directory: str | None, every: int, state: Mapping[str, Any]
+    directory: str | None, every: int | None, state: Mapping[str, Any]
 ) -> InMemoryTier | None:
-    """Collective when it opens one. None: no folder (not under elastic-train), ``every`` 0,
-    or no process group. Sharded (FSDP2) state: each rank keeps its own shards
-    (``shards``); replicated state: one copy per node (``tier``)."""
+    """Collective when it opens one. None: no folder (not under elastic-train), no process
+    group, or sharded state with ``every`` 0. Sharded (FSDP2) state: each rank keeps its own
+    shards every ``every`` steps (``shards``; unset: ``DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY``);
+    replicated state: one copy per node (``tier``), every ``every`` steps, and unset or 0 only
+    just in time, when the group ends (``open_failure_copy``)."""
     from snapshots._sharded_state import has_dtensors
 
-    if not (directory and every > 0 and dist.is_initialized()):
+    if not (directory and dist.is_initialized()):
+        return None
+    sharded = has_dtensors(state)
+    if every is None:
+        every = protocol.DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY if sharded else 0
+    if sharded and every == 0:
         return None
     # every rank opens it or none does (opening is collective)
     if D.all_reduce_ints([int(_private_folder(directory))], op=dist.ReduceOp.MIN) != [1]:
         return None
-    if has_dtensors(state):
+    if sharded:
         return ShardedMemoryTier(directory, every=every)
     return MemoryTier(directory, every=every)
+
+
+def open_failure_copy(
+    memory: InMemoryTier | None,
+    state: Mapping[str, Any],
+    capture: Capture,
+    context: WorkerContext,
+) -> FailureCopy | None:
+    """The just-in-time copy of replicated state (``on_failure``), when the state names its
+    optimizer: only its hooks tell a consistent state from one torn by a step. Not beside
+    periodic copies (``every`` > 0): those are the node's copies then."""
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    if not isinstance(memory, MemoryTier) or memory.every > 0 or not optimizers:
+        return None
+    copy = FailureCopy(capture, memory.dump)
+    copy.attach(optimizers)
+    copy.watch(context.control_dir, context.local_rank)
+    return copy
 
 
 def _private_folder(directory: str) -> bool:

@@ -54,6 +54,21 @@ class AgentOutcome:
     error: str | None = None  # one line for the operator (a worker's configuration error)
 
 
+# How long the workers' just-in-time copies may delay a re-form (a copy of a ResNet-18's
+# state takes ~0.1 s; only a worker that cannot answer, hung or frozen, costs all of it).
+COPY_WAIT_S = 10.0
+COPY_POLL_S = 0.01
+
+
+def _answered(control_dir: str) -> set[int]:
+    """The local ranks that answered ``protocol.COPY_NOW_FILE``."""
+    prefix = protocol.copied_file(0)[:-1]
+    with contextlib.suppress(OSError):
+        names = os.listdir(control_dir)
+        return {int(n[len(prefix) :]) for n in names if n[len(prefix) :].isdigit()}
+    return set()
+
+
 class ElasticTrainAgent(LocalElasticAgent):
     """Executes ``decisions``: observes, asks, acts, emits. Decides nothing itself."""
 
@@ -176,6 +191,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             restarts_left=decision.restarts_left,
             backoff_s=decision.backoff_s,
         )
+        self._await_copies()
         self._stop_workers(self._worker_group)
         if decision.backoff_s > 0 and self._stop.wait(decision.backoff_s):
             return False
@@ -354,6 +370,21 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._mark_restarting()
         self._procs.kill(grace_s=self._kill_grace_s)
         super()._stop_workers(worker_group)
+
+    def _await_copies(self) -> None:
+        """Ask the workers for their just-in-time copy (``protocol.COPY_NOW_FILE``) and wait
+        until each has answered or exited, at most ``COPY_WAIT_S``: the group is about to
+        end, and a consistent survivor's state is what the next group resumes from."""
+        control_dir = self._stop.control_dir
+        if control_dir is None:
+            return
+        with contextlib.suppress(OSError):
+            open(os.path.join(control_dir, protocol.COPY_NOW_FILE), "w").close()
+        deadline = time.monotonic() + COPY_WAIT_S
+        while decisions.copies_pending(self._poll_codes(), _answered(control_dir)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(COPY_POLL_S)
 
     def _mark_restarting(self) -> None:
         """Tell workers the SIGTERM they are about to get is ours (see protocol.RESTART_FILE);

@@ -79,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--grace-period", type=float, help="seconds to stop after SIGTERM (default 25)")
     a("--snapshot-dir", help="local path or fsspec URL for snapshots")
     a("--snapshot-every", type=int, help="steps between snapshots (default 100)")
-    a("--memory-snapshot-every", type=int, help="steps between in-memory copies (default 1; 0 off)")
+    a(
+        "--memory-snapshot-every",
+        type=int,
+        help="steps between periodic in-memory copies (default: none for replicated state, "
+        "copied just in time on failure; 1 for sharded state)",
+    )
     a("--snapshot-keep", type=int, help="newest snapshots kept (default 3)")
     a("--storage-timeout", type=float, help="seconds one snapshot storage operation may take")
     a("--log-format", choices=("json", "console", "auto"), help="default auto")
@@ -88,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--collective-timeout", type=float, help="process-group timeout for workers, seconds")
     a("--metrics-port", type=int, help="serve Prometheus /metrics and /health on this port")
     a("--metrics-host", help="address the metrics server binds (default 127.0.0.1)")
+    a(
+        "--memory-tier",
+        action=argparse.BooleanOptionalAction,
+        help="keep state copies in node memory, so a failure costs at most one step (default on)",
+    )
     a(
         "--warm-workers",
         action=argparse.BooleanOptionalAction,
@@ -487,6 +497,7 @@ def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "collective_timeout",
         "metrics_port",
         "metrics_host",
+        "memory_tier",
         "warm_workers",
     ):
         value = getattr(ns, name)

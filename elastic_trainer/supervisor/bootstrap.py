@@ -92,12 +92,26 @@ def run_script(argv: list[str]) -> int:
     except ElasticTrainError as exc:
         if not failure.is_config_error(exc):
             sys.excepthook(*sys.exc_info())
+            copy_on_failure()
             return 1
         return failure.refuse(exc)  # one line and exit 2: the supervisor ends the job
     except BaseException:  # like the interpreter: print it, status 1
         sys.excepthook(*sys.exc_info())
+        copy_on_failure()
         return 1
     return 0
+
+
+def copy_on_failure() -> None:
+    """A ``TrainingSession`` the script left open copies its consistent state into the
+    node's memory (``runtime.memory.on_failure``): the next group resumes from it. Only
+    where the script imported it: a plain script's failure costs nothing here."""
+    module = sys.modules.get("elastic_trainer.runtime.memory.on_failure")
+    if module is not None:
+        try:
+            module.copy_all()
+        except Exception:  # the failure being reported matters more than this copy
+            traceback.print_exc()
 
 
 def exit_status(code: object) -> int:

@@ -293,3 +293,9 @@ def static_rank_conflict(declared: Mapping[str, int], num_nodes: int) -> str | N
         f"--node-rank={rank} is given to {len(nodes)} nodes ({', '.join(nodes)}): give each "
         f"of the {num_nodes} nodes its own --node-rank, 0 .. {num_nodes - 1}{hint}"
     )
+
+
+def copies_pending(codes: Mapping[int, int | None], answered: set[int]) -> set[int]:
+    """The local ranks a re-form still waits for: alive (no exit code) and no answer to the
+    request for their just-in-time copy yet."""
+    return {rank for rank, code in codes.items() if code is None and rank not in answered}

@@ -46,7 +46,8 @@ def tune_malloc(environ: MutableMapping[str, str]) -> bool:
 
 def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
     """Put this attempt's settings into our environment, which torch hands to the workers."""
-    cfg.worker_settings(control_dir, prepare_memory_dir(cfg)).apply_to(os.environ)
+    memory = prepare_memory_dir(cfg) if cfg.memory_tier else None
+    cfg.worker_settings(control_dir, memory).apply_to(os.environ)
 
 
 def memory_base() -> str:

@@ -170,8 +170,7 @@ def test_report_of_a_run_with_a_killed_worker(tmp_path, worker_env) -> None:
             "2",
             "--snapshot-every",
             "8",
-            "--memory-snapshot-every",
-            "0",
+            "--no-memory-tier",
         ),
     )
     try:

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 def test_worker_killed_once_restarts_from_snapshot_and_succeeds(tmp_path, worker_env, agents):
     audit = tmp_path / "audit"
     # the steps since the storage snapshot are lost (the memory tier would keep them)
-    argv = kill_once_argv(tmp_path, "--memory-snapshot-every", "0")
+    argv = kill_once_argv(tmp_path, "--no-memory-tier")
     agent = start_agent(tmp_path, "n0", argv, env_with(worker_env), port=free_port())
     agents.append(agent)
     assert agent.wait(150) == 0

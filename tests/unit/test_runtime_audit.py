@@ -63,6 +63,13 @@ def test_newest_attempt_wins_for_rolled_back_steps():
     assert [(r.step, r.attempt) for r in kept] == [(1, 1), (1, 1), (2, 2), (3, 2)]
 
 
+def test_a_step_recorded_for_every_rank_by_one_and_by_itself_counts_once():
+    # rank 0's just-in-time copy recorded step 1 for ranks 0 and 1; rank 1 recorded it too
+    records = [_rec(1, 0, [0, 1]), _rec(1, 1, [2, 3]), _rec(1, 1, [2, 3])]
+    assert check_exactly_once(records, 4, complete_epochs=[0]) == []
+    assert len(effective_records(records)) == 2
+
+
 def test_exactly_once_passes_and_detects_duplicates_and_gaps():
     good = [_rec(1, 0, [0, 2]), _rec(1, 1, [1, 3])]
     assert check_exactly_once(good, 4, complete_epochs=[0]) == []

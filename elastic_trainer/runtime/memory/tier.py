@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import fcntl
 import io
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.events import emit
-from elastic_trainer.private_files import NotOursError, open_file, private_dirs
+from elastic_trainer.private_files import NotOursError, open_file, open_private, private_dirs
 from elastic_trainer.runtime.memory import byte_layout
 from elastic_trainer.runtime.memory.plan import RestorePlan, Source, shares
 from elastic_trainer.runtime.memory.plan import plan_restore as plan_restore
@@ -109,6 +110,21 @@ class RankStreams:
                         os.unlink(os.path.join(self.directory, name))
 
 
+LOCK_NAME = "node.lock"
+
+
+@contextlib.contextmanager
+def node_lock(directory: str) -> Iterator[None]:
+    """The node's ranks one at a time (``flock``: released if the holder dies)."""
+    private_dirs(directory)
+    fd = open_private(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryRestored:
     step: int
@@ -137,7 +153,32 @@ class MemoryTier:
 
     # --- save -------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        return self.every > 0 and step % self.every == 0
+
+    def dump(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> bool:
+        """No collective, from any thread: this rank's per-rank state, and (unless the node
+        already holds ``step`` or newer) the node's whole copy of ``step`` written by this
+        rank alone, under the node's lock: the copy made just in time when the group ends
+        (``on_failure``). True when the node holds it; a failure is reported, never raised."""
+        try:
+            self.flush()
+            self._streams.write(step, _plain(per_rank), None)
+            with node_lock(self.copies.directory):
+                whole = NodeCopies(self.copies.directory)  # one part: this rank writes it all
+                newest = whole.newest()
+                if newest is None or newest < step:
+                    payload = {
+                        "step": step,
+                        "world_size": self.world_size,
+                        "state": self._walker.capture(state),
+                    }
+                    whole.write(step, payload)
+                whole.unmap()
+        except Exception as exc:  # tmpfs full, folder gone: storage stays the fallback
+            self._failures.failed(step, exc, "just-in-time copy: ")
+            return False
+        self._committed(step)
+        return True
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
         """No collective: every rank writes its per-rank state, then copies its part of the
@@ -202,7 +243,7 @@ class MemoryTier:
 
     def holds(self, step: int) -> bool:
         """Local: this rank committed its part of ``step``'s copy (the copy is whole once every
-        rank of the node did: the caller agrees on it)."""
+        rank of the node did: the caller agrees on it), or dumped it whole."""
         self.flush()
         return self._copied == step
 

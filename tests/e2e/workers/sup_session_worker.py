@@ -28,7 +28,25 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     parser.add_argument("--step-time", type=float, default=0.1, help="seconds slept per step")
+    parser.add_argument(
+        "--hold-file",
+        help="while it exists, a step at world size 1 takes HOLD_STEP_S: the job "
+        "cannot end before the test has grown it again, however loaded the machine",
+    )
     return parser.parse_args()
+
+
+HOLD_STEP_S = 1.0
+
+
+def _hold(hold_file: str | None) -> None:
+    """Up to HOLD_STEP_S per step while ``hold_file`` exists at world size 1 (then a step
+    resumes at once when the test removes it)."""
+    if not hold_file or torch.distributed.get_world_size() != 1:
+        return
+    deadline = time.monotonic() + HOLD_STEP_S
+    while os.path.exists(hold_file) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def main() -> None:
@@ -56,6 +74,7 @@ def main() -> None:
                 session.scale_loss(loss, len(x)).backward()
             if session.step_ready:
                 time.sleep(args.step_time)  # a slow step: the test acts mid-epoch
+                _hold(args.hold_file)
                 optimizer.step()
                 optimizer.zero_grad()
                 session.step_done()
