@@ -341,6 +341,56 @@ def _console_marker() -> bool:
     return dest.stdouts[0] == dest.stderrs[0] == LOGS_DEST_CONSOLE != dest.stdouts[1]
 
 
+# --- torch/distributed/distributed_c10d.py: aborting the communicators --------------------
+# NCCL kernels do not notice a dead peer: a survivor already inside a collective waits until
+# the group's timeout (the watchdog's abort). Aborting the communicators ends that wait now.
+# _abort_process_group (private; its docstring: "experimental, only works with NCCL") aborts
+# every group of the world inside one coalescing region (ncclGroupStart/End, so the aborts
+# of several communicators cannot deadlock each other, pytorch#119797) and clears torch's
+# registry of groups, so the same process may create a new group afterwards. gloo needs no
+# abort: a gloo collective fails at once on a peer's closed socket, and destroy_process_group
+# is its normal end. Checked in torch 2.14.1 (signature ``(group=None)``; calling it on a gloo
+# world of one also clears the registry). torch 2.15 was not installed where this was written.
+ABORT_BACKENDS = frozenset({"nccl"})
+
+
+def abort_call(backend: str) -> str | None:
+    """Which abort a group of ``backend`` needs when a peer is lost (None: none)."""
+    return "_abort_process_group" if backend in ABORT_BACKENDS else None
+
+
+def abort_communicators(
+    backend: str | None = None, *, abort: Callable[[], None] | None = None
+) -> bool:
+    """Abort every communicator of this process's world if its backend needs it (NCCL);
+    True if aborted. ``backend`` defaults to the default group's; ``abort`` replaces torch's
+    call (the seam CPU tests use). No group, or gloo: nothing is done, False."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    if abort_call(backend or str(dist.get_backend())) is None:
+        return False
+    (abort or abort_world)()
+    return True
+
+
+def abort_world() -> None:
+    """torch's own abort of every group of the world (the default group included)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._abort_process_group(None)
+
+
+def _abort_process_group_shape() -> bool:
+    from torch.distributed import ProcessGroup, distributed_c10d
+
+    fn = getattr(distributed_c10d, "_abort_process_group", None)
+    if not callable(fn) or not callable(getattr(ProcessGroup, "abort", None)):
+        return False
+    return list(inspect.signature(fn).parameters) == ["group"]
+
+
 def checks() -> dict[str, Callable[[], bool]]:
     """Name -> a check that the private piece is still there with the shape we use."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -374,6 +424,9 @@ def checks() -> dict[str, Callable[[], bool]]:
             getattr(utils, "_matches_machine_hostname", None)
         ),
         "DefaultLogsSpecs.reify: a console stream is ''": _console_marker,
+        "distributed_c10d._abort_process_group(group=None), ProcessGroup.abort()": (
+            _abort_process_group_shape
+        ),
     }
 
 

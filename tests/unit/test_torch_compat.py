@@ -61,3 +61,35 @@ def test_the_compat_functions_work_on_a_real_handler() -> None:
     assert state.round == 0 and not state.participants
     assert torch_compat.this_node(handler) is not None
     assert torch_compat.matches_machine_hostname("127.0.0.1")
+
+
+@pytest.mark.parametrize(("backend", "call"), [("nccl", "_abort_process_group"), ("gloo", None)])
+def test_only_nccl_communicators_are_aborted_when_a_peer_is_lost(backend, call) -> None:
+    assert torch_compat.abort_call(backend) == call
+
+
+def test_abort_communicators_calls_the_abort_for_nccl_only() -> None:
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    assert not torch_compat.abort_communicators("nccl", abort=lambda: calls.append("x"))
+    assert calls == []  # no group: nothing to abort
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert not torch_compat.abort_communicators(abort=lambda: calls.append("gloo"))
+        assert torch_compat.abort_communicators("nccl", abort=lambda: calls.append("nccl"))
+        assert calls == ["nccl"] and dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchs_abort_clears_the_world_so_a_new_group_can_be_created() -> None:
+    """The real private call on a gloo world of one: the registry is cleared (what a process
+    that re-forms its group after an abort relies on)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch_compat.abort_world()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()

@@ -171,8 +171,7 @@ def _copy_tensor(t: torch.Tensor, slot: torch.Tensor, offset: int) -> Iterator[i
     """Copy ``t`` to ``slot[offset:]``; yields the end of what is copied, piece by piece."""
     nbytes = t.numel() * t.element_size()
     dst = slot[offset : offset + nbytes]
-    flat = t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
-    if not flat or nbytes <= CHUNK_BYTES:  # one copy_: it also resolves strides and devices
+    if not copied_flat(t) or nbytes <= CHUNK_BYTES:  # one copy_ (strides, devices resolved)
         dst.view(t.dtype).view(t.shape).copy_(t)
         yield offset + nbytes
         return
@@ -181,6 +180,13 @@ def _copy_tensor(t: torch.Tensor, slot: torch.Tensor, offset: int) -> Iterator[i
         stop = min(start + CHUNK_BYTES, nbytes)
         dst[start:stop].copy_(src[start:stop])
         yield offset + stop
+
+
+def copied_flat(t: torch.Tensor) -> bool:
+    """Whether ``t`` is copied as flat bytes, piece by piece: a contiguous CPU tensor. Any
+    other (a CUDA tensor, strided, conjugated) goes through one ``copy_``, which resolves
+    strides and copies device to host on the way."""
+    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
 def _pieces(layout: Layout) -> Iterator[Any]:
