@@ -28,6 +28,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "entrypoint",
     ),
     "preflight.warning": ("warning",),
+    "rendezvous.waiting": ("min_nodes", "max_nodes", "wait_s", "hint"),
     "rendezvous.completed": ("round", "world_size", "num_nodes", "duration_ms", "store_host"),
     "workers.started": ("world_size", "local_world_size", "group_rank", "restart_count"),
     "warm_pool.ready": ("pid", "import_s", "modules"),

@@ -315,6 +315,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
         self._membership.before_rejoin()
+        if not self._joined_once:
+            self._announce_first_round()
         self._warm_up_before_joining(handler)
         self._join_round(worker_group)
         self._membership.round_formed()
@@ -425,6 +427,24 @@ class ElasticTrainAgent(LocalElasticAgent):
             first_join=first_join, round_running=running, pool_ready=pool.ready
         ):
             pool.wait_ready(warm_workers.READY_TIMEOUT_S, cancelled=lambda: self._stop.requested)
+
+    def _announce_first_round(self) -> None:
+        """Why a job that could start now waits: its first round stays open for the other
+        nodes (``first_last_call_timeout``) so that nodes started seconds apart form one
+        world instead of training alone and re-forming at once."""
+        cfg = self._cfg
+        if cfg.max_nodes <= cfg.min_nodes:
+            return
+        wait_s = cfg.rdzv.first_last_call_timeout
+        emit(
+            "rendezvous.waiting",
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            wait_s=wait_s,
+            hint=f"once {cfg.min_nodes} node(s) joined, the first round waits up to {wait_s:g} s "
+            f"for up to {cfg.max_nodes - cfg.min_nodes} more (--max-nodes {cfg.max_nodes}); "
+            "--max-nodes equal to --min-nodes starts at once",
+        )
 
     def _join_round(self, worker_group: WorkerGroup) -> None:
         """torch's rendezvous (blocks until the round closes), interruptible by a stop."""

@@ -604,3 +604,17 @@ def test_a_first_join_into_a_running_job_waits_for_the_pool_once():
 
 def test_a_store_that_does_not_answer_yet_is_joined_at_once_as_before():
     assert _first_join(ConnectionError("store not up yet")) == 0
+
+
+@pytest.mark.parametrize(("nodes", "announced"), [(("1", "4"), True), (("2", "2"), False)])
+def test_a_first_round_that_waits_for_more_nodes_says_why(nodes, announced):
+    from elastic_trainer.supervisor import args as args_mod
+
+    cfg = args_mod.parse(["--min-nodes", nodes[0], "--max-nodes", nodes[1], "x.py"])
+    with capture_logs() as logs:
+        ElasticTrainAgent._announce_first_round(SimpleNamespace(_cfg=cfg))
+    waiting = [e for e in logs if e["event"] == "rendezvous.waiting"]
+    assert bool(waiting) is announced
+    if announced:
+        assert waiting[0]["wait_s"] == cfg.rdzv.first_last_call_timeout
+        assert "--max-nodes equal to --min-nodes starts at once" in waiting[0]["hint"]
