@@ -224,12 +224,22 @@ class ElasticTrainAgent(LocalElasticAgent):
             outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=lost)
         if outcome.verdict == Verdict.CONFIG_ERROR:
             self._error = self._config_error_line(outcome, result)
+        elif outcome.verdict == Verdict.GIVE_UP:
+            self._error = self._give_up_line(outcome, result)
         self.ledger.failed(
             cause=outcome.recovery_cause or "error",
             now=time.time(),
             world_size=self._state.world_size or 0,
         )
         return outcome
+
+    def _give_up_line(self, outcome: decisions.Outcome, result: RunResult) -> str | None:
+        """``job.finished.error`` of a job that gives up: the first failed rank's one line."""
+        for rank in sorted(outcome.causes):
+            summary = self._error_summary(result.failures[rank])
+            if summary:
+                return f"worker rank {rank} failed: {summary}"
+        return None
 
     def _config_error_line(self, outcome: decisions.Outcome, result: RunResult) -> str:
         rank = min(r for r, c in outcome.causes.items() if c == FailureCause.CONFIG)

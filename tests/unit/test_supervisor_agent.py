@@ -421,9 +421,10 @@ def test_a_plain_scripts_failure_is_summed_up_by_its_exception_line(tmp_path) ->
         agent._logs_specs = TailedSpecs(_TRACEBACK, log_dir=str(tmp_path / "logs"))
 
     rounds = [Round(nodes=1, ticks=[{0: 1}])]
-    _, logs, _ = run(rounds, tmp_path, max_restarts=0, prepare=prepare)
+    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0, prepare=prepare)
     (failed,) = named(logs, "worker.failed")
     assert failed["error_summary"] == _TRACEBACK[-1]
+    assert outcome.error == f"worker rank 0 failed: {_TRACEBACK[-1]}"  # job.finished.error
 
 
 def test_a_configuration_error_from_the_error_file_is_one_line_without_its_callstack(
