@@ -4,7 +4,10 @@ Ops teams parse these events. A name here never changes meaning; new fields may 
 none removed. ``README.md`` renders this table; ``tests/unit/test_events.py`` keeps the two
 in step. Every event also carries ``timestamp``, ``level``, ``event``, ``job_id``, ``node``
 and ``pid`` (added by ``elastic_trainer.logging``); worker events add ``rank``,
-``local_rank`` and ``restart_count``.
+``local_rank`` and ``restart_count``. The supervisor's events (and the worker output it
+relays as ``output.stderr``) add ``supervisor_run``, a token drawn at each supervisor start,
+so that the reporting tools keep apart two commands writing into one log; events the
+workers log themselves do not carry it.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "store.lingering": ("linger_s",),
     "store.exposed": ("host", "port", "hint"),
     "output.stderr": ("text",),
-    "job.finished": ("status", "exit_code", "restarts", "wall_s", "goodput"),
+    "job.finished": ("status", "exit_code", "restarts", "wall_s", "goodput", "goodput_estimated"),
     # snapshots: the snapshots package's own catalogue (it stands alone), merged here
     **SNAPSHOT_EVENTS,
     # training (worker side)

@@ -5,9 +5,12 @@ instead, read-only and bounded (it never joins, writes nothing): the round, whet
 complete or closed, the nodes in it with their ranks and heartbeat ages, nodes waiting.
 
 Is it running, on which nodes, at what world size and step; when was the last snapshot; how
-often did it restart and why; what failed last. RUN is the supervisor's ``--log-file`` or a
-run folder of ``events*.jsonl`` (as for ``elastic-train report``). ``--json`` prints the same
-as one JSON object. ``status_of`` is pure (events and the time in, a ``RunStatus`` out).
+often did it restart and why; what failed last, and, apart from failures, what was preempted
+last. Supervisor starts that never joined the job (a stray second command writing into the
+same log) are left out and named (``reporting/runs.py``). RUN is the supervisor's
+``--log-file`` or a run folder of ``events*.jsonl`` (as for ``elastic-train report``).
+``--json`` prints the same as one JSON object. ``status_of`` is pure (events and the time
+in, a ``RunStatus`` out).
 """
 
 from __future__ import annotations
@@ -17,18 +20,21 @@ import json
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.reporting.cli import one_line_errors
 from elastic_trainer.reporting.events import load_event_log
+from elastic_trainer.reporting.runs import describe_stray, split_stray
 from elastic_trainer.reporting.summary import (
     Event,
+    failures,
     incident_node,
     named,
     node_of,
+    preemptions,
     restart_causes,
     world_sizes,
 )
@@ -57,7 +63,10 @@ class RunStatus:
     restarts_by_cause: dict[str, int]
     failures_by_cause: dict[str, int]
     last_failure: str | None
+    preemptions: int
+    last_preemption: str | None
     last_event_age_s: float | None
+    stray_runs: list[dict[str, Any]] = field(default_factory=list)  # left out: never joined
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,8 +105,20 @@ def _failure_line(event: Event | None, now: float) -> str | None:
     return f"{where}: {event.get('cause')} ({why}), {_age(event, now)}s ago"
 
 
+def _preemption_line(events: list[Event], now: float) -> str | None:
+    received = named(events, "preemption.received")
+    if received:
+        last = received[-1]
+        return f"node {node_of(last)} ({last.get('signal')}), {_age(last, now)}s ago"
+    stopped = [e for e in named(events, "worker.failed") if e.get("cause") == "preempted"]
+    if not stopped:
+        return None
+    return f"a peer of {node_of(stopped[-1])}, {_age(stopped[-1], now)}s ago"
+
+
 def status_of(events: list[Event], *, now: float) -> RunStatus:
     """The run's state from its events (time-ordered, each with ``time`` in unix seconds)."""
+    events, stray = split_stray(events)
     node = incident_node(events)
     mine = [e for e in events if node is None or node_of(e) == node]
     finished = named(mine, "job.finished")
@@ -105,7 +126,7 @@ def status_of(events: list[Event], *, now: float) -> RunStatus:
     snapshot = _last_with_step(events, "snapshot.saved")
     sizes = world_sizes(mine)
     causes = Counter(restart_causes(events, node))
-    failures = named(events, "worker.failed")
+    failed = failures(events)
     return RunStatus(
         state=str(finished[-1].get("status")) if finished else "running",
         nodes=_nodes(events, now),
@@ -115,9 +136,12 @@ def status_of(events: list[Event], *, now: float) -> RunStatus:
         last_snapshot_age_s=_age(snapshot, now),
         restarts=sum(causes.values()),
         restarts_by_cause=dict(sorted(causes.items())),
-        failures_by_cause=dict(sorted(Counter(str(e.get("cause")) for e in failures).items())),
-        last_failure=_failure_line(failures[-1] if failures else None, now),
+        failures_by_cause=dict(sorted(Counter(str(e.get("cause")) for e in failed).items())),
+        last_failure=_failure_line(failed[-1] if failed else None, now),
+        preemptions=preemptions(events),
+        last_preemption=_preemption_line(events, now),
         last_event_age_s=_age(events[-1] if events else None, now),
+        stray_runs=[r.to_dict() for r in stray],
     )
 
 
@@ -141,11 +165,15 @@ def format_status(status: RunStatus, *, source: str) -> str:
         f"last snapshot: {snapshot}",
         f"restarts:      {s.restarts}" + (f" ({causes})" if causes else ""),
         f"last failure:  {_or(s.last_failure, 'none')}",
+        f"preemptions:   {s.preemptions}"
+        + (f" (last: {s.last_preemption})" if s.last_preemption else ""),
         f"nodes:         {len(s.nodes)}",
     ]
     lines += [
         f"  {n.node}: {n.state}, last {n.last_event} {n.last_event_age_s}s ago" for n in s.nodes
     ]
+    if s.stray_runs:
+        lines.append(f"left out:      {describe_stray(s.stray_runs)}")
     return "\n".join(lines)
 
 

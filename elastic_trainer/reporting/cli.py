@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.reporting.events import load_event_log
+from elastic_trainer.reporting.runs import split_stray
 from elastic_trainer.reporting.summary import format_summary, summarize
 
 PROG = "elastic-train report"
@@ -59,7 +60,7 @@ def run(argv: Sequence[str]) -> int:
         from elastic_trainer.reporting.plot import draw_report
 
         output = args.output or default_output(log.path)
-        draw_report(log.events, output, title=f"elastic-train run: {log.path}")
+        draw_report(split_stray(log.events)[0], output, title=f"elastic-train run: {log.path}")
     if args.json:
         print(json.dumps({**summary.to_dict(), "log": log.path, "png": output}, indent=2))
         if skipped:  # stdout stays one JSON document

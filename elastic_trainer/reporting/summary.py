@@ -4,6 +4,11 @@ Several supervisors may append to one log (two "nodes" on one machine sharing a 
 of them sees every group restart and recovery, so those incident figures are taken from one
 node's view: the node that saw the most restarts (the longest-lived). Worker failures and
 preemptions belong to one node each and are summed over all nodes.
+
+A preemption is not a failure: a worker that stopped because its node or a peer was
+preempted (``worker.failed`` with cause ``preempted``) is counted under preemptions, never
+under failures. Supervisor starts that never joined the job are left out and named
+(``reporting/runs.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_trainer.events import FailureCause, RestartReason
+from elastic_trainer.reporting.runs import describe_stray, split_stray, supervisor_runs
 
 Event = dict[str, Any]
 
@@ -34,6 +40,7 @@ class RunSummary:
     steps_redone: int
     goodput: float | None
     goodput_source: str | None  # "job.finished" | "estimated" | None
+    goodput_estimated: bool  # an estimate (worker run times or time lost), not kept steps
     snapshots: int
     mean_snapshot_stall_ms: float | None
     final_val_accuracy: float | None
@@ -41,6 +48,8 @@ class RunSummary:
     best_val_accuracy: float | None
     best_step: int | None
     exported_models: list[str] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)  # every supervisor start
+    stray_runs: list[dict[str, Any]] = field(default_factory=list)  # left out: never joined
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,16 +106,35 @@ def world_sizes(node_events: list[Event]) -> list[int]:
     return sizes
 
 
+def failures(events: list[Event]) -> list[Event]:
+    """``worker.failed`` events that are failures: not stops for a preemption."""
+    return [
+        e for e in named(events, "worker.failed") if e.get("cause") != FailureCause.PREEMPTED.value
+    ]
+
+
+def preemptions(events: list[Event]) -> int:
+    """Nodes preempted: ``preemption.received``, else (that node's log missing) the
+    preemptions its peers' workers stopped for, one per restart count."""
+    received = named(events, "preemption.received")
+    if received:
+        return len(received)
+    stopped = [e for e in named(events, "worker.failed") if e.get("cause") == "preempted"]
+    return len({(node_of(e), e.get("restart_count")) for e in stopped})
+
+
 def _sum(events: list[Event], key: str) -> float:
     return sum(float(e.get(key) or 0) for e in events)
 
 
-def _goodput(finished: Event | None, wall_s: float | None, lost_s: float):
+def _goodput(
+    finished: Event | None, wall_s: float | None, lost_s: float
+) -> tuple[float | None, str | None, bool]:
     if finished is not None and finished.get("goodput") is not None:
-        return float(finished["goodput"]), "job.finished"
+        return float(finished["goodput"]), "job.finished", bool(finished.get("goodput_estimated"))
     if wall_s and wall_s > 0:
-        return max(0.0, 1.0 - lost_s / wall_s), "estimated"
-    return None, None
+        return max(0.0, 1.0 - lost_s / wall_s), "estimated", True
+    return None, None, False
 
 
 def _evaluations(events: list[Event]) -> dict[str, Any]:
@@ -138,6 +166,8 @@ def _final_step(events: list[Event]) -> int | None:
 
 def summarize(events: list[Event]) -> RunSummary:
     """Summarise events (in time order, each with ``t`` seconds since the run began)."""
+    runs = supervisor_runs(events)
+    events, stray = split_stray(events)
     node = incident_node(events)
     mine = [e for e in events if node is None or node_of(e) == node]
     recoveries = named(mine, "recovery.completed")
@@ -148,7 +178,7 @@ def summarize(events: list[Event]) -> RunSummary:
         else (events[-1]["t"] if events else None)
     )
     lost = round(_sum(recoveries, "downtime_s"), 3)
-    goodput, source = _goodput(finished, wall, lost)
+    goodput, source, estimated = _goodput(finished, wall, lost)
     stalls = [
         float(e["stall_ms"])
         for e in named(events, "snapshot.saved")
@@ -165,17 +195,20 @@ def summarize(events: list[Event]) -> RunSummary:
         restarts=len(causes),
         restarts_by_cause=dict(sorted(Counter(causes).items())),
         failures_by_cause=dict(
-            sorted(Counter(str(e.get("cause")) for e in named(events, "worker.failed")).items())
+            sorted(Counter(str(e.get("cause")) for e in failures(events)).items())
         ),
-        preemptions=len(named(events, "preemption.received")),
+        preemptions=preemptions(events),
         membership_changes=len(named(mine, "membership.changed")),
         time_lost_s=lost,
         steps_redone=int(_sum(recoveries, "steps_lost")),
         goodput=goodput,
         goodput_source=source,
+        goodput_estimated=estimated,
         snapshots=len(named(events, "snapshot.saved")),
         mean_snapshot_stall_ms=round(sum(stalls) / len(stalls), 2) if stalls else None,
         exported_models=[str(e["path"]) for e in named(events, "train.model_exported")],
+        runs=[r.to_dict() for r in runs],
+        stray_runs=[r.to_dict() for r in stray],
         **_evaluations(events),
     )
 
@@ -186,6 +219,14 @@ def _counts(counts: dict[str, int]) -> str:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _goodput_note(s: RunSummary) -> str:
+    if not s.goodput_source:
+        return ""
+    if s.goodput_estimated and s.goodput_source != "estimated":
+        return f" ({s.goodput_source}, estimated)"
+    return f" ({s.goodput_source})"
 
 
 def format_summary(summary: RunSummary, *, source: str) -> str:
@@ -202,7 +243,7 @@ def format_summary(summary: RunSummary, *, source: str) -> str:
         + (f" ({_counts(s.failures_by_cause)})" if s.failures_by_cause else "")
         + f"; preemptions {s.preemptions}; membership changes {s.membership_changes}",
         f"time lost:   {s.time_lost_s:.1f} s; steps redone {s.steps_redone}",
-        f"goodput:     {_pct(s.goodput)}" + (f" ({s.goodput_source})" if s.goodput_source else ""),
+        f"goodput:     {_pct(s.goodput)}" + _goodput_note(s),
         f"snapshots:   {s.snapshots} saved"
         + (
             f", mean stall {s.mean_snapshot_stall_ms:.1f} ms"
@@ -210,6 +251,8 @@ def format_summary(summary: RunSummary, *, source: str) -> str:
             else ""
         ),
     ]
+    if s.stray_runs:
+        lines.append(f"left out:    {describe_stray(s.stray_runs)}")
     if s.final_val_accuracy is not None:
         lines.append(
             f"validation:  accuracy {_pct(s.final_val_accuracy)}, loss {s.final_val_loss:.4f}"

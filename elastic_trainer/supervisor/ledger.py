@@ -1,12 +1,20 @@
-"""Progress bookkeeping across attempts: recovery figures and goodput. Pure: times come in.
+"""Progress bookkeeping across attempts: recovery figures and goodput. Times come in (unix
+seconds); where a caller gives none, the wall clock is read.
 
-Per attempt it keeps the first and last progress report seen. A failure opens a pending
-recovery (cause, time, last step, world size); the first report of a later attempt closes
-it into the fields of ``recovery.completed``.
+Per attempt it keeps when its workers started and stopped, and the first and last progress
+report seen. A failure opens a pending recovery (cause, time, last step, world size); the
+first report of a later attempt closes it into the fields of ``recovery.completed``.
+
+Goodput is measured from progress reports (steps kept). A plain script writes none: then it
+is estimated as the share of wall time its workers were running (each attempt from its
+start to its failure, or to the next start or now), which leaves out rendezvous and restart
+downtime but counts work a restart redid as kept, since nothing says what was redone; it is
+an upper bound, and ``goodput_estimated`` says so.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,6 +25,8 @@ from elastic_trainer.supervisor.watchdog import Progress
 
 @dataclass
 class Attempt:
+    started_at: float | None = None  # unix seconds: workers started
+    ended_at: float | None = None  # unix seconds: a worker failed (the attempt's end)
     restored_step: int | None = None
     first_step: int | None = None
     first_time: float | None = None
@@ -67,14 +77,16 @@ class Ledger:
     def current(self) -> Attempt | None:
         return self.attempts[-1] if self.attempts else None
 
-    def start_attempt(self) -> None:
-        self.attempts.append(Attempt())
+    def start_attempt(self, now: float | None = None) -> None:
+        self.attempts.append(Attempt(started_at=time.time() if now is None else now))
 
     def last_step(self) -> int | None:
         steps = [a.last_step for a in self.attempts if a.last_step is not None]
         return steps[-1] if steps else None
 
     def failed(self, *, cause: str, now: float, world_size: int) -> None:
+        if self.current is not None and self.current.ended_at is None:
+            self.current.ended_at = now
         if self.pending is None:  # the first failure of a cascade is the one that counts
             self.pending = PendingRecovery(
                 cause=cause, failed_at=now, last_step=self.last_step(), world_size_before=world_size
@@ -108,7 +120,28 @@ class Ledger:
             "snapshot_step": snapshot_step,
         }
 
-    def goodput(self, wall_s: float) -> float | None:
+    @property
+    def goodput_estimated(self) -> bool:
+        """True when goodput can only be estimated: workers ran but reported no steps."""
+        return bool(self.attempts) and not any(a.steps_made for a in self.attempts)
+
+    def goodput(self, wall_s: float, now: float | None = None) -> float | None:
+        """Measured from progress reports, else estimated from worker run times (see module
+        docstring); None before any workers started."""
+        if self.goodput_estimated:
+            return self._running_share(wall_s, time.time() if now is None else now)
+        return self._measured_goodput(wall_s)
+
+    def _running_share(self, wall_s: float, now: float) -> float | None:
+        if wall_s <= 0:
+            return None
+        running = 0.0
+        for attempt, after in zip(self.attempts, [*self.attempts[1:], None], strict=True):
+            end = attempt.ended_at or (after.started_at if after is not None else None) or now
+            running += max(0.0, end - (attempt.started_at or end))
+        return max(0.0, min(1.0, running / wall_s))
+
+    def _measured_goodput(self, wall_s: float) -> float | None:
         rows = []
         for i, attempt in enumerate(self.attempts):
             later = self.attempts[i + 1 :]

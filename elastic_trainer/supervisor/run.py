@@ -56,7 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(
             fmt=cfg.log_format,  # type: ignore[arg-type]
             log_file=cfg.log_file,
-            static_fields={"job_id": cfg.job_id, "node": cfg.node, "pid": os.getpid()},
+            static_fields={
+                "job_id": cfg.job_id,
+                "node": cfg.node,
+                "pid": os.getpid(),
+                # one per supervisor start: report/status tell apart two commands writing
+                # into one events-<node>.jsonl (a stray second start, a rerun)
+                "supervisor_run": uuid.uuid4().hex[:16],
+            },
         )
         claimed = claim_store_port(cfg)
         preflight(cfg)
@@ -229,6 +236,7 @@ class Supervisor:
         self.cfg = cfg
         self.serving = serving  # metrics_server.Serving, started by main (None: started here)
         self.claimed = claimed  # the store's port, bound by main (``claim_store_port``)
+        self.goodput_estimated = False  # the agent's goodput came from worker run times
 
     def run(self) -> int:
         cfg = self.cfg
@@ -270,6 +278,7 @@ class Supervisor:
             restarts=restarts,
             wall_s=round(time.monotonic() - started, 3),
             goodput=None if goodput is None else round(goodput, 4),
+            goodput_estimated=goodput is not None and self.goodput_estimated,
             error=error,
         )
         return code
@@ -355,6 +364,7 @@ class Supervisor:
         )
         try:
             outcome = agent.supervise()
+            self.goodput_estimated = agent.ledger.goodput_estimated
         except RendezvousClosedError:
             return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None, None
         except ConfigError as exc:  # found once the round closed (static: a node rank twice)

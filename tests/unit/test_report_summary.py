@@ -72,7 +72,7 @@ def test_summary_numbers_come_from_the_events() -> None:
     assert s.nodes == ["n1", "n2"] and s.status == "succeeded" and s.wall_s == 80.0
     assert s.restarts == 3
     assert s.restarts_by_cause == {"error": 1, "hang": 1, "peer_preempted": 1}
-    assert s.failures_by_cause == {"error": 1, "hang": 1, "preempted": 1}
+    assert s.failures_by_cause == {"error": 1, "hang": 1}  # a preemption is no failure
     assert s.preemptions == 1 and s.membership_changes == 1
     assert s.time_lost_s == 13.0 and s.steps_redone == 15  # n1's view only, not n2's copies
     assert (s.goodput, s.goodput_source) == (0.81, "job.finished")
@@ -132,3 +132,50 @@ def test_parse_lines_skips_what_is_not_an_event() -> None:
     events, skipped = parse_lines(lines)
     assert [e["event"] for e in events] == ["supervisor.started", "job.finished"]
     assert skipped == 3
+
+
+def _tokened(events: list[dict], token_of_node: dict[str, str]) -> list[dict]:
+    """What supervisors write: each event carries its supervisor start's token."""
+    return [{**e, "supervisor_run": token_of_node[e["node"]]} for e in events]
+
+
+def a_stray_start() -> list[dict]:
+    """A second command started by mistake in n2's run folder, then stopped with Ctrl-C."""
+    return [
+        ev(60, "supervisor.started", node="n2", supervisor_run="5eca7e0000000000"),
+        ev(61, "preemption.received", node="n2", supervisor_run="5eca7e0000000000"),
+        ev(61, "job.finished", node="n2", supervisor_run="5eca7e0000000000", status="preempted"),
+    ]
+
+
+def test_a_stray_start_that_never_joined_is_left_out_and_named() -> None:
+    job = _tokened(a_run(), {"n1": "aaaa000000000000", "n2": "bbbb000000000000"})
+    s = summarize(with_relative_time([*job, *a_stray_start()]))
+    assert s.preemptions == 1 and s.status == "succeeded" and s.nodes == ["n1", "n2"]
+    assert [r["token"] for r in s.runs] == [
+        "aaaa000000000000",
+        "bbbb000000000000",
+        "5eca7e0000000000",
+    ]
+    assert [(r["token"], r["node"], r["status"], r["joined"]) for r in s.stray_runs] == [
+        ("5eca7e0000000000", "n2", "preempted", False)
+    ]
+    text = format_summary(s, source="run")
+    left_out = "left out:    1 supervisor start(s) that never joined the job: 5eca7e0000000000"
+    assert f"{left_out} on n2 (preempted)" in text
+
+
+def test_without_any_joined_run_nothing_is_left_out() -> None:
+    s = summarize(with_relative_time(a_stray_start()))
+    assert s.stray_runs == [] and s.preemptions == 1 and s.status == "preempted"
+
+
+def test_a_supervisor_estimate_of_goodput_is_flagged() -> None:
+    events = [
+        ev(0, "supervisor.started"),
+        ev(1, "rendezvous.completed", world_size=1),
+        ev(9, "job.finished", status="succeeded", wall_s=9.0, goodput=0.7, goodput_estimated=True),
+    ]
+    s = summarize(with_relative_time(events))
+    assert (s.goodput, s.goodput_source, s.goodput_estimated) == (0.7, "job.finished", True)
+    assert "goodput:     70.0% (job.finished, estimated)" in format_summary(s, source="log")

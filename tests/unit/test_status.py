@@ -73,3 +73,37 @@ def test_bad_input_is_one_line_with_the_prefix(argv, message, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("elastic-train: error: ") and message in err
     assert err.count("\n") == 1
+
+
+def test_a_graceful_preemption_is_not_a_failure() -> None:
+    """Regression: node b's preemption read 'last failure: rank 0 on a: preempted'."""
+    events = [
+        _e(0, "rendezvous.completed", world_size=2, round=0),
+        _e(0, "rendezvous.completed", node="b", world_size=2, round=0),
+        _e(10, "preemption.received", node="b", signal="SIGTERM", grace_s=25),
+        _e(11, "worker.failed", rank=0, cause="preempted", error_summary=None),
+        _e(12, "job.finished", node="b", status="preempted", exit_code=143),
+    ]
+    status = status_of(events, now=T0 + 20)
+    assert status.last_failure is None and status.failures_by_cause == {}
+    assert status.preemptions == 1
+    assert status.last_preemption == "node b (SIGTERM), 10.0s ago"
+    text = format_status(status, source="run")
+    assert "last failure:  none" in text
+    assert "preemptions:   1 (last: node b (SIGTERM), 10.0s ago)" in text
+
+
+def test_a_stray_start_in_the_same_log_is_left_out() -> None:
+    """A second command writing into events-b.jsonl never joined: its stop is not the job's."""
+    job = [{**e, "supervisor_run": f"{e['node']}000"} for e in RUN]
+    stray = [
+        _e(32, "supervisor.started", node="b", supervisor_run="5eca7e"),
+        _e(33, "preemption.received", node="b", supervisor_run="5eca7e", signal="SIGINT"),
+        _e(33, "job.finished", node="b", supervisor_run="5eca7e", status="preempted"),
+    ]
+    status = status_of([*job, *stray], now=T0 + 40)
+    assert status.state == "running" and status.preemptions == 0
+    assert [n.state for n in status.nodes] == ["running", "running"]
+    assert "left out:      1 supervisor start(s) that never joined the job: 5eca7e on b" in (
+        format_status(status, source="run")
+    )
