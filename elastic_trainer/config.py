@@ -193,7 +193,7 @@ class RunConfig:
     grace_period: float = protocol.DEFAULT_GRACE_PERIOD_S
     snapshot_dir: str | None = None
     # None: not set by the operator (WorkerSettings says who decides then)
-    snapshot_every: int | None = None
+    snapshot_every: int | str | None = None  # steps, or "auto" (runtime.interval)
     snapshot_keep: int | None = None
     memory_snapshot_every: int | None = None  # None: the script's, else 1; 0: off
     storage_timeout: float | None = None
@@ -280,10 +280,11 @@ class RunConfig:
     def _check_snapshots(self) -> None:
         _check(
             self.snapshot_every is None
-            or (isinstance(self.snapshot_every, int) and self.snapshot_every >= 1),
+            or self.snapshot_every == "auto"
+            or (type(self.snapshot_every) is int and self.snapshot_every >= 1),
             "--snapshot-every",
             self.snapshot_every,
-            "use an integer number of steps >= 1",
+            "use an integer number of steps >= 1, or auto",
         )
         _check(
             self.snapshot_keep is None
@@ -323,10 +324,14 @@ class RunConfig:
             "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
         )
 
-    def worker_settings(self, control_dir: str, memory_dir: str | None = None) -> WorkerSettings:
+    def worker_settings(
+        self, control_dir: str, memory_dir: str | None = None, *, mtbf_s: float | None = None
+    ) -> WorkerSettings:
         """What every worker of this node is told (through its environment); ``memory_dir``:
-        this supervisor's in-memory tier folder (``runtime.memory.tier``)."""
+        this supervisor's in-memory tier folder (``runtime.memory.tier``); ``mtbf_s``: the
+        job's mean time between failures observed so far (``--snapshot-every auto``)."""
         return WorkerSettings(
+            mtbf_s=mtbf_s,
             memory_dir=memory_dir,
             memory_snapshot_every=self.memory_snapshot_every,
             job_id=self.job_id,

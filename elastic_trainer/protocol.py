@@ -42,6 +42,8 @@ ENV_LOG_FORMAT = "ELASTIC_TRAIN_LOG_FORMAT"  # json | console
 ENV_LOG_FILE = "ELASTIC_TRAIN_LOG_FILE"  # optional path workers append JSON lines to
 ENV_COLLECTIVE_TIMEOUT = "ELASTIC_TRAIN_COLLECTIVE_TIMEOUT"  # seconds, process-group timeout
 ENV_GRACE_PERIOD = "ELASTIC_TRAIN_GRACE_PERIOD"  # seconds from a stop request to the kill
+# the job's mean time between failures as the supervisor observed it (--snapshot-every auto)
+ENV_MTBF = "ELASTIC_TRAIN_MTBF_S"
 # the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
 # and the node sentinel kills whatever still carries it once the supervisor is gone
 ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"
@@ -52,6 +54,13 @@ def _positive_int(raw: str) -> int:
     if value < 1:
         raise ValueError("expected an integer >= 1")
     return value
+
+
+def snapshot_interval(raw: str) -> int | str:
+    """``--snapshot-every``: steps (>= 1), or ``auto`` (``runtime.interval``)."""
+    if raw.strip().lower() == "auto":
+        return "auto"
+    return _positive_int(raw)
 
 
 def _non_negative_int(raw: str) -> int:
@@ -90,7 +99,7 @@ class WorkerSettings:
     node: str | None = None  # None: the hostname
     control_dir: str | None = None
     snapshot_dir: str | None = None  # fsspec URL; None = no snapshots
-    snapshot_every: int | None = None
+    snapshot_every: int | str | None = None  # steps, or "auto" (runtime.interval)
     snapshot_keep: int | None = None
     storage_timeout_s: float | None = None  # None: the snapshot store's own default
     # the in-memory tier: this agent's folder (the supervisor's, removed when it exits) and
@@ -101,6 +110,7 @@ class WorkerSettings:
     log_file: str | None = None
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    mtbf_s: float | None = None  # None: none observed yet
 
     def to_env(self) -> dict[str, str]:
         """The variables of the settings that are set (None: absent)."""
@@ -150,15 +160,17 @@ _ENV: dict[str, str] = {
     "log_file": ENV_LOG_FILE,
     "collective_timeout_s": ENV_COLLECTIVE_TIMEOUT,
     "grace_period_s": ENV_GRACE_PERIOD,
+    "mtbf_s": ENV_MTBF,
 }
 _PARSE: dict[str, Callable[[str], Any]] = {
-    "snapshot_every": _positive_int,
+    "snapshot_every": snapshot_interval,
     "snapshot_keep": _positive_int,
     "storage_timeout_s": _positive_float,
     "memory_snapshot_every": _non_negative_int,
     "log_format": _log_format,
     "collective_timeout_s": _positive_float,
     "grace_period_s": _positive_float,
+    "mtbf_s": _positive_float,
 }
 
 # --- files inside the control directory ---------------------------------------------------

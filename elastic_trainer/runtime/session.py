@@ -23,6 +23,7 @@ from elastic_trainer.events import emit
 from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.audit import AuditLog, AuditRecord
 from elastic_trainer.runtime.context import WorkerContext
+from elastic_trainer.runtime.interval import Interval
 from elastic_trainer.runtime.progress import (
     STOP_MAX_STEPS,
     STOP_PEER_PREEMPTED,
@@ -86,7 +87,12 @@ class TrainingSession:
         self.sampler = sampler
         self.max_steps = max_steps
         self.exit_on_stop = exit_on_stop
-        self.snapshot_every = self._setting("snapshot_every", snapshot_every)
+        self._interval = Interval.of(
+            self._setting("snapshot_every", snapshot_every), self.context.settings.mtbf_s
+        )
+        self._last_periodic = 0  # the step of the last periodic storage snapshot
+        self._save_cost_s = 0.0  # its stall on this rank, until the group has averaged it
+        self._step_ended: float | None = None  # when the previous step_done ran
         self.step = 0  # completed optimizer steps of the whole run
         self.restored_step: int | None = None
         self.stop_reason: str | None = None
@@ -108,6 +114,7 @@ class TrainingSession:
         self._signals.install()
         self._audit = self._open_audit(audit_dir)
         self._restore()
+        self._last_periodic = self.step
         self._on_failure = open_failure_copy(
             self._memory, self.state, self._consistent_state, self.context
         )
@@ -258,7 +265,10 @@ class TrainingSession:
             raise ConfigError(
                 "ElasticSampler without global_batch_size: call step_done(num_samples=len(batch))"
             )
-        any_stop, total = D.all_reduce_ints([int(own_stop), num_samples or 0])
+        any_stop, total, *figures = D.all_reduce_ints(
+            [int(own_stop), num_samples or 0, *self._interval_figures()]
+        )
+        self._observe_interval(figures)
         with self._counting():
             indices = self._advance_sampler(num_samples, total)
             self.step += 1
@@ -271,8 +281,11 @@ class TrainingSession:
             self._stop(self._own_stop_reason() if own_stop else STOP_PEER_PREEMPTED)
         elif self.max_steps is not None and self.step >= self.max_steps:
             self.stop_reason = STOP_MAX_STEPS
-        elif self.step % self.snapshot_every == 0:
+        elif self._interval.due(self.step, self._last_periodic):
+            began = time.perf_counter()
             self._save(blocking=False)
+            self._save_cost_s = time.perf_counter() - began
+            self._last_periodic = self.step
 
     @contextlib.contextmanager
     def _counting(self) -> Iterator[None]:
@@ -307,6 +320,42 @@ class TrainingSession:
                     self._record(sampler.step_indices(rank), step=step, rank=rank)
             state[SESSION_KEY] = {"step": step, "epoch": self.epoch}
         return step, state, {"rng": RNGState()}
+
+    @property
+    def snapshot_every(self) -> int:
+        """Steps between periodic storage snapshots (with ``auto``: the current choice)."""
+        return self._interval.every
+
+    def _interval_figures(self) -> list[int]:
+        """With ``--snapshot-every auto``: this rank's last save stall and step time (µs),
+        summed over the group by the step's all-reduce; nothing otherwise."""
+        if not self._interval.auto:
+            return []
+        now = time.perf_counter()
+        step_s = now - self._step_ended if self._step_ended is not None else 0.0
+        self._step_ended = now
+        cost_s, self._save_cost_s = self._save_cost_s, 0.0
+        return [round(cost_s * 1e6), round(step_s * 1e6)]
+
+    def _observe_interval(self, figures: list[int]) -> None:
+        if not figures:
+            return
+        world = D.world_size()
+        cost_us, step_us = figures
+        before = self._interval.every
+        self._interval = self._interval.observed(
+            cost_s=cost_us / world / 1e6 if cost_us else None,
+            step_s=step_us / world / 1e6 if step_us else None,
+        )
+        if self._interval.every != before and D.rank() == 0:
+            emit(
+                "snapshot.interval",
+                step=self.step,
+                every=self._interval.every,
+                cost_s=round(self._interval.cost_s or 0.0, 4),
+                step_s=round(self._interval.step_s or 0.0, 4),
+                mtbf_s=round(self._interval.mtbf_s),
+            )
 
     def _check_micro_batches(self) -> None:
         expected = self.micro_batches_per_step

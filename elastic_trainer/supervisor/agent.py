@@ -358,7 +358,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._stop.control_dir = control_dir
         # torch derives TORCHELASTIC_RESTART_COUNT from its own counter: keep it equal to ours
         torch_compat.set_remaining_restarts(self, self._cfg.max_restarts - self._state.restarts)
-        set_worker_env(self._cfg, control_dir)
+        set_worker_env(
+            self._cfg, control_dir, mtbf_s=self.ledger.mtbf_s(time.monotonic() - self._started_at)
+        )
         pids, popens = self._spawn(worker_group)
         if self._stop.requested:  # a signal raced with the start: tell the new workers too
             self._stop.write_stop_file()

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from elastic_trainer import protocol
 from elastic_trainer.cliparse import UNKNOWN_OPTION, OneLineParser
 from elastic_trainer.config import (
     DEFAULT_MODULE,
@@ -78,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hang-timeout", type=float, help="seconds without progress = hang (0 = off)")
     a("--grace-period", type=float, help="seconds to stop after SIGTERM (default 25)")
     a("--snapshot-dir", help="local path or fsspec URL for snapshots")
-    a("--snapshot-every", type=int, help="steps between snapshots (default 100)")
+    a(
+        "--snapshot-every",
+        type=_snapshot_every,
+        help="steps between snapshots, or auto: from their measured cost and the failure rate "
+        "(default 100)",
+    )
     a(
         "--memory-snapshot-every",
         type=int,
@@ -159,6 +165,15 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> SplitArg
 
 def _job_args(rest: list[str]) -> list[str]:
     return rest[1:] if rest[:1] == ["--"] else rest
+
+
+def _snapshot_every(raw: str) -> int | str:
+    try:
+        return protocol.snapshot_interval(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {raw!r}: use a number of steps >= 1, or auto"
+        ) from None
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, str]:

@@ -72,6 +72,7 @@ class PendingRecovery:
 class Ledger:
     attempts: list[Attempt] = field(default_factory=list)
     pending: PendingRecovery | None = None
+    failures: int = 0  # cascades of failures (a node lost, a rank crashed), not joins
 
     @property
     def current(self) -> Attempt | None:
@@ -88,9 +89,14 @@ class Ledger:
         if self.current is not None and self.current.ended_at is None:
             self.current.ended_at = now
         if self.pending is None:  # the first failure of a cascade is the one that counts
+            self.failures += 1
             self.pending = PendingRecovery(
                 cause=cause, failed_at=now, last_step=self.last_step(), world_size_before=world_size
             )
+
+    def mtbf_s(self, wall_s: float) -> float | None:
+        """The job's mean time between failures so far (None before the first)."""
+        return wall_s / self.failures if self.failures and wall_s > 0 else None
 
     def relabel(self, cause: str) -> None:
         """The pending recovery turned out to have another cause (e.g. a node was lost)."""

@@ -44,10 +44,10 @@ def tune_malloc(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
-def set_worker_env(cfg: RunConfig, control_dir: str) -> None:
+def set_worker_env(cfg: RunConfig, control_dir: str, *, mtbf_s: float | None = None) -> None:
     """Put this attempt's settings into our environment, which torch hands to the workers."""
     memory = prepare_memory_dir(cfg) if cfg.memory_tier else None
-    cfg.worker_settings(control_dir, memory).apply_to(os.environ)
+    cfg.worker_settings(control_dir, memory, mtbf_s=mtbf_s).apply_to(os.environ)
 
 
 def memory_base() -> str:
