@@ -10,12 +10,15 @@ its ``logger`` and ``level``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import re
 import socket
 import sys
-from collections.abc import Mapping, MutableMapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Literal
 
 import structlog
@@ -23,6 +26,11 @@ import structlog
 from elastic_trainer.events import FOREIGN_RECORD
 
 LogFormat = Literal["json", "console", "auto"]
+
+# Samples for dashboards (every 30 s per rank), not lines a person reads: they stay in the
+# JSON log file and JSON mode, off the console.
+CONSOLE_HIDDEN = frozenset({"worker.resources"})
+CLEAR_LINE = "\r\x1b[K"  # to the line's start, then erase it: where a progress bar was
 
 # user:password@ in a URL, and query parameters that carry secrets (presigned URLs, SAS).
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+(:[^/@\s]*)?@")
@@ -111,13 +119,9 @@ def configure_logging(
     for handler in list(root.handlers):
         if getattr(handler, "_elastic_train", False):
             root.removeHandler(handler)
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer(colors=True)
-        if console
-        else structlog.processors.JSONRenderer()
-    )
+    renderer: Any = _console_renderer() if console else structlog.processors.JSONRenderer()
     handlers: list[logging.Handler] = [
-        _make_handler(logging.StreamHandler(stream), shared, renderer)
+        _make_handler(TerminalHandler(stream, console=console), shared, renderer)
     ]
     if log_file:
         file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
@@ -197,3 +201,121 @@ def bind_static_fields(fields: Mapping[str, Any]) -> None:
         "pid": os.getpid(),
     }
     _STATIC_FIELDS.update({**defaults, **_STATIC_FIELDS, **fields})
+
+
+class Terminal:
+    """A terminal's unfinished line: a progress bar (``\\r`` redraws, never a newline) shown
+    there by a relayed worker (``unfinished``) or by this process's own tqdm bar (``hide``).
+
+    A whole line written to the terminal goes above it, as ``tqdm.write`` does: the
+    unfinished line is erased, the line written, the unfinished line drawn again. Without
+    this the line landed on the end of the bar (``...?step/s]2026-11-24T21:00:13 ...``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # one writer at a time, relays and log handlers alike
+        self.unfinished = ""  # what the line shows now, drawn by ``owner``
+        self.owner: object = None
+        self.hide: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+
+    @contextlib.contextmanager
+    def line_above(self, write: Callable[[str], None], *, writer: object = None) -> Iterator[None]:
+        """Around writing whole lines: erase the unfinished line first, draw it after.
+        ``writer``: whose lines these are (an unfinished line of its own is its business)."""
+        with self.lock, self.hide() if self.hide else contextlib.nullcontext():
+            covered = self.unfinished if self.owner is not writer else ""
+            if covered:
+                write(CLEAR_LINE)
+            yield
+            if covered and self.owner is not writer:  # unless the writer's own line replaced it
+                write(covered)
+
+
+STDERR = Terminal()  # this process's stderr: its log handler and the relays writing there
+
+
+class TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The stderr handler: on a terminal each event a line of its own, above a progress bar
+    (JSON lines too: a worker logging JSON has its lines relayed, and rendered, by the
+    supervisor). ``console``: the events in ``CONSOLE_HIDDEN`` are left to the log file."""
+
+    def __init__(self, stream: Any, *, console: bool, terminal: Terminal = STDERR) -> None:
+        super().__init__(stream)
+        self.terminal = terminal
+        if console:
+            self.addFilter(_off_console)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _is_terminal(self.stream):
+            super().emit(record)
+            return
+        with self.terminal.line_above(self._write):
+            super().emit(record)
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _off_console(record: logging.LogRecord) -> bool:
+    msg = record.msg
+    return not (isinstance(msg, dict) and msg.get("event") in CONSOLE_HIDDEN)
+
+
+def _epoch_line(event_dict: MutableMapping[str, Any]) -> str:
+    parts = [f"val_accuracy {100 * float(event_dict['val_accuracy']):.1f} %"]
+    if event_dict.get("val_loss") is not None:
+        parts.append(f"val_loss {float(event_dict['val_loss']):.4g}")
+    return f"epoch {event_dict.get('epoch')}: " + ", ".join(parts)
+
+
+# Events whose console line is a sentence; their fields stay in the JSON log.
+_SENTENCES: dict[str, Callable[[MutableMapping[str, Any]], str]] = {
+    "train.evaluated": _epoch_line,
+}
+
+
+def _console_sentence(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Any:
+    sentence = _SENTENCES.get(str(event_dict.get("event")))
+    if sentence is None:
+        return event_dict
+    try:
+        text = sentence(event_dict)
+    except (KeyError, TypeError, ValueError):  # fields missing: show the event as it is
+        return event_dict
+    kept = ("timestamp", "level")
+    return {"event": text, **{k: event_dict[k] for k in kept if k in event_dict}}
+
+
+def _console_renderer() -> Callable[[Any, str, MutableMapping[str, Any]], str]:
+    renderer = structlog.dev.ConsoleRenderer(colors=True)
+
+    def render(logger: Any, name: str, event_dict: MutableMapping[str, Any]) -> str:
+        return str(renderer(logger, name, _console_sentence(logger, name, event_dict)))
+
+    return render
+
+
+_RENDER_CONSOLE = _console_renderer()
+
+
+def render_console_line(line: str) -> str | None:
+    """A JSON event line (a worker logging JSON) as console mode shows it, without its
+    newline; ``""`` for an event kept off the console; ``None`` for any other line."""
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return None
+    if event["event"] in CONSOLE_HIDDEN:
+        return ""
+    return _RENDER_CONSOLE(None, str(event.get("level", "info")), event)

@@ -12,6 +12,7 @@ from typing import Any
 
 from elastic_trainer.events import emit
 from elastic_trainer.jobs.recipe import ProgressMeter
+from elastic_trainer.logging import STDERR
 
 PROGRESS_EVENT = "train.progress"
 
@@ -60,6 +61,10 @@ class Progress:
             self.bar = tqdm(
                 total=total_steps, initial=start_step, unit="step", file=stream, dynamic_ncols=True
             )
+            if stream is sys.stderr:
+                # A log line erases the bar and is written above it, the bar redrawn below
+                # (tqdm.write's way), instead of landing on the end of the unfinished bar.
+                STDERR.hide = lambda: tqdm.external_write_mode(file=stream)
 
     def step(
         self, *, step: int, epoch: int, loss: float, lr: float, samples: int, force: bool = False
@@ -85,4 +90,5 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            STDERR.hide = None
             self.bar.close()

@@ -64,6 +64,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
 from elastic_trainer import stderr_router, torch_compat
+from elastic_trainer.logging import STDERR, Terminal, render_console_line
 from elastic_trainer.supervisor.tail import StderrTail, read_file_tail
 
 DEFAULT_TEMPLATE = "[rank${rank}]:"
@@ -72,7 +73,6 @@ _SEGMENTS = re.compile(rb"([\r\n])")
 _READ_SIZE = 65536
 _LONGEST_HELD = 1 << 20  # a line longer than this is passed on in parts (a JSON event is not)
 HOLD_S = 0.25  # the longest an unfinished line waits for its end before it is shown
-_LOCKS = {1: threading.Lock(), 2: threading.Lock()}  # one writer at a time per console stream
 NOWHERE = -1  # a relay's destination when only its tail is wanted
 
 
@@ -89,24 +89,41 @@ class Prefixer:
     """Pure: the prefix at the start of every line and of every ``\\r`` segment.
 
     Empty lines stay empty; a segment that already starts with the prefix (torch's excepthook
-    writes ``[rank0]: Traceback ...``) is not prefixed twice."""
+    writes ``[rank0]: Traceback ...``) is not prefixed twice. ``human``: a JSON event line (a
+    worker that logs JSON, as under ``--log-format auto``) is shown as console mode shows the
+    supervisor's own events, and one kept off the console (``worker.resources``) not at all."""
 
-    def __init__(self, prefix: bytes) -> None:
+    def __init__(self, prefix: bytes, *, human: bool = False) -> None:
         self.prefix = prefix
+        self.human = human
         self._at_start = True
 
     def feed(self, data: bytes) -> bytes:
         out = bytearray()
+        dropped = False  # the segment before was an event kept off the console: so is its end
         for piece in _SEGMENTS.split(data):
             if piece in (b"\r", b"\n"):
-                out += piece
-                self._at_start = True
+                if not (dropped and piece == b"\n"):
+                    out += piece
+                self._at_start, dropped = True, False
             elif piece:
+                piece = self._human(piece) if self._at_start else piece
+                if piece is None:
+                    dropped = True
+                    continue
                 if self._at_start and not piece.startswith(self.prefix):
                     out += self.prefix
                 out += piece
                 self._at_start = False
         return bytes(out)
+
+    def _human(self, segment: bytes) -> bytes | None:
+        if not (self.human and segment.startswith(b"{")):
+            return segment
+        rendered = render_console_line(segment.decode("utf-8", "replace"))
+        if rendered is None:
+            return segment
+        return rendered.encode() if rendered else None
 
 
 class JsonLines:
@@ -172,6 +189,8 @@ class Relay:
         ``tail``: keeps the last lines as the worker wrote them (``lines``)."""
         self._dest = dest_fd
         self._transform = transform
+        self._terminal = _terminal(dest_fd) if isinstance(transform, Prefixer) else None
+        self._unfinished = ""  # this stream's line on the terminal not ended yet (its bar)
         self._gate = LineGate()
         self._hold_s = hold_s
         self._tail = tail
@@ -239,10 +258,28 @@ class Relay:
         if self._dest < 0 or not data:
             return  # the console is gone: keep draining, so the worker never blocks on it
         try:
-            with _LOCKS.get(self._dest, contextlib.nullcontext()):
-                _write_all(self._dest, data)
+            self._write(data)
         except OSError:
             self._dest = -1
+
+    def _write(self, data: bytes) -> None:
+        terminal = self._terminal
+        if terminal is None:
+            with _lock(self._dest):
+                _write_all(self._dest, data)
+            return
+        # The terminal is shared with other ranks' relays and the supervisor's own log lines:
+        # another's unfinished line (rank 0's bar) is erased before this one's whole lines
+        # and drawn again after them, so no line lands on the end of a bar.
+        text = data.decode("utf-8", "replace")
+        tail = text.rpartition("\n")[2] if "\n" in text else self._unfinished + text
+        with terminal.line_above(lambda s: _write_all(self._dest, s.encode()), writer=self):
+            _write_all(self._dest, data)
+            self._unfinished = tail
+            if tail:
+                terminal.owner, terminal.unfinished = self, _visible(tail)
+            elif terminal.owner is self:
+                terminal.owner, terminal.unfinished = None, ""
 
     def close(self, deadline: float) -> None:
         """Stop holding the stream open; wait (up to ``deadline``) for what is left."""
@@ -250,6 +287,38 @@ class Relay:
             os.close(self._keep)
             self._keep = -1
         self._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_LOCKS = {fd: threading.Lock() for fd in (1, 2)}  # one writer at a time per console stream
+_TERMINALS: dict[int, Terminal] = {}
+
+
+def _lock(fd: int) -> contextlib.AbstractContextManager[Any]:
+    return _LOCKS.get(fd) or contextlib.nullcontext()
+
+
+def _terminal(fd: int) -> Terminal | None:
+    """The terminal behind ``fd`` as shared with this process's log lines (stderr's, and
+    stdout's when it is the same terminal), or ``None``: a pipe or file gets bytes as
+    written, no erasing."""
+    if fd < 0 or not os.isatty(fd):
+        return None
+    if fd == 2 or _same_terminal(fd, 2):
+        return STDERR
+    return _TERMINALS.setdefault(fd, Terminal())
+
+
+def _same_terminal(fd: int, other: int) -> bool:
+    try:
+        return os.isatty(other) and os.fstat(fd).st_rdev == os.fstat(other).st_rdev
+    except OSError:
+        return False
+
+
+def _visible(tail: str) -> str:
+    """What a terminal shows of an unfinished line: its last ``\\r`` segment with text."""
+    segments = [seg for seg in tail.split("\r") if seg]
+    return "\r" + segments[-1] if segments else ""
 
 
 def _readable(fd: int, timeout_s: float | None) -> bool:
@@ -329,7 +398,7 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         for local_rank, env in envs.items():
             if self._json_fields is None and dest.stdouts.get(local_rank) == _CONSOLE:
                 dest.stdouts[local_rank] = self._relay(
-                    self._consoles["stdout"], local_rank, env
+                    self._consoles["stdout"], local_rank, env, human=False
                 ).path
             self._reify_stderr(dest, local_rank, env)
         return dest
@@ -349,9 +418,16 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         return bool(ranks) and local_rank not in ranks
 
     def _relay(
-        self, fd: int, local_rank: int, env: Mapping[str, str], tail: StderrTail | None = None
+        self,
+        fd: int,
+        local_rank: int,
+        env: Mapping[str, str],
+        tail: StderrTail | None = None,
+        human: bool = True,
     ) -> Relay:
-        relay = Relay(fd, self._transform(local_rank, env), tail=tail)
+        """``human``: JSON events on the stream are shown as console lines (stderr, where a
+        worker logs; stdout is the script's own)."""
+        relay = Relay(fd, self._transform(local_rank, env, human), tail=tail)
         self._relays.append(relay)
         return relay
 
@@ -363,7 +439,9 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
             return source.lines(timeout_s)
         return read_file_tail(source) if source is not None else []
 
-    def _transform(self, local_rank: int, env: Mapping[str, str]) -> Prefixer | JsonLines:
+    def _transform(
+        self, local_rank: int, env: Mapping[str, str], human: bool = True
+    ) -> Prefixer | JsonLines:
         rank = env.get("RANK", local_rank)
         if self._json_fields is not None:
             restarts = env.get("TORCHELASTIC_RESTART_COUNT")
@@ -380,7 +458,7 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
             local_rank=local_rank,
             hostname=self._hostname,
         )
-        return Prefixer(prefix.encode())
+        return Prefixer(prefix.encode(), human=human)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Relay what the workers wrote last; a stream still held open after ``timeout_s``

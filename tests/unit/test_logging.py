@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
+import sys
 
 import pytest
 import structlog
 
-from elastic_trainer.logging import configure_logging, redact
+from elastic_trainer.logging import STDERR, configure_logging, redact, render_console_line
 
 REQUIRED = {"timestamp", "level", "event", "job_id", "node", "pid"}
 
@@ -118,3 +121,72 @@ def test_every_catalogued_event_gets_the_common_fields(json_log) -> None:
     lines = _lines(json_log)
     assert [line["event"] for line in lines] == emitted
     assert all(REQUIRED <= line.keys() for line in lines)
+
+
+class FakeTerminal(io.StringIO):
+    """What a terminal is to a handler or tqdm: a stream that says it is one."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def screen(raw: str) -> list[str]:
+    """The lines a terminal shows for ``raw``: ``\\r`` back to the line's start, ``ESC[K``
+    erases to its end, colours dropped."""
+    shown = []
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", raw).split("\n"):
+        cells: list[str] = []
+        col = 0
+        for token in re.split(r"(\r|\x1b\[K)", line):
+            if token == "\r":
+                col = 0
+            elif token == "\x1b[K":
+                del cells[col:]
+            else:
+                cells[col : col + len(token)] = token
+                col += len(token)
+        shown.append("".join(cells).rstrip())
+    return shown
+
+
+@pytest.fixture
+def console_log(monkeypatch):
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    configure_logging(fmt="console", static_fields={"job_id": "job-7"})
+    yield terminal
+    logging.getLogger().handlers.clear()
+    STDERR.owner, STDERR.unfinished, STDERR.hide = None, "", None
+
+
+def test_a_log_line_goes_above_an_unfinished_progress_bar_not_onto_it(console_log) -> None:
+    """Regression: ``...?step/s]2026-11-24T21:00:13 ... worker.resources`` on one line."""
+    bar = "\r[rank0]: 50%|#####     | 6/12 [00:00<?, ?step/s]"
+    console_log.write(bar)
+    STDERR.owner, STDERR.unfinished = object(), bar  # what a relay records for its bar
+    structlog.get_logger("elastic_trainer").info("membership.changed", world_size=2)
+    shown = screen(console_log.getvalue())
+    assert "membership.changed" in shown[0] and "step/s" not in shown[0]
+    assert shown[1] == bar.lstrip("\r")  # drawn again below the line
+
+
+def test_console_keeps_resource_samples_off_and_shows_each_epochs_accuracy(
+    console_log, tmp_path
+) -> None:
+    log = structlog.get_logger("elastic_trainer")
+    log.info("worker.resources", rank=0, rss_bytes=1, cpu_percent=2.0, num_procs=1)
+    log.info("train.evaluated", step=12, epoch=2, val_loss=0.41, val_accuracy=0.87, val_samples=9)
+    (line,) = [line for line in screen(console_log.getvalue()) if line]
+    assert "worker.resources" not in line and "{" not in line
+    assert line.endswith("epoch 2: val_accuracy 87.0 %, val_loss 0.41")
+
+
+def test_a_json_event_line_renders_as_the_console_shows_it() -> None:
+    event = {"event": "train.evaluated", "epoch": 1, "val_accuracy": 0.5, "val_loss": 1.0,
+             "level": "info", "timestamp": "2026-11-24T21:00:13Z"}  # fmt: skip
+    rendered = screen(render_console_line(json.dumps(event)) or "")[0]
+    assert rendered.startswith("2026-11-24T21:00:13Z [info") and "{" not in rendered
+    assert "epoch 1: val_accuracy 50.0 %, val_loss 1" in rendered
+    assert render_console_line(json.dumps({"event": "worker.resources", "rank": 0})) == ""
+    assert render_console_line("Traceback (most recent call last):") is None
+    assert render_console_line('{"not": "an event"}') is None

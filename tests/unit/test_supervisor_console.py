@@ -25,6 +25,7 @@ from elastic_trainer.supervisor.console import (
     RelayedLogsSpecs,
     render_prefix,
 )
+from tests.unit.test_logging import screen
 
 
 def _feed(prefix: bytes, *chunks: bytes) -> bytes:
@@ -255,3 +256,36 @@ def test_a_long_json_line_read_in_parts_stays_one_event() -> None:
     relay.close(time.monotonic() + 10)
     os.close(relayed)
     assert shown.result(timeout=10) == event  # not parts of it as output.stderr text
+
+
+def test_a_workers_json_events_show_as_console_lines_and_resources_not_at_all() -> None:
+    """Regression: under ``--log-format auto`` a worker's events showed as raw JSON next to
+    the supervisor's formatted lines, and ``worker.resources`` every 30 s."""
+    evaluated = {"event": "train.evaluated", "epoch": 2, "val_accuracy": 0.87, "val_loss": 0.41,
+                 "level": "info", "timestamp": "2026-11-24T21:00:13Z"}  # fmt: skip
+    resources = {"event": "worker.resources", "rank": 0, "rss_bytes": 1}
+    lines = [json.dumps(evaluated), json.dumps(resources), "Traceback (most recent call last):"]
+    out = Prefixer(b"[rank0]:", human=True).feed(("\n".join(lines) + "\n").encode())
+    shown = screen(out.decode())
+    assert shown[0].startswith("[rank0]:2026-11-24T21:00:13Z [info")
+    assert shown[0].endswith("epoch 2: val_accuracy 87.0 %, val_loss 0.41")
+    assert shown[1:] == ["[rank0]:Traceback (most recent call last):", ""]
+
+
+def test_a_line_relayed_to_a_terminal_goes_above_another_ranks_unfinished_bar() -> None:
+    master, terminal = os.openpty()
+    attrs = termios.tcgetattr(terminal)
+    attrs[1] &= ~termios.OPOST  # the bytes as written, no \n -> \r\n
+    termios.tcsetattr(terminal, termios.TCSANOW, attrs)
+    bar = b"\r 50%|#####     | 6/12 [00:00<?, ?step/s]"
+    try:
+        for prefix, data in ((b"[rank0]:", bar), (b"[rank1]:", b"hello\n")):
+            relay = Relay(terminal, Prefixer(prefix))
+            with open(relay.path, "wb") as stream:
+                stream.write(data)
+            relay.close(time.monotonic() + 10)
+        shown = screen(os.read(master, 65536).decode())
+    finally:
+        os.close(master)
+        os.close(terminal)
+    assert shown == ["[rank1]:hello", "[rank0]:" + bar.decode().lstrip("\r")]
