@@ -284,8 +284,21 @@ def test_a_line_relayed_to_a_terminal_goes_above_another_ranks_unfinished_bar() 
             with open(relay.path, "wb") as stream:
                 stream.write(data)
             relay.close(time.monotonic() + 10)
-        shown = screen(os.read(master, 65536).decode())
+        shown = screen(_terminal_bytes(master, b"hello", bar.count(b"|"), time.monotonic() + 10))
     finally:
         os.close(master)
         os.close(terminal)
     assert shown == ["[rank1]:hello", "[rank0]:" + bar.decode().lstrip("\r")]
+
+
+def _terminal_bytes(fd: int, text: bytes, bars: int, deadline: float) -> str:
+    """What the terminal got, read until ``text`` and the redrawn bar (its ``|`` count
+    twice over) are in, or the deadline: one read may return before the last write."""
+    import select
+
+    got = b""
+    while time.monotonic() < deadline and not (text in got and got.count(b"|") >= 2 * bars):
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            got += os.read(fd, 65536)
+    return got.decode()
