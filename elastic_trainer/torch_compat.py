@@ -27,6 +27,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _PeriodicTimer,
     _RendezvousExitOp,
     _RendezvousJoinOp,
+    _RendezvousKeepAliveOp,
 )
 
 # The oldest and newest torch release this module was checked against (pyproject's range).
@@ -48,7 +49,13 @@ HANDLER_ATTRIBUTES = (
     "_op_executor",  # .run(op, deadline)
     "_keep_alive_timer",  # replaced by ours in start_fast_heartbeats
 )
-HANDLER_METHODS = ("_keep_alive_weak", "_start_heartbeats", "_stop_heartbeats")
+HANDLER_METHODS = (
+    "_keep_alive",  # overridden by ours: torch logs a warning for every failed heartbeat
+    "_keep_alive_weak",
+    "_get_deadline",
+    "_start_heartbeats",
+    "_stop_heartbeats",
+)
 
 
 def set_last_call_timeout(handler: DynamicRendezvousHandler, last_call: timedelta) -> None:
@@ -75,6 +82,15 @@ def start_fast_heartbeats(handler: DynamicRendezvousHandler) -> None:
     timer.set_name(f"RendezvousKeepAliveTimer_{handler._this_node.local_id}")
     timer.start()
     handler._keep_alive_timer = timer
+
+
+def send_heartbeat(handler: DynamicRendezvousHandler) -> None:
+    """One keep-alive heartbeat, as torch's ``_keep_alive`` sends it, but raising instead of
+    logging a warning: with the store gone torch's logged one line per tick (every half
+    interval), so the caller decides what a failure is worth saying."""
+    with handler._heartbeat_lock:
+        deadline = handler._get_deadline(handler._settings.timeout.heartbeat)
+        handler._op_executor.run(_RendezvousKeepAliveOp(), deadline)
 
 
 def rendezvous_state(handler: DynamicRendezvousHandler, *, sync: bool = False) -> Any:

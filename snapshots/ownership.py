@@ -1,13 +1,15 @@
 """A snapshot folder belongs to one job: ``owner.json`` at its root names it.
 
-``owner.json`` is JSON (never pickle): ``{"format": 1, "job_id", "run_token", "created_at"}``.
+``owner.json`` is JSON (never pickle): ``{"format": 1, "job_id", "run_token", "created_at",
+"lineage", "alive_at", "beat_s", "ended_at"}`` (the last four may be absent: older records).
 The first store with an ``Owner`` creates it with an exclusive create, so of two jobs
 starting at once exactly one claims the folder. Then, for a store with an ``Owner``:
 
 - another job's folder is refused at start-up (``SnapshotOwnerError``, one line naming both
   job ids and the fix);
 - the same job id with another run token (a resumed or requeued job: a new supervisor run)
-  adopts the folder: it rewrites ``owner.json`` with its run token (``snapshot.adopted``);
+  adopts the folder: it rewrites ``owner.json`` with its run token (``snapshot.adopted``),
+  unless the recorded run is still alive and not of this run's lineage (below);
 - before every save's first write, before its commit (the manifest) and before pruning, the
   store re-reads ``owner.json``: once a newer run of the same job has adopted the folder,
   the older run's saves fail (``snapshot.failed`` naming both runs) and it prunes nothing.
@@ -16,13 +18,26 @@ The checks are re-reads, not locks: a run that loses the folder between a check 
 manifest write can still commit that one step (never over another's: manifests are created
 exclusively), but it never deletes anything once it has seen the newer owner.
 A store without an ``Owner`` (standalone use, the ops CLI) neither reads nor writes it.
+
+Liveness. The owning run refreshes ``alive_at`` (unix seconds) on the save path's owner
+check, at most every ``REFRESH_S``; ``beat_s`` is the longest gap it has had between two
+refreshes (so a run saving every 10 minutes is not taken for dead after 2), and a clean end
+(the store closed by the run's writer) records ``ended_at``. A run of the same job with
+another token adopts the folder when the recorded run has ended, is of the same
+``lineage`` (one rendezvous store: a re-formed round, whose earlier round its agents have
+stopped), has no heartbeat (an older record), or was last alive more than ``stale_after_s``
+ago: ``max(3 * beat_s, MIN_STALE_S)``. Otherwise the folder is being written by a live run
+this one is not part of (a node that started its own rendezvous next to the job's) and it
+is refused (``SnapshotOwnerError``, one line naming that run and the fix). A run without a
+lineage (launched by plain torchrun) cannot tell its own re-forms apart and adopts as before.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 from snapshots.errors import SnapshotOwnerError
 from snapshots.events import emit
@@ -31,6 +46,8 @@ from snapshots.storage import Storage
 
 OWNER_NAME = "owner.json"
 OWNER_FORMAT = 1
+REFRESH_S = 10.0  # the owning run rewrites alive_at at most this often
+MIN_STALE_S = 120.0  # a record's heartbeat is trusted at least this long
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +57,10 @@ class Owner:
     job_id: str
     run_token: str
     created_at: str = ""  # when the run claimed the folder; set when written
+    lineage: str = ""  # the rendezvous store the run formed on; "" unknown (torchrun)
+    alive_at: float | None = None  # unix seconds of the run's last heartbeat; None: unknown
+    beat_s: float = 0.0  # the longest gap between two of the run's heartbeats so far
+    ended_at: float | None = None  # unix seconds of the run's clean end; None: not ended
 
     def __post_init__(self) -> None:
         for name in ("job_id", "run_token"):
@@ -53,15 +74,34 @@ class Claim(enum.Enum):
     FREE = "free"  # nobody recorded: claim it
     ADOPT = "adopt"  # an earlier (or concurrent) run of the same job: take it over
     FOREIGN = "foreign"  # another job's folder
+    LIVE = "live"  # a live run of the same job on another rendezvous: not ours to take
 
 
-def decide(recorded: Owner | None, me: Owner) -> Claim:
-    """Pure: what a run may do with a folder whose recorded owner is ``recorded``."""
+def stale_after_s(recorded: Owner) -> float:
+    """How long after its last heartbeat a run is taken for gone."""
+    return max(3 * recorded.beat_s, MIN_STALE_S)
+
+
+def decide(recorded: Owner | None, me: Owner, *, now: float) -> Claim:
+    """Pure: what a run may do, at unix time ``now``, with a folder whose recorded owner is
+    ``recorded``."""
     if recorded is None:
         return Claim.FREE
     if recorded.job_id != me.job_id:
         return Claim.FOREIGN
-    return Claim.MINE if recorded.run_token == me.run_token else Claim.ADOPT
+    if recorded.run_token == me.run_token:
+        return Claim.MINE
+    if _may_take_over(recorded, me, now):
+        return Claim.ADOPT
+    return Claim.LIVE
+
+
+def _may_take_over(recorded: Owner, me: Owner, now: float) -> bool:
+    if recorded.ended_at is not None or not me.lineage or recorded.alive_at is None:
+        return True
+    if recorded.lineage == me.lineage:
+        return True
+    return now - recorded.alive_at > stale_after_s(recorded)
 
 
 def to_json(owner: Owner) -> bytes:
@@ -70,6 +110,10 @@ def to_json(owner: Owner) -> bytes:
         "job_id": owner.job_id,
         "run_token": owner.run_token,
         "created_at": owner.created_at or now_iso(),
+        "lineage": owner.lineage,
+        "alive_at": owner.alive_at,
+        "beat_s": owner.beat_s,
+        "ended_at": owner.ended_at,
     }
     return json.dumps(body, indent=2, sort_keys=True).encode()
 
@@ -81,12 +125,24 @@ def from_json(data: bytes, url: str) -> Owner:
             job_id=body["job_id"],
             run_token=body["run_token"],
             created_at=str(body.get("created_at", "")),
+            lineage=str(body.get("lineage") or ""),
+            alive_at=_seconds(body.get("alive_at")),
+            beat_s=_seconds(body.get("beat_s")) or 0.0,
+            ended_at=_seconds(body.get("ended_at")),
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise SnapshotOwnerError(
             f"{url}/{OWNER_NAME} is not a valid owner record ({type(exc).__name__}: {exc}); "
             f"delete it to let the job that should own {url} claim it again"
         ) from exc
+
+
+def _seconds(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected seconds (a number), got {value!r}")
+    return float(value)
 
 
 def read(storage: Storage, url: str) -> Owner | None:
@@ -96,22 +152,26 @@ def read(storage: Storage, url: str) -> Owner | None:
         return None
 
 
-def claim(storage: Storage, url: str, me: Owner) -> None:
-    """At start-up: claim a free folder, adopt one of an earlier run of this job, refuse
-    another job's."""
+def claim(storage: Storage, url: str, me: Owner, *, now: float | None = None) -> None:
+    """At start-up: claim a free folder, adopt one of an earlier run of this job that has
+    ended, gone stale or belongs to this run's lineage; refuse another job's or a live one."""
+    now = time.time() if now is None else now
+    mine = replace(me, alive_at=now, beat_s=0.0, ended_at=None)
     recorded = read(storage, url)
-    verdict = decide(recorded, me)
+    verdict = decide(recorded, me, now=now)
     if verdict is Claim.FREE:
         try:
-            storage.write(OWNER_NAME, to_json(me), exclusive=True)
+            storage.write(OWNER_NAME, to_json(mine), exclusive=True)
             return
         except FileExistsError:  # claimed meanwhile: judge the winner's record
             recorded = read(storage, url)
-            verdict = decide(recorded, me)
+            verdict = decide(recorded, me, now=now)
     if verdict is Claim.FOREIGN:
         raise SnapshotOwnerError(_foreign(url, recorded, me))
+    if verdict is Claim.LIVE and recorded is not None:
+        raise SnapshotOwnerError(_live(url, recorded, now))
     if verdict is Claim.ADOPT and recorded is not None:
-        storage.write(OWNER_NAME, to_json(me))
+        storage.write(OWNER_NAME, to_json(mine))
         emit(
             "snapshot.adopted",
             url=url,
@@ -121,24 +181,54 @@ def claim(storage: Storage, url: str, me: Owner) -> None:
         )
 
 
-def ensure_mine(storage: Storage, url: str, me: Owner) -> None:
-    """Before writing or deleting: the folder must still be this run's."""
+def ensure_mine(storage: Storage, url: str, me: Owner, *, now: float | None = None) -> None:
+    """Before writing or deleting: the folder must still be this run's. Refreshes this run's
+    heartbeat when it is ``REFRESH_S`` old (the save path calls this before every save)."""
+    now = time.time() if now is None else now
     recorded = read(storage, url)
-    verdict = decide(recorded, me)
-    if verdict is Claim.MINE:
+    verdict = decide(recorded, me, now=now)
+    if verdict is Claim.MINE and recorded is not None:
+        _refresh(storage, recorded, now)
         return
     if verdict is Claim.FREE:
         raise SnapshotOwnerError(
             f"{url}/{OWNER_NAME} of job {me.job_id!r} disappeared while run {me.run_token} "
             "was writing; restart the job so that it claims the folder again"
         )
-    if verdict is Claim.ADOPT and recorded is not None:
+    if verdict in (Claim.ADOPT, Claim.LIVE) and recorded is not None:
         raise SnapshotOwnerError(
             f"snapshot folder {url} was taken over by run {recorded.run_token} of job "
             f"{me.job_id!r}; this run ({me.run_token}) no longer writes there: stop it, only "
             "one run of a job may write its snapshots"
         )
     raise SnapshotOwnerError(_foreign(url, recorded, me))
+
+
+def _refresh(storage: Storage, recorded: Owner, now: float) -> None:
+    last = recorded.alive_at
+    if last is not None and now - last < REFRESH_S:
+        return
+    gap = max(recorded.beat_s, now - last) if last is not None else recorded.beat_s
+    storage.write(OWNER_NAME, to_json(replace(recorded, alive_at=now, beat_s=gap)))
+
+
+def end(storage: Storage, url: str, me: Owner, *, now: float | None = None) -> None:
+    """The run's writer closed cleanly: record ``ended_at`` so that the next run of the job
+    adopts the folder at once. Nothing if the folder is no longer this run's."""
+    now = time.time() if now is None else now
+    recorded = read(storage, url)
+    if recorded is not None and decide(recorded, me, now=now) is Claim.MINE:
+        storage.write(OWNER_NAME, to_json(replace(recorded, alive_at=now, ended_at=now)))
+
+
+def _live(url: str, recorded: Owner, now: float) -> str:
+    ago = now - recorded.alive_at if recorded.alive_at is not None else 0.0
+    return (
+        f"snapshot folder {url} is being written by run {recorded.run_token} of job "
+        f"{recorded.job_id!r} (alive {ago:.0f} s ago): this node's agent is not part of that "
+        "job's rendezvous; start it with the job's --rdzv-endpoint or wait for that run to "
+        f"end (its record goes stale {stale_after_s(recorded):.0f} s after its last heartbeat)"
+    )
 
 
 def _foreign(url: str, recorded: Owner | None, me: Owner) -> str:

@@ -111,6 +111,7 @@ class SnapshotStore(StoreReading):
         self.keep, self.keep_every = keep, keep_every
         self.async_save, self.when_busy = async_save, when_busy
         self.owner = owner
+        self._owner_checked = False  # this store wrote under the owner check: it ends the run
         self._storage: RetryingStorage = open_storage(
             url,
             storage_options=storage_options,
@@ -150,6 +151,18 @@ class SnapshotStore(StoreReading):
     def _ensure_owner(self) -> None:
         if self.owner is not None:
             ownership.ensure_mine(self._storage, self.url, self.owner)
+            self._owner_checked = True
+
+    def _record_end(self) -> None:
+        """The writer of the run closes: the next run of the job adopts the folder at once
+        (``ownership.end``). Best effort, and never waited for on storage that is down: the
+        record then goes stale instead."""
+        if self.owner is None or not self._owner_checked or self._storage.health.down:
+            return
+        if self._writer.pending is not None:  # a save still in flight may yet commit
+            return
+        with contextlib.suppress(Exception):
+            ownership.end(self._storage.single_attempt(), self.url, self.owner)
 
     # ------------------------------------------------------------------ save
     def save(
@@ -317,6 +330,7 @@ class SnapshotStore(StoreReading):
         finally:
             self._closed = True
             self._writer.shutdown(wait=self._writer.pending is None)
+            self._record_end()
 
     def release_reserved(self) -> int:
         """Once the job has ended: close, then delete the data files local storage keeps in

@@ -14,6 +14,7 @@ a sharded save: the ranks agree before starting it, so none is left in its commi
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -277,12 +278,19 @@ def restore_state(
     return None if loaded is None else (loaded.info.step, loaded.state)
 
 
+# Set by the supervisor (supervisor/rendezvous.py, same name) for the workers it starts.
+ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
+
+
 def open_snapshots(url: str, keep: int, context: WorkerContext, attempt: int) -> SessionSnapshots:
     """The folder belongs to this job (``snapshots.ownership``): the run token is the
     group's attempt, agreed by every rank, so a later attempt or a requeued run adopts the
-    folder and a concurrent run of the same job takes it over from this one."""
+    folder and a concurrent run of the same job takes it over from this one. The lineage
+    (the supervisor's rendezvous store, ``ENV_RDZV_LINEAGE``) tells a re-form of this job
+    from a run formed on another store, which a live run's folder refuses."""
     job_id = context.job_id
-    owner = Owner(job_id=job_id, run_token=f"{attempt:x}") if job_id else None
+    lineage = os.environ.get(ENV_RDZV_LINEAGE, "")
+    owner = Owner(job_id=job_id, run_token=f"{attempt:x}", lineage=lineage) if job_id else None
     try:
         return SessionSnapshots(
             url, keep=keep, owner=owner, storage_timeout=context.settings.storage_timeout_s

@@ -26,12 +26,23 @@ changes three things, each for a measured reason (shared/BASELINES.md):
   agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
   in the shared state first, so nobody waits for their heartbeats to run out; and a node that
   waits for others polls the state every 50 ms instead of torch's fixed 1 s sleep.
+- a failed keep-alive heartbeat is counted, not logged (torch logs a warning per tick: with
+  the store gone that was two lines a second, for as long as the workers ran). The one
+  ``store.unreachable`` event comes from the membership watch, which reads the same store on
+  every monitor pass; the handler keeps the streak (``heartbeat_failures``) for it and tests.
+- every node of one rendezvous store shares a lineage token (``share_lineage``), which the
+  workers inherit (``ENV_RDZV_LINEAGE``): a snapshot folder's owner record carries it, so a
+  later attempt of the same rendezvous takes the folder over at once while a run formed on
+  another store (a restarted node that did not find the job's) is refused while the recorded
+  run is alive (``snapshots.ownership``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -62,6 +73,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _dead: frozenset[Any] = frozenset()  # nodes known gone, expired before the next join
     store: Any = None  # the c10d store (create_handler): state polls and presence addresses
     poll_s = 0.05  # while waiting for others to join: how often the state is read
+    heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
+    heartbeat_error = ""  # the first line of the streak's first failure
+    lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
 
     def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
         self._first_last_call = timedelta(seconds=first_last_call_s)
@@ -81,6 +95,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if self._static_rank is not None and self.store is not None:
             self._publish("node-rank", str(self._static_rank))  # before joining: see check
         info = super().next_rendezvous()
+        if self.lineage:  # the workers of this round start after it: they inherit it
+            os.environ[ENV_RDZV_LINEAGE] = self.lineage
         self._known, self._dead = frozenset(self.participants()), frozenset()
         if self._static_rank is not None and self.store is not None:
             self._check_static_ranks(info.world_size)
@@ -173,6 +189,18 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     def _start_heartbeats(self) -> None:
         torch_compat.start_fast_heartbeats(self)
+
+    def _keep_alive(self) -> None:
+        """torch's heartbeat without its per-failure warning. Any error is caught: one raised
+        on the timer thread would end the heartbeats for good."""
+        try:
+            torch_compat.send_heartbeat(self)
+        except Exception as exc:
+            if self.heartbeat_failures == 0:
+                self.heartbeat_error = first_line(str(exc)) or type(exc).__name__
+            self.heartbeat_failures += 1
+            return
+        self.heartbeat_failures, self.heartbeat_error = 0, ""
 
     @property
     def round(self) -> int:
@@ -300,9 +328,22 @@ def create_handler(
     )
     handler.use_static_rank(cfg.torchrun.node_rank)
     handler.store = store
+    handler.lineage = share_lineage(store, cfg.job_id)
     if hosted:  # every agent's rendezvous.completed names it (``store_host``)
         store.set(store_host_key(cfg.job_id), cfg.node)
     return handler
+
+
+# The workers' copy of the store's lineage token (runtime/snapshotting.py reads it).
+ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
+
+
+def share_lineage(store: Any, job_id: str) -> str:
+    """The token every node of this rendezvous store agrees on: the first node to ask sets
+    it (compare-and-set), every later one (and every later round) reads the same. A store
+    that is gone and started again is another lineage, as its rendezvous state is new too."""
+    key = f"elastic-train/{job_id}/lineage"
+    return bytes(store.compare_set(key, "", uuid.uuid4().hex)).decode()
 
 
 def store_host_key(job_id: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,25 +17,87 @@ import torch
 from structlog.testing import capture_logs
 
 from snapshots import Owner, SnapshotOwnerError, SnapshotSaveError, SnapshotStore
-from snapshots.ownership import OWNER_NAME, Claim, decide
+from snapshots.ownership import MIN_STALE_S, OWNER_NAME, Claim, decide, to_json
 
 
 def _x(value: float) -> dict[str, torch.Tensor]:
     return {"x": torch.full((4,), value)}
 
 
-def _store(root: Path, job: str, run: str, **kwargs: object) -> SnapshotStore:
-    return SnapshotStore(
-        str(root), owner=Owner(job_id=job, run_token=run), async_save=False, **kwargs
-    )  # type: ignore[arg-type]
+def _store(root: Path, job: str, run: str, lineage: str = "", **kwargs: object) -> SnapshotStore:
+    owner = Owner(job_id=job, run_token=run, lineage=lineage)
+    return SnapshotStore(str(root), owner=owner, async_save=False, **kwargs)  # type: ignore[arg-type]
 
 
 def test_decisions() -> None:
     me = Owner(job_id="a", run_token="r2")
-    assert decide(None, me) is Claim.FREE
-    assert decide(Owner(job_id="a", run_token="r2"), me) is Claim.MINE
-    assert decide(Owner(job_id="a", run_token="r1"), me) is Claim.ADOPT
-    assert decide(Owner(job_id="b", run_token="r2"), me) is Claim.FOREIGN
+    assert decide(None, me, now=0) is Claim.FREE
+    assert decide(Owner(job_id="a", run_token="r2"), me, now=0) is Claim.MINE
+    assert decide(Owner(job_id="a", run_token="r1"), me, now=0) is Claim.ADOPT
+    assert decide(Owner(job_id="b", run_token="r2"), me, now=0) is Claim.FOREIGN
+
+
+def test_a_live_run_of_another_lineage_is_not_adopted() -> None:
+    """Node b restarted next to a live job, formed its own rendezvous (another lineage) and
+    took the folder over; the live run then failed. Now only a run that is gone is taken."""
+    me = Owner(job_id="a", run_token="r2", lineage="store-2")
+    live = Owner(job_id="a", run_token="r1", lineage="store-1", alive_at=1000.0, beat_s=10.0)
+    assert decide(live, me, now=1012.0) is Claim.LIVE
+    assert decide(live, me, now=1000.0 + MIN_STALE_S + 1) is Claim.ADOPT  # stale
+    slow = Owner(job_id="a", run_token="r1", lineage="store-1", alive_at=1000.0, beat_s=600.0)
+    assert decide(slow, me, now=1000.0 + MIN_STALE_S + 1) is Claim.LIVE  # saves 10 min apart
+    assert decide(slow, me, now=1000.0 + 3 * 600 + 1) is Claim.ADOPT
+    ended = Owner(job_id="a", run_token="r1", lineage="store-1", alive_at=1000.0, ended_at=1000.0)
+    assert decide(ended, me, now=1001.0) is Claim.ADOPT  # a requeue after a clean end
+    reformed = Owner(job_id="a", run_token="r1", lineage="store-2", alive_at=1000.0)
+    assert decide(reformed, me, now=1001.0) is Claim.ADOPT  # a re-form on the job's store
+    torchrun = Owner(job_id="a", run_token="r2b")  # no lineage: cannot tell, adopts as before
+    assert decide(live, torchrun, now=1012.0) is Claim.ADOPT
+    older = Owner(job_id="a", run_token="r1", lineage="store-1")  # a record without heartbeat
+    assert decide(older, me, now=1012.0) is Claim.ADOPT
+
+
+def test_a_node_next_to_a_live_run_is_refused_with_one_line(tmp_path: Path) -> None:
+    live = _store(tmp_path, "job-a", "run-1", lineage="store-1")
+    live.save(1, _x(1))
+    with pytest.raises(SnapshotOwnerError) as info:
+        _store(tmp_path, "job-a", "run-2", lineage="store-2")
+    message = str(info.value)
+    assert "\n" not in message and "run-1" in message and "--rdzv-endpoint" in message
+    live.save(2, _x(2))  # the live run goes on writing its folder
+    assert [i.step for i in live.list()] == [1, 2]
+
+
+def test_the_same_lineage_takes_over_at_once(tmp_path: Path) -> None:
+    _store(tmp_path, "job-a", "run-1", lineage="store-1").save(1, _x(1))
+    _store(tmp_path, "job-a", "run-2", lineage="store-1").save(2, _x(2))
+    assert json.loads((tmp_path / OWNER_NAME).read_text())["run_token"] == "run-2"
+
+
+def test_a_clean_end_lets_the_next_run_adopt_at_once(tmp_path: Path) -> None:
+    with _store(tmp_path, "job-a", "run-1", lineage="store-1") as first:
+        first.save(1, _x(1))
+    assert json.loads((tmp_path / OWNER_NAME).read_text())["ended_at"] is not None
+    _store(tmp_path, "job-a", "run-2", lineage="store-2").save(2, _x(2))
+
+
+def test_a_stale_run_is_adopted(tmp_path: Path) -> None:
+    gone = Owner(
+        job_id="job-a", run_token="run-1", lineage="s1", alive_at=time.time() - MIN_STALE_S - 5
+    )
+    (tmp_path / OWNER_NAME).write_bytes(to_json(gone))
+    _store(tmp_path, "job-a", "run-2", lineage="s2").save(1, _x(1))
+
+
+def test_the_owner_refreshes_its_heartbeat_on_saves(tmp_path: Path) -> None:
+    store = _store(tmp_path, "job-a", "run-1", lineage="s1")
+    record = json.loads((tmp_path / OWNER_NAME).read_text())
+    record["alive_at"] -= 60  # as if the last save had been a minute ago
+    (tmp_path / OWNER_NAME).write_text(json.dumps(record))
+    before = time.time()
+    store.save(1, _x(1))
+    after = json.loads((tmp_path / OWNER_NAME).read_text())
+    assert after["alive_at"] >= before and after["beat_s"] >= 60
 
 
 def test_owner_fields_are_validated() -> None:

@@ -6,18 +6,20 @@ The waits that would make these tests hang without the change are set long (30 s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from torch.distributed import TCPStore
+from structlog.testing import capture_logs
+from torch.distributed import HashStore, TCPStore
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
 from elastic_trainer import torch_compat
-from elastic_trainer.supervisor.rendezvous import FastRecoveryRendezvousHandler
+from elastic_trainer.supervisor.rendezvous import FastRecoveryRendezvousHandler, share_lineage
 
 HANG_S = 20.0  # far below the 30 s waits a missing early close would cost
 
@@ -134,3 +136,51 @@ def form_with_last_call(a: FastRecoveryRendezvousHandler, b: FastRecoveryRendezv
     a.tune(first_last_call_s=3.0, later_last_call_s=30.0)
     b.tune(first_last_call_s=3.0, later_last_call_s=30.0)
     form(a, b)
+
+
+def test_a_lost_store_fails_heartbeats_quietly_and_counts_them(monkeypatch, caplog) -> None:
+    """The store's host was preempted: torch logged a RendezvousConnectionError warning on
+    every heartbeat tick (376 lines in 3 minutes). Now: no line per attempt, a streak count
+    (the one store.unreachable comes from the membership watch), reset by a success."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=5))
+    handler = FastRecoveryRendezvousHandler.from_backend(
+        "job",
+        store,
+        C10dRendezvousBackend(store, "job"),
+        1,
+        1,
+        "127.0.0.1",
+        RendezvousTimeout(join=timedelta(seconds=60), heartbeat=timedelta(seconds=10)),
+        keep_alive_interval=0.01,  # every beat below is due (the timer is stopped)
+        keep_alive_max_attempt=1000,  # but the node expires only after 10 s
+    )
+    handler.store = store
+    assert Joining(handler).result() == 1
+    handler._stop_heartbeats()  # the test sends the beats
+    del master  # the store is gone
+    with capture_logs() as events, caplog.at_level(logging.DEBUG):
+        for _ in range(5):
+            time.sleep(0.02)  # not a sync: makes the beat due
+            handler._keep_alive()
+    assert handler.heartbeat_failures == 5 and handler.heartbeat_error
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert events == []
+    monkeypatch.setattr(torch_compat, "send_heartbeat", lambda handler: None)  # back again
+    handler._keep_alive()
+    assert (handler.heartbeat_failures, handler.heartbeat_error) == (0, "")
+
+
+def test_every_node_of_one_store_shares_one_lineage() -> None:
+    store, other = HashStore(), HashStore()
+    first = share_lineage(store, "job")
+    assert first and share_lineage(store, "job") == first  # a later node, a later round
+    assert share_lineage(other, "job") != first  # a store started again: another lineage
+
+
+def test_the_workers_read_the_lineage_the_supervisor_exports() -> None:
+    from elastic_trainer.runtime import snapshotting
+    from elastic_trainer.supervisor import rendezvous
+
+    assert snapshotting.ENV_RDZV_LINEAGE == rendezvous.ENV_RDZV_LINEAGE
