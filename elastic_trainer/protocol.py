@@ -44,6 +44,9 @@ ENV_COLLECTIVE_TIMEOUT = "ELASTIC_TRAIN_COLLECTIVE_TIMEOUT"  # seconds, process-
 ENV_GRACE_PERIOD = "ELASTIC_TRAIN_GRACE_PERIOD"  # seconds from a stop request to the kill
 # the job's mean time between failures as the supervisor observed it (--snapshot-every auto)
 ENV_MTBF = "ELASTIC_TRAIN_MTBF_S"
+# the rendezvous store's lineage (one per store, shared by its nodes): a snapshot folder's
+# owner record carries it, so a re-form of the job is told from another job's run
+ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
 # the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
 # and the node sentinel kills whatever still carries it once the supervisor is gone
 ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"

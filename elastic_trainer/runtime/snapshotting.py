@@ -279,7 +279,7 @@ def restore_state(
 
 
 # Set by the supervisor (supervisor/rendezvous.py, same name) for the workers it starts.
-ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
+ENV_RDZV_LINEAGE = protocol.ENV_RDZV_LINEAGE
 
 
 def open_snapshots(url: str, keep: int, context: WorkerContext, attempt: int) -> SessionSnapshots:

@@ -54,7 +54,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from elastic_trainer import torch_compat
+from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
 from elastic_trainer.errors import ConfigError, first_line
 from elastic_trainer.events import emit
@@ -335,7 +335,7 @@ def create_handler(
 
 
 # The workers' copy of the store's lineage token (runtime/snapshotting.py reads it).
-ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
+ENV_RDZV_LINEAGE = protocol.ENV_RDZV_LINEAGE
 
 
 def share_lineage(store: Any, job_id: str) -> str:

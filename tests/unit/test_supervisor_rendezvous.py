@@ -18,7 +18,7 @@ from torch.distributed import HashStore, TCPStore
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-from elastic_trainer import torch_compat
+from elastic_trainer import protocol, torch_compat
 from elastic_trainer.supervisor.rendezvous import FastRecoveryRendezvousHandler, share_lineage
 
 HANG_S = 20.0  # far below the 30 s waits a missing early close would cost
@@ -183,4 +183,4 @@ def test_the_workers_read_the_lineage_the_supervisor_exports() -> None:
     from elastic_trainer.runtime import snapshotting
     from elastic_trainer.supervisor import rendezvous
 
-    assert snapshotting.ENV_RDZV_LINEAGE == rendezvous.ENV_RDZV_LINEAGE
+    assert snapshotting.ENV_RDZV_LINEAGE == rendezvous.ENV_RDZV_LINEAGE == protocol.ENV_RDZV_LINEAGE
