@@ -86,7 +86,8 @@ def launcher_cmd(kind: str, worker: str, port: int, node: str, tmp: Path) -> lis
 
 
 def env_for(kind: str, tmp: Path, node: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LOGLEVEL="INFO")
+    # as users run it: no OMP_NUM_THREADS (the launchers set what they set themselves)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOGLEVEL="INFO")
     (tmp / "snap").mkdir(exist_ok=True)
     if kind == "torchrun":  # the worker's protocol, set by hand for torchrun
         control = tmp / f"control-{node}"

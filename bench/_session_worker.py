@@ -16,7 +16,6 @@ import time
 STARTED_AT = time.time()  # before ``import torch``: bench/recovery.py times the worker start
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -96,5 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -14,8 +14,8 @@ background writer), with torch.save every ``--every`` steps, and with a snapshot
 to a SnapshotStore on /dev/shm (node-local memory, through the same asynchronous path): wall
 and process CPU as ratios to the job without snapshots.
 
-    OMP_NUM_THREADS=1 python bench/snapshot_stall.py [--saves 5] [--dir /tmp/x]
-    OMP_NUM_THREADS=1 python bench/snapshot_stall.py --jobs-only [--steps 60] [--repeats 3]
+    python bench/snapshot_stall.py [--saves 5] [--dir /tmp/x]
+    python bench/snapshot_stall.py --jobs-only [--steps 60] [--repeats 3]
         [--kinds session,torch,memory]
 """
 
@@ -398,7 +398,6 @@ def main() -> None:
     parser.add_argument("--jobs-only", action="store_true", help="only the whole-job table")
     parser.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)  # one job, JSON
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.job:
         print(json.dumps(job(args.job, args.steps, args.every, args.batch, args.dir)))
         return

@@ -121,7 +121,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     trials = parser.parse_args().trials
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not procs.become_subreaper():
         raise SystemExit("needs Linux (a child subreaper): the warm pool's workers are ours")
     with tempfile.TemporaryDirectory() as tmp:
