@@ -1,4 +1,4 @@
-"""What README.md's "Deploying" and "How it compares" sections claim, checked against the files
+"""What docs/deploying.md and README.md's "How it compares" claim, checked against the files
 and against torch where a claim can be checked.
 
 Not checked here: that torch's agent does not count new nodes waiting against
@@ -15,13 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+DEPLOYING = (ROOT / "docs" / "deploying.md").read_text()
 DEPLOY = ROOT / "deploy"
 
 
 def section(title: str) -> str:
-    """The README text under a heading that starts with ``title``, up to the next heading."""
-    match = re.search(rf"^#+ {re.escape(title)}.*?\n(.*?)(?=^#+ )", README, re.S | re.M)
-    assert match, f"README.md has no section {title!r}"
+    """docs/deploying.md's text under a heading that starts with ``title``, up to the next one."""
+    match = re.search(rf"^#+ {re.escape(title)}.*?\n(.*?)(?=^#+ )", DEPLOYING, re.S | re.M)
+    assert match, f"docs/deploying.md has no section {title!r}"
     return match[1]
 
 

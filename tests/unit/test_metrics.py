@@ -1,4 +1,4 @@
-"""The supervisor's metrics: event -> changes (pure), /health's phase, the README's table."""
+"""The supervisor's metrics: event -> changes (pure), /health's phase, the docs' table."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from elastic_trainer import events
 from elastic_trainer.supervisor import metrics as M
 from elastic_trainer.supervisor.watchdog import Progress
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "events-and-metrics.md"
 
 
 def test_a_saved_snapshot_sets_step_and_time_and_observes_stall_and_write_in_seconds() -> None:
@@ -171,13 +171,13 @@ def test_stopping_failed_and_finished_are_unhealthy_and_final(last: dict, phase:
     assert M.next_health(health, {"event": "workers.started"}) == health
 
 
-# ---- the README is the metrics' documentation ------------------------------------------------
-def test_readme_documents_every_metric_with_its_type_and_labels() -> None:
-    text = README.read_text()
+# ---- docs/events-and-metrics.md is the metrics' documentation ----------------------------------
+def test_the_docs_document_every_metric_with_its_type_and_labels() -> None:
+    text = METRICS_DOC.read_text()
     section = text[text.index("## Metrics") :]
     for spec in M.METRICS.values():
         row = re.search(rf"^\| `{spec.name}(\{{[^`]*\}})?` \| (\w+) \|.*$", section, re.M)
-        assert row, f"README.md Metrics table lacks {spec.name}"
+        assert row, f"docs/events-and-metrics.md Metrics table lacks {spec.name}"
         assert row.group(2) == spec.kind.value, spec.name
         labels = re.findall(r"\w+", row.group(1) or "")
         assert tuple(labels) == spec.labels, spec.name
