@@ -227,7 +227,7 @@ EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL
 # would fail the same way, so the supervisor ends the job at once with this code.
 EXIT_CONFIG = 2
 
-# --- supervisor exit codes (documented in the README) -------------------------------------
+# --- supervisor exit codes (documented in docs/command-line.md) -------------------------
 SUPERVISOR_EXIT_OK = 0
 SUPERVISOR_EXIT_FAILED = 1
 SUPERVISOR_EXIT_CONFIG = 2

@@ -19,7 +19,7 @@ from elastic_trainer.jobs.data import (
     DataSpec,
 )
 
-# Sized for the first five minutes on a 2-core CPU (see README: the default run).
+# Sized for a few minutes on a 2-core CPU (docs/built-in-job.md: the default run).
 DEFAULT_GLOBAL_BATCH = 48  # divides every world size of the quick start (1-4 nodes)
 DEFAULT_EPOCHS = 4
 DEFAULT_LR = 0.1

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rdzv-backend", "--rdzv_backend", help="only c10d is supported")
     a("--local-addr", "--local_addr", help="address this node advertises (default: its FQDN)")
     a("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", help="id shared by all nodes")
-    a("--rdzv-conf", "--rdzv_conf", help="k=v,... rendezvous settings (see README)")
+    a("--rdzv-conf", "--rdzv_conf", help="k=v,... rendezvous settings (see docs/command-line.md)")
     a("--standalone", action="store_true", help="single node, local store on a free port")
     a("--max-restarts", "--max_restarts", type=int, help="failures tolerated (default 3)")
     a("--monitor-interval", "--monitor_interval", type=float, help="seconds between checks")
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(_own_options=[x.dest for x in p._actions if x.dest not in _NO_ENV])
     for flag in torchrun_flags.FLAGS:  # the rest of torchrun's command line
         if flag.takes_value:
-            a(*flag.names, dest=flag.dest, help=flag.help or "torchrun's; see README")
+            a(*flag.names, dest=flag.dest, help=flag.help or "torchrun's; see docs/command-line.md")
         else:
             a(*flag.names, dest=flag.dest, action="store_true", default=None, help=flag.help)
     return p

@@ -79,7 +79,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--event-log-handler", "--event_log_handler"),
-        refused="elastic-train logs its own structured events (README: Event catalogue), not "
+        refused="elastic-train logs its own structured events (docs/events-and-metrics.md), not "
         "torch's event handlers; drop the flag",
         torchrun_default="null",
     ),
