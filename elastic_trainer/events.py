@@ -2,9 +2,10 @@
 
 Ops teams parse these events. A name here never changes meaning; new fields may be added,
 none removed. ``docs/events-and-metrics.md`` renders this table;
-``tests/unit/test_events.py`` keeps the two in step. Every event also carries ``timestamp``, ``level``, ``event``, ``job_id``, ``node``
-and ``pid`` (added by ``elastic_trainer.logging``); worker events add ``rank``,
-``local_rank`` and ``restart_count``. The supervisor's events (and the worker output it
+``tests/unit/test_events.py`` keeps the two in step. Every event also carries
+``timestamp``, ``level``, ``event``, ``job_id``, ``node`` and ``pid`` (added by
+``elastic_trainer.logging``); worker events add ``rank``, ``local_rank`` and
+``restart_count``. The supervisor's events (and the worker output it
 relays as ``output.stderr``) add ``supervisor_run``, a token drawn at each supervisor start,
 so that the reporting tools keep apart two commands writing into one log; events the
 workers log themselves do not carry it.

@@ -6,7 +6,8 @@ applies them to a ``prometheus_client`` registry and serves it. The same events 
 logs ops already parse, so a metric never says something the log does not.
 
 ``METRICS`` is an API like the event catalogue: names and labels never change meaning, the
-docs/events-and-metrics.md's Metrics table renders it, and ``tests/unit/test_metrics.py`` keeps the two in step.
+Metrics table of docs/events-and-metrics.md renders it, and ``tests/unit/test_metrics.py``
+keeps the two in step.
 ``Health`` is what ``/health`` answers: a phase moved on by the same events.
 """
 
