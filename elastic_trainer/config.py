@@ -195,7 +195,8 @@ class RunConfig:
     # None: not set by the operator (WorkerSettings says who decides then)
     snapshot_every: int | str | None = None  # steps, or "auto" (runtime.interval)
     snapshot_keep: int | None = None
-    memory_snapshot_every: int | None = None  # None: the script's, else 1; 0: off
+    # None: the script's, else none for replicated state (a copy just in time), auto for sharded
+    memory_snapshot_every: int | str | None = None
     storage_timeout: float | None = None
     log_format: str = "auto"
     log_file: str | None = None
@@ -295,7 +296,8 @@ class RunConfig:
         )
         _check(
             self.memory_snapshot_every is None
-            or (isinstance(self.memory_snapshot_every, int) and self.memory_snapshot_every >= 0),
+            or self.memory_snapshot_every == "auto"
+            or (type(self.memory_snapshot_every) is int and self.memory_snapshot_every >= 0),
             "--memory-snapshot-every",
             self.memory_snapshot_every,
             "use an integer number of steps >= 1, or 0 for no in-memory copies",

@@ -72,7 +72,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "session.setting_overridden": ("setting", "script_value", "operator_value"),
     "snapshot.memory_failed": ("step", "dir", "error"),
     # --snapshot-every auto chose another interval (runtime.interval: Young-Daly)
-    "snapshot.interval": ("step", "every", "cost_s", "step_s", "mtbf_s"),
+    "snapshot.interval": ("step", "tier", "every", "cost_s", "step_s", "mtbf_s"),
     # a folder or file of the in-memory tier that is not ours alone: never used
     "snapshot.memory_refused": ("path", "reason"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),

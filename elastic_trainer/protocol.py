@@ -21,7 +21,7 @@ DEFAULT_SNAPSHOT_KEEP = 3  # newest committed snapshots kept
 # steps between periodic in-memory copies of the state (runtime.memory.tier); unset: none
 # for replicated state (its copy is made just in time, on failure: runtime.memory.on_failure),
 # this for sharded state (its shards exist nowhere else)
-DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY = 1
+DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY = "auto"  # within a budget of the step time
 # not torch's 30 min: a hung or cut-off peer must be noticed; the hang watchdog is faster
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_GRACE_PERIOD_S = 25.0  # SIGTERM -> final snapshot -> exit, under common kill delays
@@ -66,6 +66,13 @@ def snapshot_interval(raw: str) -> int | str:
     return _positive_int(raw)
 
 
+def memory_interval(raw: str) -> int | str:
+    """``--memory-snapshot-every``: steps (>= 0; 0: no periodic copies), or ``auto``."""
+    if raw.strip().lower() == "auto":
+        return "auto"
+    return _non_negative_int(raw)
+
+
 def _non_negative_int(raw: str) -> int:
     value = int(raw)
     if value < 0:
@@ -108,7 +115,7 @@ class WorkerSettings:
     # the in-memory tier: this agent's folder (the supervisor's, removed when it exits) and
     # the steps between copies (None: the script's keyword, else the default; 0 = off)
     memory_dir: str | None = None
-    memory_snapshot_every: int | None = None
+    memory_snapshot_every: int | str | None = None
     log_format: str = "auto"
     log_file: str | None = None
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -169,7 +176,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "snapshot_every": snapshot_interval,
     "snapshot_keep": _positive_int,
     "storage_timeout_s": _positive_float,
-    "memory_snapshot_every": _non_negative_int,
+    "memory_snapshot_every": memory_interval,
     "log_format": _log_format,
     "collective_timeout_s": _positive_float,
     "grace_period_s": _positive_float,

@@ -1,5 +1,8 @@
-"""``--snapshot-every auto``: the storage snapshot interval from what a snapshot costs and how
-often the job fails (Young–Daly: T ≈ √(2 · C · M)).
+"""``auto`` intervals. ``--snapshot-every auto``: the storage snapshot interval from what a
+snapshot costs and how often the job fails (Young–Daly: T ≈ √(2 · C · M)).
+``--memory-snapshot-every auto`` (the default for sharded state, whose shards exist nowhere
+else): the periodic in-memory copy as often as a budget of ``MEMORY_BUDGET`` of the step
+time allows, from the copy's measured stall.
 
 Pure: every rank feeds it the same group-averaged figures (``TrainingSession.step_done``
 all-reduces them with its stop flag), so every rank picks the same steps, as the collective
@@ -28,6 +31,17 @@ CHANGE = 0.2
 STEP_SMOOTHING = 0.1
 
 
+MEMORY_BUDGET = 0.02  # of the step time, for the sharded tier's periodic copies
+MAX_MEMORY_EVERY = 1_000
+
+
+def budget_steps(*, cost_s: float, step_s: float, budget: float = MEMORY_BUDGET) -> int:
+    """The fewest steps between copies that keep their cost within ``budget`` of the steps."""
+    if step_s <= 0:
+        return 1
+    return max(1, min(MAX_MEMORY_EVERY, math.ceil(cost_s / (budget * step_s))))
+
+
 def young_daly_steps(*, cost_s: float, mtbf_s: float, step_s: float) -> int:
     """The interval in steps: √(2 · cost · MTBF) seconds over the step time, bounded."""
     if step_s <= 0 or cost_s <= 0:
@@ -46,12 +60,18 @@ class Interval:
     mtbf_s: float = PRIOR_MTBF_S
     cost_s: float | None = None
     step_s: float | None = None
+    budget: float | None = None  # set: choose by budget_steps (the memory tier), not Young–Daly
 
     @classmethod
     def of(cls, setting: int | str, mtbf_s: float | None = None) -> Interval:
         if setting == AUTO:
             return cls(every=FIRST_EVERY, auto=True, mtbf_s=mtbf_s or PRIOR_MTBF_S)
         return cls(every=int(setting))
+
+    @classmethod
+    def memory(cls) -> Interval:
+        """The sharded tier's ``auto``: a copy every step until one has been measured."""
+        return cls(every=1, auto=True, budget=MEMORY_BUDGET)
 
     def due(self, step: int, last_saved: int) -> bool:
         """A fixed interval: every multiple of it; auto: ``every`` steps after the last."""
@@ -70,6 +90,9 @@ class Interval:
         step_s = step_s if step_s is not None else self.step_s
         if cost_s is None or step_s is None:
             return replace(self, cost_s=cost_s, step_s=step_s)
-        chosen = young_daly_steps(cost_s=cost_s, mtbf_s=self.mtbf_s, step_s=step_s)
+        if self.budget is not None:
+            chosen = budget_steps(cost_s=cost_s, step_s=step_s, budget=self.budget)
+        else:
+            chosen = young_daly_steps(cost_s=cost_s, mtbf_s=self.mtbf_s, step_s=step_s)
         moved = abs(chosen - self.every) > CHANGE * self.every
         return replace(self, cost_s=cost_s, step_s=step_s, every=chosen if moved else self.every)

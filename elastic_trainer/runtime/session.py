@@ -24,6 +24,7 @@ from elastic_trainer.runtime import distributed as D
 from elastic_trainer.runtime.audit import AuditLog, AuditRecord
 from elastic_trainer.runtime.context import WorkerContext
 from elastic_trainer.runtime.interval import Interval
+from elastic_trainer.runtime.memory.shards import ShardedMemoryTier as ShardedTier
 from elastic_trainer.runtime.progress import (
     STOP_MAX_STEPS,
     STOP_PEER_PREEMPTED,
@@ -101,11 +102,12 @@ class TrainingSession:
         url = self._setting("snapshot_dir", snapshot_dir)
         keep = self._setting("snapshot_keep", keep)
         self._snapshots = open_snapshots(url, keep, self.context, self.attempt) if url else None
-        self._memory = open_memory_tier(
-            self.context.settings.memory_dir,
-            self._setting("memory_snapshot_every", memory_snapshot_every),
-            self.state,
-        )
+        memory_every = self._setting("memory_snapshot_every", memory_snapshot_every)
+        self._memory = open_memory_tier(self.context.settings.memory_dir, memory_every, self.state)
+        # the sharded tier's periodic copies within a budget of the step time (runtime.interval)
+        sharded_auto = memory_every in (None, "auto") and isinstance(self._memory, ShardedTier)
+        self._memory_interval = Interval.memory() if sharded_auto else None
+        self._memory_cost_s = 0.0  # the last copy's stall on this rank
         self._progress = ProgressFile(self.context.progress_path)
         # snapshot/progress events for the supervisor's metrics (protocol.events_file)
         self._forwarder = EventForwarder.install(self.context.control_dir, self.context.local_rank)
@@ -275,7 +277,9 @@ class TrainingSession:
             self._micro = 0
             self._record(indices)
         if self._memory is not None and self._memory.due(self.step):
+            began = time.perf_counter()
             self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
+            self._memory_cost_s = time.perf_counter() - began
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
         if any_stop:
             self._stop(self._own_stop_reason() if own_stop else STOP_PEER_PREEMPTED)
@@ -327,35 +331,45 @@ class TrainingSession:
         return self._interval.every
 
     def _interval_figures(self) -> list[int]:
-        """With ``--snapshot-every auto``: this rank's last save stall and step time (µs),
-        summed over the group by the step's all-reduce; nothing otherwise."""
-        if not self._interval.auto:
+        """With an ``auto`` interval: this rank's step time, last storage save stall and
+        last in-memory copy stall (µs), summed over the group by the step's all-reduce (the
+        same list length on every rank: the settings are); nothing otherwise."""
+        if not (self._interval.auto or self._memory_interval is not None):
             return []
         now = time.perf_counter()
         step_s = now - self._step_ended if self._step_ended is not None else 0.0
         self._step_ended = now
-        cost_s, self._save_cost_s = self._save_cost_s, 0.0
-        return [round(cost_s * 1e6), round(step_s * 1e6)]
+        figures = (step_s, self._save_cost_s, self._memory_cost_s)
+        self._save_cost_s = self._memory_cost_s = 0.0
+        return [round(f * 1e6) for f in figures]
 
     def _observe_interval(self, figures: list[int]) -> None:
         if not figures:
             return
         world = D.world_size()
-        cost_us, step_us = figures
-        before = self._interval.every
-        self._interval = self._interval.observed(
-            cost_s=cost_us / world / 1e6 if cost_us else None,
-            step_s=step_us / world / 1e6 if step_us else None,
-        )
-        if self._interval.every != before and D.rank() == 0:
+        step_s, cost_s, memory_s = (f / world / 1e6 if f else None for f in figures)
+        if self._interval.auto:
+            self._interval = self._chosen(self._interval, cost_s, step_s, "storage")
+        if self._memory_interval is not None and self._memory is not None:
+            self._memory_interval = self._chosen(self._memory_interval, memory_s, step_s, "memory")
+            self._memory.every = self._memory_interval.every
+
+    def _chosen(
+        self, interval: Interval, cost_s: float | None, step_s: float | None, tier: str
+    ) -> Interval:
+        """``interval`` with the group's figures; ``snapshot.interval`` when it moved."""
+        chosen = interval.observed(cost_s=cost_s, step_s=step_s)
+        if chosen.every != interval.every and D.rank() == 0:
             emit(
                 "snapshot.interval",
                 step=self.step,
-                every=self._interval.every,
-                cost_s=round(self._interval.cost_s or 0.0, 4),
-                step_s=round(self._interval.step_s or 0.0, 4),
-                mtbf_s=round(self._interval.mtbf_s),
+                tier=tier,
+                every=chosen.every,
+                cost_s=round(chosen.cost_s or 0.0, 4),
+                step_s=round(chosen.step_s or 0.0, 4),
+                mtbf_s=round(chosen.mtbf_s),
             )
+        return chosen
 
     def _check_micro_batches(self) -> None:
         expected = self.micro_batches_per_step

@@ -198,7 +198,7 @@ def sole_optimizer(state: Mapping[str, Any]) -> torch.optim.Optimizer | None:
 
 
 def open_memory_tier(
-    directory: str | None, every: int | None, state: Mapping[str, Any]
+    directory: str | None, every: int | str | None, state: Mapping[str, Any]
 ) -> InMemoryTier | None:
     """Collective when it opens one. None: no folder (not under elastic-train), no process
     group, or sharded state with ``every`` 0. Sharded (FSDP2) state: each rank keeps its own
@@ -212,6 +212,8 @@ def open_memory_tier(
     sharded = has_dtensors(state)
     if every is None:
         every = protocol.DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY if sharded else 0
+    if every == "auto":  # sharded: from every step on, until the session measures a copy
+        every = 1 if sharded else 0
     if sharded and every == 0:
         return None
     # every rank opens it or none does (opening is collective)

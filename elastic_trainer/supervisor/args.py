@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a(
         "--memory-snapshot-every",
-        type=int,
+        type=_memory_every,
         help="steps between periodic in-memory copies (default: none for replicated state, "
         "copied just in time on failure; 1 for sharded state)",
     )
@@ -165,6 +165,15 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> SplitArg
 
 def _job_args(rest: list[str]) -> list[str]:
     return rest[1:] if rest[:1] == ["--"] else rest
+
+
+def _memory_every(raw: str) -> int | str:
+    try:
+        return protocol.memory_interval(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {raw!r}: use a number of steps >= 0, or auto"
+        ) from None
 
 
 def _snapshot_every(raw: str) -> int | str:

@@ -97,4 +97,20 @@ def test_a_session_on_auto_saves_at_the_interval_its_measurements_give(tmp_path)
     assert saved[:3] == [I.FIRST_EVERY, I.FIRST_EVERY + I.MIN_EVERY, I.FIRST_EVERY + 20]
     (chosen,) = [e for e in logs if e["event"] == "snapshot.interval"]
     assert chosen["every"] == I.MIN_EVERY and chosen["step"] == I.FIRST_EVERY
+    assert chosen["tier"] == "storage"
     assert protocol.snapshot_interval("AUTO") == "auto"
+
+
+def test_the_sharded_tiers_copies_keep_within_their_budget_of_the_step_time():
+    # a copy that stalls 30 ms, steps of 100 ms: within 2 % means one copy per 15 steps
+    assert I.budget_steps(cost_s=0.03, step_s=0.1) == 15
+    assert I.budget_steps(cost_s=0.0001, step_s=0.1) == 1  # cheap: every step
+    assert I.budget_steps(cost_s=100.0, step_s=0.001) == I.MAX_MEMORY_EVERY
+    memory = I.Interval.memory()
+    assert (memory.every, memory.auto) == (1, True)
+    chosen = memory.observed(cost_s=0.03, step_s=0.1)
+    assert chosen.every == 15
+    # what the copies then cost: one 30 ms stall per 15 steps of 100 ms
+    assert 0.03 / (chosen.every * 0.1) <= I.MEMORY_BUDGET
+    assert protocol.memory_interval("auto") == "auto" and protocol.memory_interval("0") == 0
+    assert args.parse(["--memory-snapshot-every", "auto", "x.py"]).memory_snapshot_every == "auto"

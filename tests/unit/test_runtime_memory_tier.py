@@ -182,7 +182,7 @@ def test_a_write_that_fails_leaves_the_previous_copy(tmp_path):
 def test_memory_settings_round_trip_and_zero_means_no_periodic_copies():
     settings = protocol.WorkerSettings(memory_dir="/dev/shm/x/1", memory_snapshot_every=0)
     assert protocol.WorkerSettings.from_env(settings.to_env()) == settings
-    assert protocol.DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY == 1
+    assert protocol.DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY == "auto"
     with pytest.raises(EnvironmentProblem, match=protocol.ENV_MEMORY_SNAPSHOT_EVERY):
         protocol.WorkerSettings.from_env({protocol.ENV_MEMORY_SNAPSHOT_EVERY: "-1"})
 
