@@ -204,6 +204,12 @@ def copied_file(local_rank: int) -> str:
     return f"copied-{local_rank}"
 
 
+def copier_file(local_rank: int) -> str:
+    """Created by a worker that will answer ``COPY_NOW_FILE``: the supervisor waits only for
+    those (a plain script never answers)."""
+    return f"copier-{local_rank}"
+
+
 def progress_file(local_rank: int) -> str:
     """Name of the file where a worker publishes its progress (one JSON object, rewritten).
 

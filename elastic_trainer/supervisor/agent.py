@@ -15,6 +15,7 @@ import contextlib
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +61,9 @@ COPY_WAIT_S = 10.0
 COPY_POLL_S = 0.01
 
 
-def _answered(control_dir: str) -> set[int]:
-    """The local ranks that answered ``protocol.COPY_NOW_FILE``."""
-    prefix = protocol.copied_file(0)[:-1]
+def _listed(control_dir: str, name_of: Callable[[int], str]) -> set[int]:
+    """The local ranks whose file ``name_of(rank)`` is in the control folder."""
+    prefix = name_of(0)[:-1]
     with contextlib.suppress(OSError):
         names = os.listdir(control_dir)
         return {int(n[len(prefix) :]) for n in names if n[len(prefix) :].isdigit()}
@@ -395,7 +396,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         with contextlib.suppress(OSError):
             open(os.path.join(control_dir, protocol.COPY_NOW_FILE), "w").close()
         deadline = time.monotonic() + COPY_WAIT_S
-        while decisions.copies_pending(self._poll_codes(), _answered(control_dir)):
+        while decisions.copies_pending(
+            self._poll_codes(),
+            copiers=_listed(control_dir, protocol.copier_file),
+            answered=_listed(control_dir, protocol.copied_file),
+        ):
             if time.monotonic() > deadline:
                 return
             time.sleep(COPY_POLL_S)

@@ -295,7 +295,14 @@ def static_rank_conflict(declared: Mapping[str, int], num_nodes: int) -> str | N
     )
 
 
-def copies_pending(codes: Mapping[int, int | None], answered: set[int]) -> set[int]:
-    """The local ranks a re-form still waits for: alive (no exit code) and no answer to the
-    request for their just-in-time copy yet."""
-    return {rank for rank, code in codes.items() if code is None and rank not in answered}
+def copies_pending(
+    codes: Mapping[int, int | None], *, copiers: Set[int], answered: Set[int]
+) -> set[int]:
+    """The local ranks a re-form still waits for: alive (no exit code), able to answer the
+    request for their just-in-time copy (a ``TrainingSession`` with the tier), and no answer
+    yet. A plain script is never waited for."""
+    return {
+        rank
+        for rank, code in codes.items()
+        if code is None and rank in copiers and rank not in answered
+    }

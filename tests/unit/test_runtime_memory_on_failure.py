@@ -139,6 +139,7 @@ def test_the_supervisors_request_is_answered_from_a_thread(tmp_path):
     control = tmp_path / "control"
     with _session(tmp_path, model, optimizer) as session:
         _train(session, model, optimizer, 2)
+        assert (control / protocol.copier_file(0)).exists()  # it says it will answer
         (control / protocol.COPY_NOW_FILE).touch()
         answer = control / protocol.copied_file(0)
         deadline = time.monotonic() + 30
@@ -183,7 +184,8 @@ def test_phases_order_the_copy_against_the_step():
     copy.close()
 
 
-def test_a_reform_waits_only_for_live_workers_that_have_not_answered():
-    codes = {0: None, 1: None, 2: 1}
-    assert decisions.copies_pending(codes, answered={0}) == {1}
-    assert decisions.copies_pending(codes, answered={0, 1}) == set()
+def test_a_reform_waits_only_for_live_workers_that_can_answer_and_have_not():
+    codes = {0: None, 1: None, 2: 1, 3: None}  # rank 3: a plain script, never answers
+    copiers = {0, 1, 2}
+    assert decisions.copies_pending(codes, copiers=copiers, answered={0}) == {1}
+    assert decisions.copies_pending(codes, copiers=copiers, answered={0, 1}) == set()

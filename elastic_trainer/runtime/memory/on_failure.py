@@ -111,6 +111,7 @@ class FailureCopy:
             return
         request = os.path.join(control_dir, protocol.COPY_NOW_FILE)
         answer = os.path.join(control_dir, protocol.copied_file(local_rank))
+        _answer(os.path.join(control_dir, protocol.copier_file(local_rank)), True)
 
         def run() -> None:
             while not self._stop.wait(POLL_S):
@@ -131,6 +132,7 @@ class FailureCopy:
 
 
 def _answer(path: str, done: bool) -> None:
+    """Write ``path`` atomically (the supervisor lists and reads these files)."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:
