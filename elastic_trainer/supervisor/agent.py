@@ -66,7 +66,8 @@ def _listed(control_dir: str, name_of: Callable[[int], str]) -> set[int]:
     prefix = name_of(0)[:-1]
     with contextlib.suppress(OSError):
         names = os.listdir(control_dir)
-        return {int(n[len(prefix) :]) for n in names if n[len(prefix) :].isdigit()}
+        ranks = (n[len(prefix) :] for n in names if n.startswith(prefix))
+        return {int(rank) for rank in ranks if rank.isdigit()}
     return set()
 
 
