@@ -192,20 +192,25 @@ STOP_FILE = "stop"
 # with a snapshot, but labels the stop "restarting" rather than "preempted"; a TrainingSession
 # whose memory tier copied that step saves nothing to storage (the new group resumes from it).
 RESTART_FILE = "restarting"
-# Created by the supervisor before it stops the workers to re-form the group: every worker
-# with a consistent state copies it into its node's memory once (``runtime.memory.on_failure``,
-# from a thread: a rank blocked in a collective with a frozen peer never gets back to its
-# loop) and answers in ``copied_file``; the supervisor waits for the answers, bounded.
-COPY_NOW_FILE = "copy-now"
+
+
+def copy_now_fifo(local_rank: int) -> str:
+    """A FIFO a ``TrainingSession`` worker makes and waits on (a thread blocked in ``open``):
+    the supervisor opens it for writing before it stops the workers to re-form the group,
+    and every worker with a consistent state copies it into its node's memory once
+    (``runtime.memory.on_failure``; a rank blocked in a collective with a frozen peer never
+    gets back to its loop), then answers in ``copied_file``; the supervisor waits for the
+    answers, bounded."""
+    return f"copy-now-{local_rank}.fifo"
 
 
 def copied_file(local_rank: int) -> str:
-    """A worker's answer to ``COPY_NOW_FILE``: "copied", or "none" (no consistent state)."""
+    """A worker's answer to ``copy_now_fifo``: "copied", or "none" (no consistent state)."""
     return f"copied-{local_rank}"
 
 
 def copier_file(local_rank: int) -> str:
-    """Created by a worker that will answer ``COPY_NOW_FILE``: the supervisor waits only for
+    """Created by a worker that will answer ``copy_now_fifo``: the supervisor waits only for
     those (a plain script never answers)."""
     return f"copier-{local_rank}"
 

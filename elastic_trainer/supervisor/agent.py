@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 from elastic_trainer import protocol, torch_compat
 from elastic_trainer.config import RunConfig
 from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
+from elastic_trainer.runtime.memory import on_failure
 from elastic_trainer.supervisor import decisions, presence, rendezvous, warm_workers
 from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.membership import MembershipWatch, node_name
@@ -388,14 +389,14 @@ class ElasticTrainAgent(LocalElasticAgent):
         super()._stop_workers(worker_group)
 
     def _await_copies(self) -> None:
-        """Ask the workers for their just-in-time copy (``protocol.COPY_NOW_FILE``) and wait
+        """Ask the workers for their just-in-time copy (``protocol.copy_now_fifo``) and wait
         until each has answered or exited, at most ``COPY_WAIT_S``: the group is about to
         end, and a consistent survivor's state is what the next group resumes from."""
         control_dir = self._stop.control_dir
         if control_dir is None:
             return
-        with contextlib.suppress(OSError):
-            open(os.path.join(control_dir, protocol.COPY_NOW_FILE), "w").close()
+        for rank in _listed(control_dir, protocol.copier_file):
+            on_failure.wake(os.path.join(control_dir, protocol.copy_now_fifo(rank)))
         deadline = time.monotonic() + COPY_WAIT_S
         while decisions.copies_pending(
             self._poll_codes(),

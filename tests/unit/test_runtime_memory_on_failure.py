@@ -19,6 +19,7 @@ from torch import nn
 from elastic_trainer import protocol
 from elastic_trainer.runtime.audit import read_audit_log
 from elastic_trainer.runtime.context import WorkerContext, WorkerSettings
+from elastic_trainer.runtime.memory import on_failure
 from elastic_trainer.runtime.memory.on_failure import FailureCopy, Phase
 from elastic_trainer.runtime.memory.tier import NodeCopies
 from elastic_trainer.runtime.sampler import ElasticSampler
@@ -140,7 +141,7 @@ def test_the_supervisors_request_is_answered_from_a_thread(tmp_path):
     with _session(tmp_path, model, optimizer) as session:
         _train(session, model, optimizer, 2)
         assert (control / protocol.copier_file(0)).exists()  # it says it will answer
-        (control / protocol.COPY_NOW_FILE).touch()
+        assert on_failure.wake(str(control / protocol.copy_now_fifo(0)))  # as the supervisor
         answer = control / protocol.copied_file(0)
         deadline = time.monotonic() + 30
         while not answer.exists() and time.monotonic() < deadline:
@@ -189,3 +190,14 @@ def test_a_reform_waits_only_for_live_workers_that_can_answer_and_have_not():
     copiers = {0, 1, 2}
     assert decisions.copies_pending(codes, copiers=copiers, answered={0}) == {1}
     assert decisions.copies_pending(codes, copiers=copiers, answered={0, 1}) == set()
+
+
+def test_closing_wakes_the_watcher_without_a_copy(tmp_path):
+    written = []
+    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy.watch(str(tmp_path), 3)
+    assert (tmp_path / protocol.copy_now_fifo(3)).exists()
+    copy.close()
+    copy._watcher.join(timeout=30)
+    assert not copy._watcher.is_alive() and written == []
+    assert not (tmp_path / protocol.copied_file(3)).exists()

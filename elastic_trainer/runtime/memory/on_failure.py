@@ -15,8 +15,9 @@ thread never sees either half done.
 
 The copy is made on the training thread when the script raises (the session's ``abort``,
 or ``bootstrap`` for a script without ``with``), or on a watcher thread when the supervisor
-asks (``protocol.COPY_NOW_FILE``; a rank blocked in a collective with a frozen peer never
-returns to Python by itself); the watcher then answers with ``protocol.copied_file``.
+asks (it opens the rank's ``protocol.copy_now_fifo``; a rank blocked in a collective with a
+frozen peer never returns to Python by itself); the watcher then answers with
+``protocol.copied_file``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from typing import Any
 import torch
 
 from elastic_trainer import protocol
-
-# How often the watcher looks for the supervisor's request: a stat() per 20 ms.
-POLL_S = 0.02
 
 
 class Phase(enum.Enum):
@@ -70,6 +68,7 @@ class FailureCopy:
         self._handles: list[Any] = []
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._fifo: str | None = None
         _open.add(self)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -106,29 +105,53 @@ class FailureCopy:
             return False
 
     def watch(self, control_dir: str | None, local_rank: int) -> None:
-        """Answer the supervisor's request (``protocol.COPY_NOW_FILE``) from a thread."""
+        """Answer the supervisor's request from a thread that sleeps in ``open`` of this
+        rank's FIFO (``protocol.copy_now_fifo``) until the supervisor opens it: no polling,
+        so no wake-ups that would take a core from training's threads (a 20 ms poll cost
+        ~4 % of a step on 2 cores)."""
         if control_dir is None:
             return
-        request = os.path.join(control_dir, protocol.COPY_NOW_FILE)
+        self._fifo = os.path.join(control_dir, protocol.copy_now_fifo(local_rank))
         answer = os.path.join(control_dir, protocol.copied_file(local_rank))
+        try:
+            os.mkfifo(self._fifo, 0o600)  # in the supervisor's private control folder
+        except OSError:
+            self._fifo = None
+            return
         _answer(os.path.join(control_dir, protocol.copier_file(local_rank)), True)
 
-        def run() -> None:
-            while not self._stop.wait(POLL_S):
-                if os.path.exists(request):
-                    done = self.copy()
-                    _answer(answer, done)
-                    return
+        def run(fifo: str) -> None:
+            try:
+                os.close(os.open(fifo, os.O_RDONLY))  # until a writer opens it
+            except OSError:
+                return
+            if not self._stop.is_set():
+                _answer(answer, self.copy())
 
-        self._watcher = threading.Thread(target=run, name="copy-on-failure", daemon=True)
+        self._watcher = threading.Thread(
+            target=run, args=(self._fifo,), name="copy-on-failure", daemon=True
+        )
         self._watcher.start()
 
     def close(self) -> None:
         _open.discard(self)
         self._stop.set()
+        wake(self._fifo)  # the watcher ends without copying
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def wake(fifo: str | None) -> bool:
+    """Open ``fifo`` for writing and close it: the reader blocked in ``open`` returns. False
+    when nobody waits on it (the watcher already woke, or is gone)."""
+    if fifo is None:
+        return False
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: no reader; ENOENT: the folder is gone
+        return False
+    return True
 
 
 def _answer(path: str, done: bool) -> None:
