@@ -204,6 +204,7 @@ class _Server(ThreadingHTTPServer):
         self._reading: dict[Any, None] = {}  # of those, still reading their request; oldest first
         self.accepted = self.rejected = self.evicted = 0
         self.client_errors = self.handler_errors = 0
+        self._clients_failing = False
         self._failing = False  # a handler error was logged; the next ones are only counted
         super().__init__(address, handler)
 
@@ -264,12 +265,18 @@ class _Server(ThreadingHTTPServer):
             return self._reading.pop(request, False) is None
 
     def served(self) -> None:
-        self._failing = False
+        self._failing = self._clients_failing = False
 
     def client_error(self) -> None:
         with self._state:
             self.client_errors += 1
+            first, self._clients_failing = not self._clients_failing, True
             self._state.notify_all()
+        if first:  # a flood is one line, not one per connection
+            _log.warning(
+                "metrics clients went away before their answer (timeouts, resets): counted, "
+                "not logged again until a request is served"
+            )
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]

@@ -182,3 +182,25 @@ def test_a_handler_bug_is_one_line_per_streak_not_a_traceback(capfd, caplog) -> 
         server.server_close()
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["metrics request failed"]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_clients_that_go_away_are_one_line_per_streak(capfd, caplog) -> None:
+    server = S.serve(S.SupervisorMetrics(), "127.0.0.1", 0, request_timeout_s=0.2)
+    port = server.server_address[1]
+    try:
+        for _ in range(3):  # three clients that never finish their request
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(HALF_REQUEST)
+                assert sock.recv(1) == b""
+        assert server.wait_for(lambda: server.client_errors == 3, timeout=10)
+        assert _get(port, "/metrics")[0] == 200  # a served request ends the streak
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(HALF_REQUEST)
+            assert sock.recv(1) == b""
+        assert server.wait_for(lambda: server.client_errors == 4, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    went_away = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(went_away) == 2  # one per streak, not one per connection
+    assert "Traceback" not in capfd.readouterr().err
