@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import threading
@@ -160,11 +161,19 @@ def test_the_hosted_store_listens_on_the_endpoints_address_only():
     assert store.get("k") == b"v"
 
 
-def test_an_endpoint_address_not_on_this_machine_is_hosted_everywhere_and_said_so():
-    port = _closed_port()  # 192.0.2.1 (TEST-NET-1) is never an address here: only bound
+def test_an_endpoint_address_not_on_this_machine_is_hosted_everywhere_and_said_so(monkeypatch):
+    real = endpoint._listen
+
+    def not_here(host, port, **kwargs):  # a Service/NAT address: bind says EADDRNOTAVAIL
+        if host:
+            raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+        return real(host, port, **kwargs)
+
+    monkeypatch.setattr(endpoint, "_listen", not_here)
+    port = _closed_port()
     with capture_logs() as logs:
         store = endpoint.open_store(
-            "192.0.2.1", port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
+            "127.0.0.1", port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
         )
     assert _listening_addresses(port) == {"0.0.0.0"}
     exposed = [e for e in logs if e["event"] == "store.exposed"]
