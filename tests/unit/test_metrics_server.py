@@ -140,7 +140,9 @@ def test_a_flood_of_half_requests_is_bounded_and_a_scrape_still_answers(capfd) -
         assert threading.active_count() <= before + 2 * 8
         code, body = _get(port, "/metrics")  # while the flood is held
         assert code == 200 and b"elastic_train_world_size" in body
-        assert server.connections <= 8
+        # the scrape evicted a reader, whose thread may still be on its way out
+        assert server.connections <= 2 * 8
+        assert server.wait_for(lambda: server.connections <= 8, timeout=10)
     finally:
         for sock in flood:
             sock.close()
