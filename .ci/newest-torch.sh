@@ -20,7 +20,7 @@ python -m venv .venv-newest-torch
 . .venv-newest-torch/bin/activate
 pip install -q -e '.[test]' && pip install -q "torch==$newest" torchvision
 status=0
-python -m pytest -q -m "not integration" tests/unit \
+python -m pytest -q -m "not integration" tests/unit tests/process \
     --deselect tests/unit/test_torch_compat.py::test_installed_torch_is_in_the_tested_range \
     --deselect tests/unit/test_torch_compat.py::test_pyproject_pins_the_tested_range || status=$?
 if [[ $status -ne 0 && "${ELASTIC_TRAIN_NEWEST_TORCH:-fail}" == warn ]]; then

@@ -1,7 +1,7 @@
 """Pure parts of bench/recovery.py: the logs' lines to values, values to a ``Result``.
 
 No files, no clocks: bench/_recovery_run.py reads the files and hands their text here, and
-tests/unit/test_bench_recovery.py checks the arithmetic (steps lost above all) on made-up logs.
+tests/bench/test_recovery.py checks the arithmetic (steps lost above all) on made-up logs.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def last_of_first(marks: list[Stamp], name: str, after: float | None) -> float |
 def restore_after(events: list[dict[str, Any]], after: float) -> Restore | None:
     """The first restore after ``after``: its step, and the sources its ranks used.
 
-    All ranks of one start agree on the step (runtime.memory.plan); a later start (a second fault)
+    All ranks of one start agree on the step (worker.memory.plan); a later start (a second fault)
     is a different restore, so only the events of the first step seen count."""
     restored = sorted(
         (e for e in events if e.get("event") == "snapshot.restored" and e["_t"] >= after),

@@ -15,7 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from snapshots import _commit, _local_storage, _sharded_commit, _shards, manifest, store
+from snapshots import store
+from snapshots.format import manifest
+from snapshots.sharded import shards as _shards
+from snapshots.storage import local as _local_storage
+from snapshots.write import commit as _commit
+from snapshots.write import sharded_commit as _sharded_commit
 
 _lock = threading.Lock()
 _totals: dict[str, float] = {}

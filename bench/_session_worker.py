@@ -67,7 +67,7 @@ def main() -> None:
     marks = [("began", STARTED_AT), ("imported", IMPORTED_AT), ("optimizer", built)]
     marks.append(("group_ready", time.time()))
     # imported here: a top-level import would make the warm pool preload it whatever it decides
-    from elastic_trainer.runtime import session as session_module
+    from elastic_trainer.worker import session as session_module
 
     marks.append(("session_import", time.time()))
     for name in ("open_memory_tier", "restore_state"):  # a name the session lost: not timed

@@ -3,7 +3,7 @@
 Whole jobs of two ranks (gloo, CPU; each rank its own node with its own memory folder, so
 every copy is also mirrored on the other rank), each job in fresh processes, interleaved:
 FSDP2 MLP + Adam for ``--steps`` steps with no in-memory copies, and with a copy every step
-(``runtime.memory.shards.ShardedMemoryTier``, what ``--memory-snapshot-every 1`` runs).
+(``worker.memory.shards.ShardedMemoryTier``, what ``--memory-snapshot-every 1`` runs).
 Reported: whole-job wall and CPU (both ranks) as ratios to the job without copies, then each
 phase of a copy: the training thread's ``save`` (since the mapped path, the slot write is in
 it), the slot write (``RankSlots.write``), the background send to the mirror rank (wall and
@@ -73,8 +73,8 @@ def instrument(tier: Any) -> dict[str, list[float]]:
 
 
 def rank_job(rank: int, world: int, mode: str, steps: int, mb: int, root: str) -> dict[str, Any]:
-    from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
-    from snapshots.rng import RNGState
+    from elastic_trainer.worker.memory.shards import ShardedMemoryTier
+    from snapshots.format.rng import RNGState
 
     net = model(world, mb)
     opt = torch.optim.Adam(net.parameters(), lr=1e-4)
@@ -176,7 +176,7 @@ def main() -> None:
         )
         result = rank_job(args.rank, 2, args.mode, args.steps, args.mb, args.dir)
         print(json.dumps(result), flush=True)
-        from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
+        from elastic_trainer.worker.bootstrap import exit_without_finalizing
 
         exit_without_finalizing(0)  # gloo threads can abort CPython's finalization
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None

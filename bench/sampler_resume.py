@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from elastic_trainer.runtime.sampler import ElasticSampler
+from elastic_trainer.worker.sampler import ElasticSampler
 
 
 class Indices(Dataset[torch.Tensor]):

@@ -41,9 +41,9 @@ import torch.distributed.checkpoint as dcp
 import torchvision
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from elastic_trainer.supervisor.workerenv import tune_malloc
+from elastic_trainer.supervisor.processes.workerenv import tune_malloc
 from snapshots import SnapshotStore
-from snapshots.rng import RNGState
+from snapshots.format.rng import RNGState
 
 
 @dataclass
@@ -225,7 +225,7 @@ JOBS = {
 
 def job(mode: str, steps: int, every: int, batch: int, root: str) -> dict[str, float]:
     """One training job, start to finish (its last snapshot durable); its figures."""
-    from elastic_trainer.runtime.snapshotting import SessionSnapshots
+    from elastic_trainer.worker.snapshotting import SessionSnapshots
 
     t = make_trainer(batch)
     state = {"model": t.model, "optimizer": t.opt}
@@ -268,8 +268,8 @@ def session_job(t: Trainer, steps: int, root: str) -> dict[str, float]:
     """The loop through ``TrainingSession`` with nothing set but where it may write, as a
     worker of `elastic-train` runs it: storage snapshots at their default interval, the
     in-memory tier at its default (a copy only when the group ends), the progress file."""
-    from elastic_trainer.runtime.context import WorkerContext, WorkerSettings
-    from elastic_trainer.runtime.session import TrainingSession
+    from elastic_trainer.worker.context import WorkerContext, WorkerSettings
+    from elastic_trainer.worker.session import TrainingSession
 
     folder = tempfile.mkdtemp(prefix="snapshot-stall-", dir=root)
     memory = tempfile.mkdtemp(prefix="snapshot-stall-", dir="/dev/shm")
@@ -301,7 +301,7 @@ def session_job(t: Trainer, steps: int, root: str) -> dict[str, float]:
 
 def memory_tier(folder: str) -> Any:
     """The session's in-memory tier; it needs a process group (here one gloo rank)."""
-    from elastic_trainer.runtime.memory.tier import MemoryTier
+    from elastic_trainer.worker.memory.tier import MemoryTier
 
     if not dist.is_initialized():
         store = dist.FileStore(os.path.join(folder, "pg-store"), 1)

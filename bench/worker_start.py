@@ -29,9 +29,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from elastic_trainer.supervisor import procs, warm_workers
-from elastic_trainer.supervisor.warm_decisions import modules_to_preload
-from elastic_trainer.supervisor.workerenv import BOOTSTRAP_MODULE
+from elastic_trainer.supervisor.processes import procs
+from elastic_trainer.supervisor.processes.workerenv import BOOTSTRAP_MODULE
+from elastic_trainer.supervisor.warm import client as warm_workers
+from elastic_trainer.supervisor.warm.decisions import modules_to_preload
 
 TINY = "import torch\nimport sys, time\nprint(time.time(), flush=True)\n"
 

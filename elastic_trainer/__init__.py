@@ -14,31 +14,31 @@ __version__ = "0.1.0"
 # name -> module; loaded on first use so `import elastic_trainer` (the supervisor's CLI)
 # does not pay for the worker runtime's imports.
 _LAZY = {
-    "WorkerContext": "elastic_trainer.runtime.context",
-    "ElasticSampler": "elastic_trainer.runtime.sampler",
-    "TrainingSession": "elastic_trainer.runtime.session",
-    "init_worker": "elastic_trainer.runtime.distributed",
-    "AugmentedDataset": "elastic_trainer.runtime.augment",
-    "sample_generator": "elastic_trainer.runtime.augment",
-    "sample_rng": "elastic_trainer.runtime.augment",
-    "sample_seed": "elastic_trainer.runtime.augment",
-    "AuditLog": "elastic_trainer.runtime.audit",
-    "read_audit_log": "elastic_trainer.runtime.audit",
-    "check_exactly_once": "elastic_trainer.runtime.audit",
+    "WorkerContext": "elastic_trainer.worker.context",
+    "ElasticSampler": "elastic_trainer.worker.sampler",
+    "TrainingSession": "elastic_trainer.worker.session",
+    "init_worker": "elastic_trainer.worker.distributed",
+    "AugmentedDataset": "elastic_trainer.worker.augment",
+    "sample_generator": "elastic_trainer.worker.augment",
+    "sample_rng": "elastic_trainer.worker.augment",
+    "sample_seed": "elastic_trainer.worker.augment",
+    "AuditLog": "elastic_trainer.worker.audit",
+    "read_audit_log": "elastic_trainer.worker.audit",
+    "check_exactly_once": "elastic_trainer.worker.audit",
 }
 
 if TYPE_CHECKING:
-    from elastic_trainer.runtime.audit import AuditLog, check_exactly_once, read_audit_log
-    from elastic_trainer.runtime.augment import (
+    from elastic_trainer.worker.audit import AuditLog, check_exactly_once, read_audit_log
+    from elastic_trainer.worker.augment import (
         AugmentedDataset,
         sample_generator,
         sample_rng,
         sample_seed,
     )
-    from elastic_trainer.runtime.context import WorkerContext
-    from elastic_trainer.runtime.distributed import init_worker
-    from elastic_trainer.runtime.sampler import ElasticSampler
-    from elastic_trainer.runtime.session import TrainingSession
+    from elastic_trainer.worker.context import WorkerContext
+    from elastic_trainer.worker.distributed import init_worker
+    from elastic_trainer.worker.sampler import ElasticSampler
+    from elastic_trainer.worker.session import TrainingSession
 
 
 def __getattr__(name: str) -> Any:

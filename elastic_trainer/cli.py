@@ -18,19 +18,19 @@ def _snapshots(argv: Sequence[str]) -> int:
 
 
 def _report(argv: Sequence[str]) -> int:
-    from elastic_trainer.reporting.cli import main
+    from elastic_trainer.tools.report.cli import main
 
     return main(argv)
 
 
 def _status(argv: Sequence[str]) -> int:
-    from elastic_trainer.status import main
+    from elastic_trainer.tools.status import main
 
     return main(argv)
 
 
 def _store(argv: Sequence[str]) -> int:
-    from elastic_trainer.store_server import main
+    from elastic_trainer.tools.store_server import main
 
     return main(argv)
 
@@ -67,7 +67,7 @@ def _exit_without_finalizing(code: int) -> None:
     then asks for the GIL is ended with ``pthread_exit``, whose unwind through ``noexcept``
     frames aborts the process (SIGABRT, "terminate called without an active exception")
     after the job's own exit code was decided: seen once in four runs of a failing job."""
-    from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
+    from elastic_trainer.worker.bootstrap import exit_without_finalizing
 
     exit_without_finalizing(code)
 

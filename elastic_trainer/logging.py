@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import structlog
 
-from elastic_trainer.events import FOREIGN_RECORD
+from elastic_trainer.contract.events import FOREIGN_RECORD
 
 LogFormat = Literal["json", "console", "auto"]
 

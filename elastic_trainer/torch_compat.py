@@ -262,7 +262,7 @@ def processes_started_by(factory: Callable[..., Any]) -> Iterator[None]:
 
     torch builds each worker's environment, arguments and log destinations and passes them
     to ``start_processes``, which it calls by its module-level name: this is the one place
-    where the warm pool (``supervisor/warm_workers.py``) can take over creating the processes
+    where the warm pool (``supervisor/warm/client.py``) can take over creating the processes
     without rebuilding torch's worker environment. Restored on exit; the agent starts workers
     from its main thread only, so nothing else sees the swap.
     """
@@ -343,7 +343,7 @@ def matches_machine_hostname(host: str) -> bool:
 
 # --- torch/distributed/elastic/multiprocessing/api.py -------------------------------------
 # DefaultLogsSpecs.reify marks a stream it leaves on the agent's own console with "" (a local
-#   SYS_STREAM there, no public name): supervisor/console.py relays exactly those streams.
+#   SYS_STREAM there, no public name): supervisor/processes/console.py relays exactly those streams.
 LOGS_DEST_CONSOLE = ""
 
 

@@ -26,21 +26,21 @@ from snapshots.errors import (
 )
 from snapshots.info import LoadedSnapshot, SaveHandle, SnapshotInfo, VerifyResult
 from snapshots.ownership import Owner
-from snapshots.retry import DEFAULT_STORAGE_TIMEOUT_S, RetryPolicy
+from snapshots.storage.retry import DEFAULT_STORAGE_TIMEOUT_S, RetryPolicy
 
 # name -> module, imported on first use: these need torch, and the read-only tools
 # (``elastic-train snapshots list``...) must start without paying for it.
 _LAZY = {
     "SnapshotStore": "snapshots.store",
-    "Stateful": "snapshots.serialization",
-    "RNGState": "snapshots.rng",
-    "capture_rng_state": "snapshots.rng",
-    "restore_rng_state": "snapshots.rng",
+    "Stateful": "snapshots.format.serialization",
+    "RNGState": "snapshots.format.rng",
+    "capture_rng_state": "snapshots.format.rng",
+    "restore_rng_state": "snapshots.format.rng",
 }
 
 if TYPE_CHECKING:
-    from snapshots.rng import RNGState, capture_rng_state, restore_rng_state
-    from snapshots.serialization import Stateful
+    from snapshots.format.rng import RNGState, capture_rng_state, restore_rng_state
+    from snapshots.format.serialization import Stateful
     from snapshots.store import SnapshotStore
 
 

@@ -20,11 +20,12 @@ from typing import Any, NoReturn
 import structlog
 import structlog.stdlib
 
-from snapshots import _housekeeping, retention
-from snapshots._catalog import Catalog
+from snapshots import retention
 from snapshots.errors import NoValidSnapshotError, SnapshotError, SnapshotNotFoundError
 from snapshots.info import VerifyResult
+from snapshots.read.catalog import Catalog
 from snapshots.storage import RetryingStorage, backend_fix, open_storage, redact_url
+from snapshots.write import housekeeping as _housekeeping
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 ERROR_PREFIX = "elastic-train: error:"
@@ -295,7 +296,7 @@ def _newest_loadable(
 
 
 def _cmd_export(catalog: Catalog, args: argparse.Namespace) -> int:
-    from snapshots import _export  # torch: only to export
+    from snapshots.read import export as _export
 
     _require_some(catalog)
     step = _newest_verified(catalog) if args.step is None else _require_step(catalog, args.step)

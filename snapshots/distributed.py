@@ -13,7 +13,7 @@ thread on the training group crash gloo ("collective mismatch"). So:
 Per-rank files are named ``rank-<5 digits>.<token>.pt`` in the step folder.
 
 Sharded saves (``sharded=True``, or by default whenever the state holds an FSDP2 model):
-every rank writes its own shards (``snapshots.sharding`` describes the format). In the
+every rank writes its own shards (``snapshots.format.sharding`` describes the format). In the
 training thread, one all-gather carries each rank's skip reason (the ranks skip together or
 not at all; a blocking save: whether its deadline passed while the save in flight still
 ran, and then every rank gives up together), its DCP write plan, its per-rank state and
@@ -21,7 +21,7 @@ rank 0's token and committed step; every rank then works out the same deduplicat
 stages its share (the only wait; with ``overlap_with=optimizer`` the optimizer's parameters
 and state are copied on the writer thread instead, and ``optimizer.step()`` waits for that
 copy), and its writer thread writes and commits over the snapshot's own gloo group
-(``snapshots._sharded_commit``). Loading needs nothing new here:
+(``snapshots.write.sharded_commit``). Loading needs nothing new here:
 every rank reads only the chunks overlapping its current shards, and any rank's failure
 makes all fall back together.
 """
@@ -34,11 +34,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from snapshots import layout
 from snapshots.errors import NoValidSnapshotError, SnapshotError, SnapshotSaveError
 from snapshots.events import emit
+from snapshots.format import layout
+from snapshots.format.serialization import is_stateful
 from snapshots.info import LoadedSnapshot, SaveHandle
-from snapshots.serialization import is_stateful
 from snapshots.store import SnapshotStore, restore_into
 
 _NONE = -1  # no committed step, in a broadcast
@@ -113,7 +113,7 @@ class DistributedSnapshotter:
     def _is_sharded(self, state: Mapping[str, Any]) -> bool:
         if self.sharded is not None:
             return self.sharded
-        from snapshots._sharded_state import has_dtensors
+        from snapshots.sharded.state import has_dtensors
 
         return has_dtensors(state)
 
@@ -128,8 +128,9 @@ class DistributedSnapshotter:
         blocking: bool | None,
         overlap_with: Any = None,
     ) -> SaveHandle | None:
-        from snapshots import _sharded_state, _shards
-        from snapshots._sharded_commit import ShardPart
+        from snapshots.sharded import shards as _shards
+        from snapshots.sharded import state as _sharded_state
+        from snapshots.write.sharded_commit import ShardPart
 
         blocking = (not self.store.async_save) if blocking is None else blocking
         skeletons, tensors = _sharded_state.split_state(state)

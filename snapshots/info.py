@@ -6,7 +6,7 @@ import concurrent.futures as cf
 from dataclasses import dataclass, field
 from typing import Any
 
-from snapshots.manifest import Manifest
+from snapshots.format.manifest import Manifest
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from snapshots.errors import SnapshotOwnerError
 from snapshots.events import emit
-from snapshots.manifest import now_iso
+from snapshots.format.manifest import now_iso
 from snapshots.storage import Storage
 
 OWNER_NAME = "owner.json"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from snapshots import layout
+from snapshots.format import layout
 
 
 def steps_to_prune(

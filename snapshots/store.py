@@ -19,7 +19,7 @@ by itself: it emits ``snapshot.failed``, its handle's ``result()`` raises, and t
 once; catching and ignoring it is safe. Its clean-up runs on a second thread, best effort.
 
 Storage outages. While storage is down (the save in flight is failing or retrying, or the
-last one failed and storage has not answered since; ``snapshots.health``) an asynchronous
+last one failed and storage has not answered since; ``snapshots.storage.health``) an asynchronous
 save is skipped (``snapshot.skipped`` with the reason) whatever ``when_busy`` says, so the
 training loop never waits on a failing storage; a background probe notices when storage
 answers again. A blocking save (a preemption's final snapshot) takes ``deadline_s`` (or a
@@ -41,27 +41,25 @@ from typing import Any, Literal
 
 import torch
 
-from snapshots import (
-    _capture,
-    _catalog,
-    _commit,
-    _deadline,
-    _sharded_commit,
-    _writer,
-    layout,
-    ownership,
-)
-from snapshots._store_reading import StoreReading
-from snapshots._store_reading import restore_into as restore_into  # re-exported
+from snapshots import ownership
 from snapshots.errors import (
     SnapshotError,
     SnapshotSaveError,
 )
 from snapshots.events import emit
+from snapshots.format import layout
 from snapshots.info import SaveHandle, SnapshotInfo
 from snapshots.ownership import Owner
-from snapshots.retry import RetryPolicy
+from snapshots.read import catalog as _catalog
+from snapshots.read.store_reading import StoreReading
+from snapshots.read.store_reading import restore_into as restore_into  # re-exported
 from snapshots.storage import RetryingStorage, check_reachable, open_storage, redact_url
+from snapshots.storage import deadline as _deadline
+from snapshots.storage.retry import RetryPolicy
+from snapshots.write import capture as _capture
+from snapshots.write import commit as _commit
+from snapshots.write import sharded_commit as _sharded_commit
+from snapshots.write import writer as _writer
 
 WhenBusy = Literal["wait", "skip"]
 
@@ -89,7 +87,8 @@ class SnapshotStore(StoreReading):
         """``create=False``: a missing local folder is an error instead of being created.
 
         ``storage_timeout``: seconds within which every storage operation succeeds or fails,
-        retries included (default 30; ``snapshots.retry``). It overrides ``retry.deadline_s``.
+        retries included (default 30; ``snapshots.storage.retry``). It overrides
+        ``retry.deadline_s``.
 
         ``owner``: the job and run writing this folder; another job's folder is refused with
         SnapshotOwnerError, an earlier run's is adopted (``snapshots.ownership``).
@@ -100,7 +99,7 @@ class SnapshotStore(StoreReading):
         listing; the checksums are of the very buffers written, and every load checks
         them) unless ``keep=1`` (nothing older would be left to fall back on), ``"full"``
         (read everything back, check every checksum) elsewhere and on request. The
-        ``snapshots._commit`` docstring says exactly what each one proves.
+        ``snapshots.write.commit`` docstring says exactly what each one proves.
         """
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch.distributed as dist
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -34,3 +35,12 @@ def clean_worker_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one (a file store in the test's folder), destroyed after."""
+    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from snapshots import layout
-from snapshots.manifest import checksum
+from snapshots.format import layout
+from snapshots.format.manifest import checksum
 
 
 class Payload:

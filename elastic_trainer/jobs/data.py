@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from elastic_trainer.errors import DatasetError
-from elastic_trainer.runtime.augment import AugmentedDataset
+from elastic_trainer.worker.augment import AugmentedDataset
 
 IMAGE_SIZE = 32
 NUM_SYNTHETIC_CLASSES = 10

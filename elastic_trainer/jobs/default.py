@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, ElasticTrainError
-from elastic_trainer.events import emit
 from elastic_trainer.jobs import fsdp, recipe
 from elastic_trainer.jobs.config import JobConfig, parse_args
 from elastic_trainer.jobs.data import IMAGE_SIZE, Datasets, build_datasets
@@ -34,9 +34,9 @@ from elastic_trainer.jobs.models import (
     check_input_size,
     logits_of,
 )
-from elastic_trainer.runtime import failure
-from elastic_trainer.runtime.plan import batch_plan
-from elastic_trainer.runtime.progress import STOP_MAX_STEPS
+from elastic_trainer.worker import failure
+from elastic_trainer.worker.plan import batch_plan
+from elastic_trainer.worker.progress import STOP_MAX_STEPS
 
 
 @dataclass
@@ -266,7 +266,7 @@ def _restored_before_evaluation(t: Trainer, session: Any, cfg: JobConfig) -> boo
 def preflight(argv: Sequence[str], world_sizes: Sequence[int] = (1,)) -> list[str]:
     """Check flags, model and dataset without training (no process group), for every world
     size the job may run at. The supervisor calls it before any worker starts (see
-    ``elastic_trainer.supervisor.preflight``): a typo is one line and exit 2, not a crash in
+    ``elastic_trainer.supervisor.cli.preflight``): a typo is one line and exit 2, not a crash in
     every worker. Raises ConfigError for what cannot work; returns warnings for world sizes
     the job may reach but cannot train at."""
     cfg = parse_args(argv)

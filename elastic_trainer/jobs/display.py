@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import Any
 
-from elastic_trainer.events import emit
+from elastic_trainer.contract.events import emit
 from elastic_trainer.jobs.recipe import ProgressMeter
 from elastic_trainer.logging import STDERR
 

@@ -23,20 +23,24 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 
-from elastic_trainer import protocol, torch_compat
-from elastic_trainer.config import RunConfig
-from elastic_trainer.events import FailureCause, JobStatus, MembershipReason, emit
-from elastic_trainer.runtime.memory import on_failure
-from elastic_trainer.supervisor import decisions, presence, rendezvous, warm_workers
-from elastic_trainer.supervisor.decisions import PeerStop, SupervisorState, Verdict
-from elastic_trainer.supervisor.membership import MembershipWatch, node_name
-from elastic_trainer.supervisor.observer import GroupObserver
-from elastic_trainer.supervisor.policy import RestartPolicy, WorkerExit, signal_name
-from elastic_trainer.supervisor.procs import ProcessTracker, oom_kill_count
-from elastic_trainer.supervisor.signals import StopRequest, StopRequested
-from elastic_trainer.supervisor.tail import exception_line, message_line
-from elastic_trainer.supervisor.watchdog import HangVerdict, read_progress
-from elastic_trainer.supervisor.workerenv import new_control_dir, set_worker_env
+from elastic_trainer import torch_compat
+from elastic_trainer.contract import protocol
+from elastic_trainer.contract.config import RunConfig
+from elastic_trainer.contract.events import FailureCause, JobStatus, MembershipReason, emit
+from elastic_trainer.supervisor.core import decisions
+from elastic_trainer.supervisor.core.decisions import PeerStop, SupervisorState, Verdict
+from elastic_trainer.supervisor.core.policy import RestartPolicy, WorkerExit, signal_name
+from elastic_trainer.supervisor.core.watchdog import HangVerdict
+from elastic_trainer.supervisor.processes.observer import GroupObserver, read_progress
+from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_count
+from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
+from elastic_trainer.supervisor.processes.tail import exception_line, message_line
+from elastic_trainer.supervisor.processes.workerenv import new_control_dir, set_worker_env
+from elastic_trainer.supervisor.rendezvous import handler as rendezvous
+from elastic_trainer.supervisor.rendezvous import presence
+from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
+from elastic_trainer.supervisor.warm import client as warm_workers
+from elastic_trainer.worker.memory import on_failure
 
 # kept for callers that compare statuses as strings (run.py, tests)
 STATUS_SUCCEEDED = JobStatus.SUCCEEDED.value
@@ -429,7 +433,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._procs.kill(grace_s=1.0)  # torch would SIGTERM them and wait up to 30 s
         return self._collect(worker_group)
 
-    # ---- I/O seams (scripted in tests/unit/test_supervisor_agent.py) ---------------------
+    # ---- I/O seams (scripted in tests/process/supervisor/test_agent.py) ---------------------
     def _warm_up_before_joining(self, handler: Any) -> None:
         """A node joining a running job lets its warm pool finish first (see
         ``decisions.join_after_warm_pool``); a pool that fails or times out is the fresh path."""

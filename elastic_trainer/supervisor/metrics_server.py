@@ -32,7 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from elastic_trainer.errors import ConfigError
-from elastic_trainer.supervisor import metrics as M
+from elastic_trainer.supervisor.core import metrics as M
 
 
 class _AgeCollector:

@@ -17,10 +17,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from elastic_trainer import protocol, stderr_router
-from elastic_trainer.config import RunConfig
+from elastic_trainer import stderr_router
+from elastic_trainer.contract import protocol
+from elastic_trainer.contract.config import RunConfig
+from elastic_trainer.contract.events import JobStatus, emit
 from elastic_trainer.errors import ConfigError, ElasticTrainError, StorageUnavailable
-from elastic_trainer.events import JobStatus, emit
 from elastic_trainer.logging import (
     configure_logging,
     redact,
@@ -29,7 +30,7 @@ from elastic_trainer.logging import (
     static_fields,
 )
 from elastic_trainer.supervisor import finished
-from elastic_trainer.supervisor import preflight as entrypoint_preflight
+from elastic_trainer.supervisor.cli import preflight as entrypoint_preflight
 
 # torch's C++ warnings (c10d's TCPStore retries, with stack traces) are noise in a job whose
 # failures we report as events; errors still show. Set before torch loads; workers inherit it.
@@ -44,7 +45,8 @@ STORE_SILENCE_LIMIT_S = 10.0
 def main(argv: Sequence[str] | None = None) -> int:
     # First of all, before any heavy import: SIGTERM/SIGINT in the first second is a stop
     # (exit 143), not a death by signal; until the supervisor runs, it interrupts at once.
-    from elastic_trainer.supervisor import args, signals
+    from elastic_trainer.supervisor.cli import args
+    from elastic_trainer.supervisor.processes import signals
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL)
 
@@ -99,7 +101,7 @@ def _start_metrics(cfg: RunConfig) -> Any:
 def preflight(cfg: RunConfig) -> None:
     _check_entrypoint(cfg)
     # the script's own flags and data, at every world size it may run at: a typo is one line
-    # and exit 2 here, not a crash in every worker (supervisor/preflight.py)
+    # and exit 2 here, not a crash in every worker (supervisor/cli/preflight.py)
     world_sizes = [cfg.nproc_per_node * n for n in range(cfg.min_nodes, cfg.max_nodes + 1)]
     for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
         emit("preflight.warning", level="warning", warning=warning)
@@ -151,8 +153,8 @@ def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> Any
     its deadline (``--storage-timeout``). A permanent problem (permissions, a missing bucket,
     no backend) is ConfigError (exit 2); storage that stays unreachable through the deadline
     is StorageUnavailable (exit 1): it may come up, so a restart policy should retry."""
-    from snapshots.retry import RetryPolicy, is_transient
     from snapshots.storage import open_storage
+    from snapshots.storage.retry import RetryPolicy, is_transient
 
     safe = redact(url)
     try:
@@ -194,7 +196,7 @@ def claim_store_port(cfg: RunConfig) -> Any:
     rendezvous, which reports it as before (bad input only when asked to host)."""
     if not hosts_store(cfg):
         return None
-    from elastic_trainer.supervisor import endpoint
+    from elastic_trainer.supervisor.rendezvous import endpoint
 
     return endpoint.claim_port(cfg.rdzv_host, cfg.rdzv_port)
 
@@ -210,7 +212,7 @@ def hosts_store(cfg: RunConfig) -> bool:
 def check_endpoint(host: str, port: int, *, read_timeout_s: float) -> None:
     """Exit 2 now for a name that does not resolve or a port that is not a c10d store; a
     store that is not up yet is not an error: ``create_handler`` waits for it."""
-    from elastic_trainer.supervisor import endpoint
+    from elastic_trainer.supervisor.rendezvous import endpoint
 
     endpoint.check(host, port, read_timeout_s=read_timeout_s)
 
@@ -247,7 +249,7 @@ class Supervisor:
         os.environ.setdefault("OMP_NUM_THREADS", "1" if cfg.nproc_per_node > 1 else "")
         if not os.environ["OMP_NUM_THREADS"]:
             del os.environ["OMP_NUM_THREADS"]
-        from elastic_trainer.supervisor import procs, signals, workerenv
+        from elastic_trainer.supervisor.processes import procs, signals, workerenv
 
         workerenv.tune_malloc(os.environ)  # before any worker (or warm pool) is started
 
@@ -260,7 +262,7 @@ class Supervisor:
             return self._supervise(stop, metrics, started)
 
     def _supervise(self, stop: object, metrics: object, started: float) -> int:
-        from elastic_trainer.supervisor import procs
+        from elastic_trainer.supervisor.processes import procs
 
         emit("supervisor.started", **self.cfg.summary())
         status, code, restarts, goodput, error = self._run_agent(stop, metrics)
@@ -289,7 +291,7 @@ class Supervisor:
         cfg = self.cfg
         if not cfg.snapshot_dir:
             return
-        from snapshots.manifest import now_iso
+        from snapshots.format.manifest import now_iso
         from snapshots.storage import open_storage
 
         body = finished.record(cfg.job_id, list(cfg.entrypoint.argv()), now_iso())
@@ -307,14 +309,15 @@ class Supervisor:
         )
 
         from elastic_trainer.supervisor import agent as agent_mod
-        from elastic_trainer.supervisor import static_host, workerenv
-        from elastic_trainer.supervisor.endpoint import (
+        from elastic_trainer.supervisor.processes import workerenv
+        from elastic_trainer.supervisor.processes.signals import StopRequested
+        from elastic_trainer.supervisor.rendezvous import static_host
+        from elastic_trainer.supervisor.rendezvous.endpoint import (
             EndpointError,
             StoreUnreachable,
             bound_silent_connections,
         )
-        from elastic_trainer.supervisor.rendezvous import create_handler
-        from elastic_trainer.supervisor.signals import StopRequested
+        from elastic_trainer.supervisor.rendezvous.handler import create_handler
 
         cfg = self.cfg
         stop.interruptible = True  # type: ignore[attr-defined]  # nothing to stop gracefully yet

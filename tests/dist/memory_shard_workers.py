@@ -1,5 +1,5 @@
-"""Worker bodies for the sharded in-memory tier's node-loss tests (``runtime.memory.shards``,
-``runtime.memory.mirror``), run through ``sharded_workers.spawn_phase``: each rank plays a
+"""Worker bodies for the sharded in-memory tier's node-loss tests (``worker.memory.shards``,
+``worker.memory.mirror``), run through ``sharded_workers.spawn_phase``: each rank plays a
 node of its own, with its own memory folder ``<tmp>/node<rank>``."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from structlog.testing import capture_logs
 
-from elastic_trainer.runtime.memory.mirror import KILL_MID_SEND_ENV
-from elastic_trainer.runtime.memory.shards import ShardedMemoryTier
-from elastic_trainer.runtime.snapshotting import SessionSnapshots, restore_state
-from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
+from elastic_trainer.worker.memory.shards import ShardedMemoryTier
+from elastic_trainer.worker.snapshotting import SessionSnapshots, restore_state
+from elastic_trainer.worker.bootstrap import exit_without_finalizing
 from snapshots import RNGState
+from snapshots.storage import faults
 from tests.dist import sharded_workers
 from tests.dist.sharded_workers import fsdp_model, full_state
 
@@ -35,7 +35,7 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
     storage snapshot at step 2; rank 0 saves the full state of step ``expect_at`` (default:
     the last). ``kill_at``: rank 1 is killed while sending its copy of that step."""
     if args.get("kill_at") is not None and rank == 1:
-        os.environ[KILL_MID_SEND_ENV] = str(args["kill_at"])
+        faults.inject(faults.KillAt("mid_mirror_send", step=args["kill_at"]))
     expect_at = args.get("expect_at", args["steps"])
     blocked = Path(tmp, "node0", "shards", "mirror-00001")  # ``block_mirror_until``
     if args.get("block_mirror_until") and rank == 0:  # a file where the folder goes: the

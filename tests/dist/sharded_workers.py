@@ -20,9 +20,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from elastic_trainer.supervisor.bootstrap import exit_without_finalizing
+from elastic_trainer.worker.bootstrap import exit_without_finalizing
 from snapshots import RNGState, SnapshotSaveError, SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
+from snapshots.storage import faults
 
 Phase = Callable[[int, int, str, dict[str, Any]], dict[str, Any]]
 
@@ -43,7 +44,7 @@ def spawn_phase(rank: int, world: int, tmp: str, phase: str, args: dict[str, Any
     # Done: leave without interpreter finalization. gloo's threads (this group's, the
     # snapshotter's own, FSDP's mesh) can still be releasing work objects, and CPython's
     # finalization then aborts the process (SIGABRT, pytorch #190489): the bootstrap that real
-    # workers run under does the same (elastic_trainer.supervisor.bootstrap).
+    # workers run under does the same (elastic_trainer.worker.bootstrap).
     exit_without_finalizing(0)
 
 
@@ -161,7 +162,7 @@ def ddp_load(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str,
 def fsdp_kill(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
     """Save step 2, then step 4 with one rank SIGKILLed at a fault point of its save."""
     if rank == args["kill_rank"]:
-        os.environ["SNAPSHOTS_KILL_AT"] = args["kill_at"]
+        faults.inject(faults.KillAt.parse(args["kill_at"]))
     return fsdp_save(rank, world, tmp, {**args, "steps": [2, 4]})
 
 

@@ -1,5 +1,5 @@
 """A node lost under FSDP2: the survivors rebuild the lost node's shards from the mirrors of
-its in-memory copies (``runtime.memory.mirror``), so at most one step is lost; with the
+its in-memory copies (``worker.memory.mirror``), so at most one step is lost; with the
 mirror lost too, storage serves and the event says why. gloo, each rank a node of its own."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.runtime.audit import check_exactly_once, effective_records, read_audit_log
+from elastic_trainer.worker.audit import check_exactly_once, effective_records, read_audit_log
 from tests.dist.workers.launcher import launch_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

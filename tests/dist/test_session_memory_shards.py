@@ -1,5 +1,5 @@
 """The in-memory tier for sharded (FSDP2) state through the real launcher on gloo
-(``runtime.memory.shards``): ``train_linear.py --fsdp`` (18 steps), storage snapshots every
+(``worker.memory.shards``): ``train_linear.py --fsdp`` (18 steps), storage snapshots every
 6 steps, so a restore from storage loses up to 5 steps where one from memory loses at most 1.
 """
 

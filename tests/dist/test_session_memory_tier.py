@@ -1,4 +1,4 @@
-"""The in-memory snapshot tier through the real launcher on gloo (``runtime.memory.tier``).
+"""The in-memory snapshot tier through the real launcher on gloo (``worker.memory.tier``).
 
 The tiny DDP model of ``train_linear.py`` (18 steps); storage snapshots every 6 steps, so a
 restore from storage loses up to 5 steps where one from memory loses at most 1.
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_trainer.runtime.memory.tier import KILL_MID_WRITE_ENV
 from tests.conftest import clean_worker_env
 from tests.dist.workers.launcher import Launch, launch_workers
+from tests.dist.workers.train_linear import KILL_MEMORY_WRITE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -116,7 +116,7 @@ def test_both_copies_lost_restores_from_storage_and_says_why(
 def test_a_kill_while_a_copy_is_written_never_uses_the_half_copy(
     tmp_path, reference, worker_env_module
 ):
-    env = {**worker_env_module, KILL_MID_WRITE_ENV: "9"}  # each rank, mid-copy of its part
+    env = {**worker_env_module, KILL_MEMORY_WRITE_ENV: "9"}  # each rank, mid-copy of its part
     result = run(tmp_path, env, 2, *DROPOUT)
     events = restored(result)
     assert [e["source"] for e in events] == ["memory", "memory"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer import protocol
-from elastic_trainer.runtime.audit import read_audit_log
+from elastic_trainer.contract import protocol
+from elastic_trainer.worker.audit import read_audit_log
 from snapshots import SnapshotStore
 from tests.dist.workers.launcher import launch_workers
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from structlog.testing import capture_logs
 
-from snapshots import NoValidSnapshotError, RNGState, SnapshotStore, layout
+from snapshots import NoValidSnapshotError, RNGState, SnapshotStore
+from snapshots.format import layout
 from snapshots.distributed import DistributedSnapshotter
 from tests.tamper import evil_bytes, resign
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from snapshots import SnapshotStore, layout, sharding
+from snapshots import SnapshotStore
+from snapshots.format import layout, sharding
 from snapshots.cli import main
 from tests.dist import sharded_workers
 from tests.tamper import damage

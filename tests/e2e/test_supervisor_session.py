@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.runtime.audit import check_exactly_once, effective_records, read_audit_log
+from elastic_trainer.worker.audit import check_exactly_once, effective_records, read_audit_log
 from tests.e2e.workers.harness import (
     HERE,
     Agent,
@@ -95,7 +95,7 @@ def _assert_exactly_once(audit: Path) -> list:
 # (worker flags, where the survivor restores from, where the joining node does). Replicated
 # (DDP) state: the survivor from its node's own copy, the joiner receives it over the group.
 # Sharded (FSDP2) state: the survivor from its own shards and the lost node's mirrored ones,
-# rebuilt into a storage snapshot (runtime.memory.mirror); the joiner the same way: the running
+# rebuilt into a storage snapshot (worker.memory.mirror); the joiner the same way: the running
 # group stops to admit it without a storage save (every rank holds that step's in-memory copy,
 # session._resumes_from_memory), and the changed world rebuilds a snapshot from those copies.
 STATE_KINDS = {"ddp": ((), "memory", "mirror"), "fsdp": (("--fsdp",), "mirror", "mirror")}

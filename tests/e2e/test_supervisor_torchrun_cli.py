@@ -7,7 +7,7 @@ import json
 import pytest
 from torch.distributed import TCPStore
 
-from elastic_trainer.supervisor.workerenv import MALLOC_TUNABLES
+from elastic_trainer.supervisor.processes.workerenv import MALLOC_TUNABLES
 from tests.e2e.workers.harness import (
     HERE,
     PLAIN_DDP,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.runtime.memory import byte_layout
-from elastic_trainer.runtime.memory.tier import NodeCopies
+from elastic_trainer.worker.memory import byte_layout
+from elastic_trainer.worker.memory.tier import NodeCopies
 
 
 def cuda_state(step: int) -> dict[str, torch.Tensor]:

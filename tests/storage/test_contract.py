@@ -6,7 +6,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from snapshots import SnapshotExistsError, SnapshotStore, layout
+from snapshots import SnapshotExistsError, SnapshotStore
+from snapshots.format import layout
 from snapshots.storage import open_storage
 
 from .conftest import Backend

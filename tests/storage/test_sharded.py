@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from snapshots import SnapshotCorruptError, SnapshotStore, layout
+from snapshots import SnapshotCorruptError, SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
+from snapshots.format import layout
 from snapshots.storage import open_storage, read_range
 from tests.dist.test_snapshot_sharded import assert_state_equal, run_phase
-from tests.unit.test_snapshot_sharded import _model_and_optimizer
+from tests.unit.snapshots.sharded.test_sharded import _model_and_optimizer
 
 from .conftest import Backend, make_bucket
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from snapshots import SnapshotSaveError, SnapshotStore, layout
+from snapshots import SnapshotSaveError, SnapshotStore
+from snapshots.format import layout
 from snapshots.storage import S3FS_PART_SIZE, Storage, open_storage, s3_etag
 
 from .conftest import Backend, make_bucket

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from elastic_trainer.jobs import fsdp, recipe
-from elastic_trainer.runtime import distributed
-from elastic_trainer.runtime.context import WorkerContext
-from elastic_trainer.runtime.memory import byte_layout, shards
-from elastic_trainer.supervisor import allocation
-from snapshots import rng
+from elastic_trainer.supervisor.cli import allocation
+from elastic_trainer.worker import distributed
+from elastic_trainer.worker.context import WorkerContext
+from elastic_trainer.worker.memory import byte_layout, shards
+from snapshots.format import rng
 
 
 @pytest.fixture

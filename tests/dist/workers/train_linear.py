@@ -21,9 +21,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_trainer as et
-from elastic_trainer import protocol
-from elastic_trainer.runtime.memory.rank_slots import RankSlots
-from elastic_trainer.runtime.memory.tier import KILL_MID_WRITE_ENV
+from elastic_trainer.contract import protocol
+from elastic_trainer.worker.memory.rank_slots import RankSlots
+from snapshots.storage import faults
+
+# This script's own switch for the crash tests: SIGKILL each rank halfway through its part
+# of the in-memory copy of this step, in the first attempt.
+KILL_MEMORY_WRITE_ENV = "TRAIN_LINEAR_KILL_MEMORY_WRITE"
 
 
 def parse() -> argparse.Namespace:
@@ -149,8 +153,9 @@ def main() -> None:
         per_rank_folder(protocol.ENV_CONTROL_DIR)
     if args.memory_dir_per_rank:
         per_rank_folder(protocol.ENV_MEMORY_DIR)
-    if restart_count() > 0:  # the injected crash of the copy's write happens once
-        os.environ.pop(KILL_MID_WRITE_ENV, None)
+    kill_at = os.environ.get(KILL_MEMORY_WRITE_ENV)
+    if kill_at and restart_count() == 0:  # the injected crash of the copy's write happens once
+        faults.inject(faults.KillAt("mid_memory_write", step=int(kill_at)))
     ctx = et.init_worker()  # + (replaces dist.init_process_group)
     drop_memory(args)
     damage_memory(args)

@@ -1,4 +1,4 @@
-"""A tiny worker that follows elastic_trainer.protocol directly (no TrainingSession).
+"""A tiny worker that follows elastic_trainer.contract.protocol directly (no TrainingSession).
 
 Each step all-reduces a counter over gloo, appends ``step rank world_size`` to an audit file,
 rewrites progress-<local_rank>.json, snapshots (rank 0, JSON + atomic rename) every

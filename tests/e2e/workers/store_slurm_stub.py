@@ -68,7 +68,7 @@ def supervise(argv: list[str]) -> int:
 
 def main() -> int:
     if sys.argv[1:2] == ["store"]:
-        from elastic_trainer.store_server import main as store_main
+        from elastic_trainer.tools.store_server import main as store_main
 
         return store_main(sys.argv[2:])
     return supervise(sys.argv[1:])

@@ -5,7 +5,7 @@ Each attempt trains a few DDP steps, then starts one more all-reduce it never wa
 fire-and-forget metric) and leaves. The collective completes on gloo's thread while the main
 thread is already exiting; its clean-up needs the GIL. Run plainly (``python script``) this
 aborts the process with SIGABRT ("terminate called without an active exception") in most
-runs: see elastic_trainer/supervisor/bootstrap.py. Rank 1 exits with ``--fail-code`` on the
+runs: see elastic_trainer/worker/bootstrap.py. Rank 1 exits with ``--fail-code`` on the
 first ``--fail-attempts`` attempts, so one supervisor run exercises several exits.
 """
 

@@ -1,0 +1,372 @@
+"""Validated run configuration for the supervisor: keyword-only, frozen dataclasses.
+
+Every cross-field check lives in ``__post_init__`` and raises ``ConfigError`` with one line
+naming the field, the bad value and the fix. ``supervisor/cli/args.py`` builds these from argv
+and torchrun's ``PET_*`` environment; nothing here touches the network or the disk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_trainer.contract import protocol
+from elastic_trainer.contract.protocol import LOG_FORMATS, WorkerSettings
+from elastic_trainer.errors import ConfigError
+
+DEFAULT_MODULE = "elastic_trainer.jobs.default"
+DEFAULT_RDZV_PORT = 29400
+
+
+def _check(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: {fix}")
+
+
+def _positive(name: str, value: float) -> None:
+    _check(
+        isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+        name,
+        value,
+        "use a number > 0",
+    )
+
+
+def _non_negative(name: str, value: float) -> None:
+    _check(
+        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+        name,
+        value,
+        "use a number >= 0",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousTuning:
+    """Timeouts of torch's dynamic (c10d) rendezvous, tuned for fast recovery.
+
+    The first round is patient (``first_last_call_timeout``) so that nodes started a few
+    seconds apart land in one world instead of several (split brain). Later rounds follow a
+    failure or a membership change and wait only ``last_call_timeout``. A node counts as
+    dead after ``keep_alive_interval * keep_alive_max_attempt`` seconds without heartbeat.
+    """
+
+    join_timeout: float = 600.0
+    first_last_call_timeout: float = 15.0
+    last_call_timeout: float = 2.0
+    close_timeout: float = 10.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 1.0
+    keep_alive_max_attempt: int = 3
+    read_timeout: int = 30
+
+    def __post_init__(self) -> None:
+        for name in (
+            "join_timeout",
+            "first_last_call_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "heartbeat_timeout",
+            "keep_alive_interval",
+        ):
+            _positive(f"--rdzv-conf {name}", getattr(self, name))
+        _check(
+            isinstance(self.keep_alive_max_attempt, int) and self.keep_alive_max_attempt >= 2,
+            "--rdzv-conf keep_alive_max_attempt",
+            self.keep_alive_max_attempt,
+            "use an integer >= 2 (with 1, one late heartbeat expels a live node)",
+        )
+        _check(
+            isinstance(self.read_timeout, int) and self.read_timeout > 0,
+            "--rdzv-conf read_timeout",
+            self.read_timeout,
+            "use an integer number of seconds > 0",
+        )
+        _check(
+            self.join_timeout > self.first_last_call_timeout,
+            "--rdzv-conf join_timeout",
+            self.join_timeout,
+            f"make it longer than first_last_call_timeout={self.first_last_call_timeout}",
+        )
+
+    @property
+    def dead_after_s(self) -> float:
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartTuning:
+    """Crash-loop back-off: a group failing again within ``crash_loop_window_s`` of its start
+    waits ``backoff_base_s * 2**(n-1)`` (capped at ``backoff_max_s``) before restarting."""
+
+    crash_loop_window_s: float = 30.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _non_negative("crash_loop_window_s", self.crash_loop_window_s)
+        _non_negative("backoff_base_s", self.backoff_base_s)
+        _check(
+            self.backoff_max_s >= self.backoff_base_s,
+            "backoff_max_s",
+            self.backoff_max_s,
+            f"use a value >= backoff_base_s={self.backoff_base_s}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchrunOptions:
+    """torchrun's logging and process flags, honoured as torchrun does (torchrun_flags.py)."""
+
+    log_dir: str | None = None  # None: a private folder removed at exit
+    redirects: str = "0"  # torch's Std syntax: 0-3, or LOCAL_RANK:0-3,...
+    tee: str = "0"
+    local_ranks_filter: frozenset[int] | None = None
+    log_line_prefix_template: str | None = None
+    role: str = "trainer"
+    shutdown_timeout: float | None = None  # None: ours (2 s from SIGTERM to SIGKILL on restarts)
+    node_rank: int | None = None  # static mode's --node-rank: this node's group rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entrypoint:
+    """What each worker runs: a script, a module, or (neither) the built-in job.
+
+    ``no_python`` (torchrun's ``--no-python``): SCRIPT is an executable, run as it is."""
+
+    script: str | None = None
+    module: str | None = None
+    args: tuple[str, ...] = ()
+    no_python: bool = False
+
+    def __post_init__(self) -> None:
+        _check(
+            not (self.script and self.module),
+            "SCRIPT",
+            self.script,
+            f"give either a SCRIPT or -m {self.module}, not both",
+        )
+        _check(
+            not self.no_python or bool(self.script),
+            "--no-python",
+            self.no_python,
+            "give the executable to run as SCRIPT",
+        )
+
+    @property
+    def effective_module(self) -> str | None:
+        if self.script:
+            return None
+        return self.module or DEFAULT_MODULE
+
+    def argv(self) -> tuple[str, ...]:
+        """Arguments after ``python -u``: ``SCRIPT args`` or ``-m MODULE args``."""
+        if self.script:
+            return (self.script, *self.args)
+        return ("-m", self.effective_module or DEFAULT_MODULE, *self.args)
+
+    def name(self) -> str:
+        return self.script or f"-m {self.effective_module}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one ``elastic-train`` supervisor needs, validated."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_host: str = "127.0.0.1"
+    rdzv_port: int = DEFAULT_RDZV_PORT
+    is_host: bool | None = None  # None: host the store when the endpoint is this machine
+    # the address this node advertises for the rendezvous and, as rank 0, for MASTER_ADDR
+    # (None: torch's default, the FQDN, which some pods cannot resolve)
+    local_addr: str | None = None
+    job_id: str = "elastic-train"
+    rdzv: RendezvousTuning = field(default_factory=RendezvousTuning)
+    restart: RestartTuning = field(default_factory=RestartTuning)
+    max_restarts: int = 3
+    monitor_interval: float = 0.2
+    hang_timeout: float = 300.0  # 0 disables the watchdog
+    grace_period: float = protocol.DEFAULT_GRACE_PERIOD_S
+    snapshot_dir: str | None = None
+    # None: not set by the operator (WorkerSettings says who decides then)
+    snapshot_every: int | str | None = None  # steps, or "auto" (worker.interval)
+    snapshot_keep: int | None = None
+    # None: the script's, else none for replicated state (a copy just in time), auto for sharded
+    memory_snapshot_every: int | str | None = None
+    storage_timeout: float | None = None
+    log_format: str = "auto"
+    log_file: str | None = None
+    node: str = "localhost"
+    entrypoint: Entrypoint = field(default_factory=Entrypoint)
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+    collective_timeout: float = protocol.DEFAULT_COLLECTIVE_TIMEOUT_S
+    exit_barrier_timeout: float = 60.0
+    resources_interval: float = 30.0
+    control_root: str | None = None  # None: the system temp dir
+    # Prometheus /metrics and /health (supervisor/metrics_server.py); None: not served
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # loopback unless the operator opens it up
+    # workers forked from a pool that has imported torch (supervisor/warm/client.py)
+    warm_workers: bool = True
+    # in-memory copies of the workers' state (worker.memory); off: storage snapshots only
+    memory_tier: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_nodes()
+        self._check_times()
+        self._check_snapshots()
+        self._check_metrics()
+        _check(
+            self.log_format in LOG_FORMATS, "--log-format", self.log_format, "use json|console|auto"
+        )
+        _check(bool(self.job_id), "--job-id", self.job_id, "use a non-empty id shared by all nodes")
+        _check(bool(self.rdzv_host), "--rdzv-endpoint", self.rdzv_host, "use HOST[:PORT]")
+        _check(
+            self.local_addr is None or bool(self.local_addr.strip()),
+            "--local-addr",
+            self.local_addr,
+            "use this node's IP address or a name its peers resolve",
+        )
+        _check(
+            isinstance(self.rdzv_port, int) and 0 < self.rdzv_port < 65536,
+            "--rdzv-endpoint port",
+            self.rdzv_port,
+            "use a TCP port in 1..65535",
+        )
+
+    def _check_nodes(self) -> None:
+        _check(
+            isinstance(self.min_nodes, int) and self.min_nodes >= 1,
+            "--min-nodes",
+            self.min_nodes,
+            "use an integer >= 1",
+        )
+        _check(
+            isinstance(self.max_nodes, int) and self.max_nodes >= self.min_nodes,
+            "--max-nodes",
+            self.max_nodes,
+            f"use an integer >= --min-nodes={self.min_nodes}",
+        )
+        _check(
+            isinstance(self.nproc_per_node, int) and self.nproc_per_node >= 1,
+            "--nproc-per-node",
+            self.nproc_per_node,
+            "use an integer >= 1 or 'auto'",
+        )
+        _check(
+            isinstance(self.max_restarts, int) and self.max_restarts >= 0,
+            "--max-restarts",
+            self.max_restarts,
+            "use an integer >= 0",
+        )
+
+    def _check_times(self) -> None:
+        _positive("--monitor-interval", self.monitor_interval)
+        _non_negative("--hang-timeout", self.hang_timeout)
+        _non_negative("--grace-period", self.grace_period)
+        _positive("collective_timeout", self.collective_timeout)
+        _positive("exit_barrier_timeout", self.exit_barrier_timeout)
+        _positive("resources_interval", self.resources_interval)
+        _check(
+            self.hang_timeout == 0 or self.hang_timeout > self.monitor_interval,
+            "--hang-timeout",
+            self.hang_timeout,
+            f"use 0 (off) or more than --monitor-interval={self.monitor_interval}",
+        )
+
+    def _check_snapshots(self) -> None:
+        _check(
+            self.snapshot_every is None
+            or self.snapshot_every == "auto"
+            or (type(self.snapshot_every) is int and self.snapshot_every >= 1),
+            "--snapshot-every",
+            self.snapshot_every,
+            "use an integer number of steps >= 1, or auto",
+        )
+        _check(
+            self.snapshot_keep is None
+            or (isinstance(self.snapshot_keep, int) and self.snapshot_keep >= 1),
+            "--snapshot-keep",
+            self.snapshot_keep,
+            "use an integer >= 1",
+        )
+        _check(
+            self.memory_snapshot_every is None
+            or self.memory_snapshot_every == "auto"
+            or (type(self.memory_snapshot_every) is int and self.memory_snapshot_every >= 0),
+            "--memory-snapshot-every",
+            self.memory_snapshot_every,
+            "use an integer number of steps >= 1, or 0 for no in-memory copies",
+        )
+        if self.storage_timeout is not None:
+            _positive("--storage-timeout", self.storage_timeout)
+        _check(
+            self.snapshot_dir is None or bool(self.snapshot_dir.strip()),
+            "--snapshot-dir",
+            self.snapshot_dir,
+            "use a local path or an fsspec URL such as s3://bucket/run",
+        )
+
+    def _check_metrics(self) -> None:
+        _check(
+            self.metrics_port is None
+            or (isinstance(self.metrics_port, int) and 0 < self.metrics_port < 65536),
+            "--metrics-port",
+            self.metrics_port,
+            "use a TCP port in 1..65535 (leave it out to serve no metrics)",
+        )
+        _check(
+            bool(self.metrics_host.strip()),
+            "--metrics-host",
+            self.metrics_host,
+            "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
+        )
+
+    def worker_settings(
+        self, control_dir: str, memory_dir: str | None = None, *, mtbf_s: float | None = None
+    ) -> WorkerSettings:
+        """What every worker of this node is told (through its environment); ``memory_dir``:
+        this supervisor's in-memory tier folder (``worker.memory.tier``); ``mtbf_s``: the
+        job's mean time between failures observed so far (``--snapshot-every auto``)."""
+        return WorkerSettings(
+            mtbf_s=mtbf_s,
+            memory_dir=memory_dir,
+            memory_snapshot_every=self.memory_snapshot_every,
+            job_id=self.job_id,
+            node=self.node,
+            control_dir=control_dir,
+            snapshot_dir=self.snapshot_dir,
+            snapshot_every=self.snapshot_every,
+            snapshot_keep=self.snapshot_keep,
+            storage_timeout_s=self.storage_timeout,
+            log_format="console" if self.log_format == "console" else "json",
+            log_file=self.log_file,
+            collective_timeout_s=self.collective_timeout,
+            grace_period_s=self.grace_period,
+        )
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        """HOST:PORT as --rdzv-endpoint takes it back: an IPv6 literal in brackets."""
+        from elastic_trainer.tools.store_server import format_endpoint  # light; no import cycle
+
+        return format_endpoint(self.rdzv_host, self.rdzv_port)
+
+    def summary(self) -> Mapping[str, Any]:
+        """Fields of the ``supervisor.started`` event."""
+        return {
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "nproc_per_node": self.nproc_per_node,
+            "rdzv_endpoint": self.rdzv_endpoint,
+            "entrypoint": self.entrypoint.name(),
+            "max_restarts": self.max_restarts,
+            "hang_timeout": self.hang_timeout,
+            "grace_period": self.grace_period,
+            "snapshot_dir": self.snapshot_dir,
+            "warm_workers": self.warm_workers,
+        }

@@ -1,0 +1,3 @@
+"""The supervisor's command line: argv and torchrun's environment to a validated ``RunConfig``,
+the node's allocation, and the entrypoint preflight.
+"""

@@ -1,0 +1,133 @@
+"""Entrypoint preflight: let a training script refuse a bad configuration before any worker
+starts, without the supervisor knowing anything about it.
+
+A script or module may define, at top level::
+
+    def preflight(argv: list[str], world_sizes: list[int]) -> list[str] | None:
+        '''Raise to refuse (one line: the problem and the fix); return warnings.'''
+
+``argv`` is what its workers will get; ``world_sizes`` every world size the job may run at
+(``--nproc-per-node`` x each node count from ``--min-nodes`` to ``--max-nodes``). The
+supervisor finds the function by reading the source (nothing runs if there is none), then
+calls it in a subprocess (``python -m elastic_trainer.supervisor.cli.preflight ...``) that imports
+the entrypoint under a name other than ``__main__``: training code behind the usual
+``if __name__ == "__main__":`` guard does not run. A refusal is exit 2 with its one line
+before any worker starts, instead of a crash in every worker.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+
+from elastic_trainer.contract.config import Entrypoint
+from elastic_trainer.errors import ConfigError
+
+FUNCTION = "preflight"
+ENV_WORLD_SIZES = "ELASTIC_TRAIN_PREFLIGHT_WORLD_SIZES"
+# importing torch, a model and a dataset index: generous, but bounded
+TIMEOUT_S = 180.0
+
+
+def source_of(entry: Entrypoint) -> str | None:
+    """The entrypoint's source file (None: not found, or not Python source)."""
+    if entry.script:
+        return entry.script
+    try:
+        spec = importlib.util.find_spec(entry.effective_module or "")
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
+
+
+def defines_preflight(path: str) -> bool:
+    """True if the file defines ``preflight`` at top level (read, not run)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return False  # the worker itself will report an unreadable script
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == FUNCTION
+        for node in tree.body
+    )
+
+
+def run(
+    entry: Entrypoint, world_sizes: Sequence[int], *, timeout_s: float = TIMEOUT_S
+) -> list[str]:
+    """Call the entrypoint's preflight, if it has one; its warnings, or ConfigError."""
+    if entry.no_python:
+        return []  # an executable, not Python source
+    path = source_of(entry)
+    if path is None or not defines_preflight(path):
+        return []
+    env = {**os.environ, ENV_WORLD_SIZES: ",".join(map(str, world_sizes))}
+    command = [sys.executable, "-m", __name__, *entry.argv()]
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"the preflight of {entry.name()} did not finish within {timeout_s:.0f} s: make its "
+            f"{FUNCTION}() check flags and data only"
+        ) from None
+    return _answer(entry, done)
+
+
+def _answer(entry: Entrypoint, done: subprocess.CompletedProcess[str]) -> list[str]:
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    try:
+        answer = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"the preflight of {entry.name()} failed: {last}") from None
+    if answer.get("error"):
+        raise ConfigError(str(answer["error"]))
+    if answer.get("exit", 1) in (0, None):  # the job's own --help: printed, and all it asked
+        print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("{")))
+        raise SystemExit(0)
+    if "exit" in answer:  # the script's argument parser exited: its last line says why
+        last = (done.stderr.strip().splitlines() or [f"exit {answer['exit']}"])[-1]
+        raise ConfigError(f"{entry.name()} refused its arguments: {last}")
+    return [str(w) for w in answer.get("warnings") or []]
+
+
+# ---- the subprocess side ---------------------------------------------------------------
+def _load(argv: list[str]) -> object:
+    if argv[0] == "-m":
+        return importlib.import_module(argv[1])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    return runpy.run_path(argv[0], run_name="__elastic_train_preflight__")[FUNCTION]
+
+
+def _main(argv: list[str]) -> int:
+    world_sizes = [int(w) for w in os.environ.get(ENV_WORLD_SIZES, "1").split(",") if w]
+    args = argv[2:] if argv[0] == "-m" else argv[1:]
+    try:
+        loaded = _load(argv)
+        check = getattr(loaded, FUNCTION, loaded)
+        warnings = check(list(args), world_sizes) or []
+    except SystemExit as exc:  # argparse printed "prog: error: ..." to stderr already
+        print(json.dumps({"exit": exc.code}))
+        return 2
+    except Exception as exc:  # any refusal: one line for the operator
+        traceback.print_exc(file=sys.stderr)
+        print(json.dumps({"error": " ".join(str(exc).split()) or type(exc).__name__}))
+        return 2
+    print(json.dumps({"warnings": [str(w) for w in warnings]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

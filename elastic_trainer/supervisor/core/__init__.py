@@ -1,0 +1,3 @@
+"""The supervisor's pure decisions: restart policy, recovery and goodput bookkeeping, the hang
+watchdog's rules and the metrics model. No processes, sockets or torch here.
+"""

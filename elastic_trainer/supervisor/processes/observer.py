@@ -1,0 +1,135 @@
+"""What the agent sees of its running workers, turned into decisions' inputs and events.
+
+Each monitor tick the agent asks the observer once: it reads the workers' progress files,
+feeds the ledger (``recovery.completed``) and the hang watchdog, and every
+``resources_interval`` samples the process trees' RSS and CPU (``worker.resources``). With
+``--metrics-port`` it also feeds the metrics (``metrics_server.py``): the progress reports,
+the goodput so far and the events workers forwarded (``tail.py``). The agent keeps the
+decisions; this module keeps the bookkeeping that is only observation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from elastic_trainer.contract import protocol
+from elastic_trainer.contract.events import emit
+from elastic_trainer.supervisor.core.ledger import Ledger
+from elastic_trainer.supervisor.core.watchdog import (
+    HangVerdict,
+    HangWatchdog,
+    Progress,
+    parse_progress,
+)
+from elastic_trainer.supervisor.processes.procs import ProcessTracker, Resources
+from elastic_trainer.supervisor.processes.tail import WorkerEventTail
+
+if TYPE_CHECKING:
+    from elastic_trainer.supervisor.metrics_server import SupervisorMetrics
+
+# psutil's first CPU reading of a process is 0: the first resources event comes after a while
+_FIRST_RESOURCES_AFTER_S = 5.0
+
+
+class GroupObserver:
+    """Progress, hangs and resources of the current attempt's workers on this node."""
+
+    def __init__(
+        self,
+        *,
+        procs: ProcessTracker,
+        hang_timeout: float,
+        resources_interval: float,
+        metrics: SupervisorMetrics | None = None,
+    ) -> None:
+        self.ledger = Ledger()
+        self._metrics = metrics
+        self._tail: WorkerEventTail | None = None
+        self._born = time.monotonic()
+        self._procs = procs
+        self._watchdog = HangWatchdog(timeout_s=hang_timeout)
+        self._interval = resources_interval
+        self._next_resources = 0.0
+        self._last: dict[int, Resources] = {}
+
+    def attempt_started(self, now: float) -> None:
+        self._procs.resources()  # primes psutil's CPU counters
+        self._watchdog.reset()
+        self.ledger.start_attempt()
+        self._next_resources = now + min(_FIRST_RESOURCES_AFTER_S, self._interval)
+        self._tail = None  # the new attempt's folder is read from its start
+        if self._metrics is not None:
+            self._metrics.attempt_started()
+
+    def observe(
+        self,
+        control_dir: str,
+        *,
+        local_world_size: int,
+        world_size: int,
+        global_rank: Callable[[int], int],
+    ) -> HangVerdict | None:
+        """One tick: events for recoveries and resources; a verdict if the group hangs."""
+        reports = read_progress(control_dir, range(local_world_size))
+        recovered = self.ledger.observe(reports, world_size=world_size)
+        if recovered is not None:
+            emit("recovery.completed", **recovered)
+        now = time.monotonic()
+        if now >= self._next_resources:
+            self._next_resources = now + self._interval
+            self._emit_resources(global_rank)
+            self._feed_goodput(now)
+        else:
+            self._procs.refresh()
+        self._feed_metrics(control_dir, local_world_size, reports)
+        return self._watchdog.observe(reports, now)
+
+    def _feed_metrics(self, control_dir: str, local_world_size: int, reports: Any) -> None:
+        if self._metrics is None:
+            return
+        if self._tail is None:
+            self._tail = WorkerEventTail(control_dir, range(local_world_size))
+        for event in self._tail.read():
+            self._metrics.event(event)
+        self._metrics.progress(reports)
+
+    def _feed_goodput(self, now: float) -> None:
+        if self._metrics is not None:
+            self._metrics.goodput(self.ledger.goodput(now - self._born))
+
+    def _emit_resources(self, global_rank: Callable[[int], int]) -> None:
+        self._procs.refresh()
+        self._last = self._procs.resources()
+        for local_rank, res in self._last.items():
+            emit(
+                "worker.resources",
+                rank=global_rank(local_rank),
+                local_rank=local_rank,
+                rss_bytes=res.rss_bytes,
+                cpu_percent=round(res.cpu_percent, 1),
+                num_procs=res.num_procs,
+            )
+
+    def resources_fields(self, local_rank: int) -> dict[str, Any]:
+        """The last sampled figures of ``local_rank``, for a ``worker.failed`` event."""
+        res = self._last.get(local_rank)
+        if res is None:
+            return {}
+        return {"rss_bytes": res.rss_bytes, "cpu_percent": round(res.cpu_percent, 1)}
+
+
+def read_progress(control_dir: str, local_ranks: range) -> dict[int, Progress]:
+    out: dict[int, Progress] = {}
+    for local_rank in local_ranks:
+        path = os.path.join(control_dir, protocol.progress_file(local_rank))
+        try:
+            with open(path, encoding="utf-8") as f:
+                progress = parse_progress(f.read())
+        except OSError:
+            continue
+        if progress is not None:
+            out[local_rank] = progress
+    return out

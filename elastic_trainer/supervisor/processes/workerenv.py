@@ -1,0 +1,190 @@
+"""What the supervisor hands its workers besides torchrun's variables: our environment and a
+fresh control directory per attempt (stop file, progress files;
+``elastic_trainer.contract.protocol``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from elastic_trainer.contract.config import RunConfig
+from elastic_trainer.contract.events import emit
+from elastic_trainer.private_files import NotOursError, private_dir
+
+# Workers run their script through this module (see its docstring: a clean interpreter exit)
+BOOTSTRAP_MODULE = "elastic_trainer.worker.bootstrap"
+
+
+# glibc's malloc for the workers. A training step allocates and frees the same MB-sized
+# tensors (activations, gradients) every step. With glibc's defaults a process falls, by the
+# luck of its heap's layout, into one of several regimes: in one, every ResNet-18 step here
+# gave ~9-27 MB back to the kernel (heap trimming, or mmap'd chunks) and faulted it in again,
+# 4.6-6.9k page faults and ~10% slower steps; in another, none. Which one a run got varied
+# from process to process (a snapshot job's extra allocations made the slow ones likelier),
+# adding ~5% noise to any comparison of two jobs. Fixed thresholds end the lottery: chunks up
+# to 32 MiB (glibc's own dynamic maximum on 64-bit, accepted by every version) come from the
+# heap, and up to 1 GiB free at its top is kept: ~0 faults per step, every run. Both are
+# needed: setting either alone turns off glibc's dynamic threshold, and trim_threshold alone
+# mmap'd every chunk over 128 KiB (48k faults, 2x slower steps). An operator's own
+# GLIBC_TUNABLES (even empty) is left as it is. Other C libraries ignore the variable.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+
+
+def tune_malloc(environ: MutableMapping[str, str]) -> bool:
+    """Give the workers ``MALLOC_TUNABLES`` unless GLIBC_TUNABLES is already set."""
+    if "GLIBC_TUNABLES" in environ:
+        return False
+    environ["GLIBC_TUNABLES"] = MALLOC_TUNABLES
+    return True
+
+
+def set_worker_env(cfg: RunConfig, control_dir: str, *, mtbf_s: float | None = None) -> None:
+    """Put this attempt's settings into our environment, which torch hands to the workers."""
+    memory = prepare_memory_dir(cfg) if cfg.memory_tier else None
+    cfg.worker_settings(control_dir, memory, mtbf_s=mtbf_s).apply_to(os.environ)
+
+
+def memory_base() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@functools.cache
+def memory_root(base: str, uid: int) -> str:
+    """This user's private folder for in-memory tiers in the shared ``base``:
+    ``elastic-train-<uid>``, mode 0700 (``private_files``). When that name is taken by
+    something not ours (another user made it first), a fresh private folder instead, and
+    ``snapshot.memory_refused`` says so: the job is not stopped by a name someone took."""
+    path = os.path.join(base, f"elastic-train-{uid}")
+    try:
+        return private_dir(path)
+    except NotOursError as exc:
+        fresh = tempfile.mkdtemp(prefix=f"elastic-train-{uid}-", dir=base)
+        emit("snapshot.memory_refused", level="warning", path=path, reason=str(exc), using=fresh)
+        return fresh
+
+
+def memory_dir(cfg: RunConfig) -> str:
+    """This agent's in-memory tier folder: on tmpfs (/dev/shm) where there is one, inside
+    this user's private folder, named by the job and this supervisor's pid, so it outlives
+    worker restarts on this agent, differs per agent (two on one machine too), and
+    ``remove_memory_dir`` frees it at exit."""
+    job = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.job_id)
+    return os.path.join(memory_root(memory_base(), os.geteuid()), job, str(os.getpid()))
+
+
+def prepare_memory_dir(cfg: RunConfig) -> str:
+    """``memory_dir``, its job's folder and it made (mode 0700) and checked ours."""
+    path = memory_dir(cfg)
+    private_dir(os.path.dirname(path))
+    return private_dir(path)
+
+
+def remove_stale_memory_dirs(cfg: RunConfig) -> None:
+    """Folders of this job's agents on this machine that died without removing theirs
+    (SIGKILL, power loss of a container): their copies are of no use to anyone (a new agent
+    never reads another agent's folder), and tmpfs is memory."""
+    import psutil
+
+    job_dir = os.path.dirname(memory_dir(cfg))
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(job_dir):
+            if name.isdigit() and not psutil.pid_exists(int(name)):
+                shutil.rmtree(os.path.join(job_dir, name), ignore_errors=True)
+
+
+def remove_memory_dir(cfg: RunConfig) -> None:
+    path = memory_dir(cfg)
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the job's folder, once no agent of it is left
+        os.rmdir(os.path.dirname(path))
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that carries ``address`` on this machine, if any."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addrs):
+            return name
+    return None
+
+
+def point_gloo_at(local_addr: str | None, environ: dict[str, str] | Any) -> None:
+    """gloo picks its interface from the hostname, which can resolve to loopback or not at
+    all (pods, namespaces): with ``--local-addr`` it uses that address's interface instead.
+    A GLOO_SOCKET_IFNAME the operator set is kept."""
+    if not local_addr or environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interface = interface_of(local_addr)
+    if interface is not None:
+        environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def worker_entrypoint(cfg: RunConfig) -> str:
+    """The program each worker runs: Python, or the executable itself (``--no-python``)."""
+    entry = cfg.entrypoint
+    return entry.script if entry.no_python and entry.script else sys.executable
+
+
+def worker_args(cfg: RunConfig) -> tuple[str, ...]:
+    """Arguments after the entrypoint: unbuffered Python through the bootstrap, or the
+    executable's own arguments (``--no-python``)."""
+    if cfg.entrypoint.no_python:
+        return cfg.entrypoint.args
+    return ("-u", "-m", BOOTSTRAP_MODULE, *cfg.entrypoint.argv())
+
+
+def logs_specs(
+    cfg: RunConfig, control_root: str, *, console: bool, fields: Mapping[str, Any]
+) -> Any:
+    """torch's per-rank log files, as torchrun's --log-dir/--redirects/--tee ask for them;
+    the streams left on the console are relayed (``supervisor/processes/console.py``): on a
+    ``console`` with a ``[rank0]:`` prefix, in JSON mode stderr as events with ``fields``
+    and the rank. Close it (``close_logs``) once the workers are gone."""
+    from torch.distributed.elastic.multiprocessing import Std
+
+    from elastic_trainer.supervisor.processes.console import RelayedLogsSpecs
+
+    options = cfg.torchrun
+    torch_options = {
+        "log_dir": options.log_dir or os.path.join(control_root, "logs"),
+        "redirects": Std.from_str(options.redirects),
+        "tee": Std.from_str(options.tee),
+        "local_ranks_filter": set(options.local_ranks_filter)
+        if options.local_ranks_filter
+        else None,
+    }
+    return RelayedLogsSpecs(
+        template=options.log_line_prefix_template,
+        json_fields=None if console else fields,
+        **torch_options,
+    )
+
+
+def close_logs(specs: Any) -> None:
+    """Relay the workers' last console output (a no-op for torch's own LogsSpecs)."""
+    close = getattr(specs, "close", None)
+    if close is not None:
+        close()
+
+
+def make_control_root(cfg: RunConfig) -> str:
+    base = cfg.control_root or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"elastic-train-{os.getpid()}-", dir=base)
+
+
+def new_control_dir(root: str, attempt: int) -> str:
+    """An empty ``attempt-N`` folder; the previous attempt's is removed (stale stop files)."""
+    path = os.path.join(root, f"attempt-{attempt}")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    shutil.rmtree(os.path.join(root, f"attempt-{attempt - 1}"), ignore_errors=True)
+    return path

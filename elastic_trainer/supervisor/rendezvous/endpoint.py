@@ -1,0 +1,421 @@
+"""Reaching the c10d rendezvous store: bad input fails at once, a store not up yet is waited for.
+
+Three kinds of trouble, three answers:
+
+- bad input (a host name that does not resolve, a port held by something that is not a c10d
+  store): ``EndpointError``, a ``ConfigError``, exit 2 at once -- retrying cannot fix it;
+- nothing listens yet, or the connect times out: transient. Nodes of one job boot in any
+  order, so a node whose store host is not up yet waits, with backoff, up to the rendezvous
+  join timeout, says so once (``store.unreachable``, ``retrying=True``), and only then gives
+  up with ``StoreUnreachable`` (exit 1: systemd and Kubernetes restart it);
+- a store that answers: the connected ``TCPStore``.
+
+Every step is bounded. torch's ``TCPStore`` client blocks in C++ without a timeout while it
+waits for the handshake's answer (measured with torch 2.15: an HTTP server or a silent
+listener keeps it there for good, and no signal handler runs meanwhile). So the TCP connect
+is done in Python (interruptible), and the c10d handshake runs in a thread that the main
+thread waits for interruptibly; past ``HANDSHAKE_TIMEOUT_S``, or on a stop signal, the
+thread's socket is shut down, which ends its blocking read at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import tenacity
+
+from elastic_trainer.contract.events import emit
+from elastic_trainer.errors import ConfigError, ElasticTrainError
+
+# A c10d store answers its handshake in milliseconds; anything slower is not one.
+HANDSHAKE_TIMEOUT_S = 5.0
+# One TCP connect attempt (a dropped SYN: the host or its firewall is not up yet).
+CONNECT_TIMEOUT_S = 3.0
+# How long torch's client keeps reconnecting on its own before it reports a failure.
+CLIENT_RETRY_S = 1.0
+# Backoff between attempts while the store is not up: 0.5 s, doubling, capped here.
+RETRY_MAX_WAIT_S = 5.0
+# A key nobody writes: the handshake's one real store operation only asks whether it exists.
+_PROBE_KEY = "elastic-train/probe"
+
+
+# No attempt starts past the deadline.
+_STOP_BEFORE = tenacity.stop_before_delay
+
+
+class EndpointError(ConfigError):
+    """The endpoint is wrong: it does not resolve, or what answers there is not a c10d store."""
+
+
+class StoreUnreachable(ElasticTrainError):
+    """Nothing answered at the endpoint within the rendezvous join timeout."""
+
+    exit_code = 1
+
+
+class _Transient(Exception):
+    """Nothing listens there (yet): worth another try."""
+
+
+def resolve(host: str, port: int) -> None:
+    """Fail at once, with exit 2, on a host name that cannot resolve."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:  # the resolver itself is not reachable yet
+            raise _Transient(f"cannot resolve {host!r} yet ({exc.strerror})") from exc
+        raise EndpointError(
+            f"--rdzv-endpoint={host}:{port}: the host name {host!r} does not resolve "
+            f"({exc.strerror}): fix HOST"
+        ) from exc
+
+
+def reach(host: str, port: int) -> None:
+    """One TCP connect, in Python so that signals are handled meanwhile; ``_Transient`` if
+    nothing answers."""
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise _Transient(exc.strerror or str(exc) or type(exc).__name__) from exc
+
+
+def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
+    """A c10d client: ``TCPStore`` plus one store operation, bounded by ``HANDSHAKE_TIMEOUT_S``.
+
+    Returns the connected store (its operations time out after ``read_timeout_s``). Raises
+    ``EndpointError`` when the listener there does not speak c10d, ``_Transient`` when it
+    went away meanwhile.
+    """
+    import torch.distributed  # noqa: F401  # here, not in the thread: an import is no handshake
+
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome["store"] = _client(host, port, read_timeout_s=read_timeout_s)
+        except Exception as exc:  # reported to the caller below
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=attempt, name="c10d-handshake", daemon=True)
+    thread.start()
+    try:
+        done.wait(HANDSHAKE_TIMEOUT_S)  # a stop signal's handler raises out of this wait
+    finally:
+        if not done.is_set():
+            outcome["aborted"] = True
+            _abort(thread, host, port)
+    if "store" in outcome:
+        return outcome["store"]
+    reach(host, port)  # refused now: the store went away while we talked to it (transient)
+    if "error" in outcome and "aborted" not in outcome:
+        reason = f"its c10d handshake failed: {_first_line(outcome['error'])}"
+    else:
+        reason = f"no c10d handshake answer within {HANDSHAKE_TIMEOUT_S:g}s"
+    raise EndpointError(
+        f"--rdzv-endpoint={host}:{port} answers but is not a c10d store ({reason}): "
+        "point it at the store host (elastic-train store) or free the port"
+    )
+
+
+def _abort(thread: threading.Thread, host: str, port: int) -> None:
+    """End a handshake stuck in C++: shut its socket down (the client may reconnect and block
+    again within its own timeout, so repeat until the thread is done)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 1
+    while thread.is_alive() and time.monotonic() < deadline:
+        shut_down_connections(host, port)
+        thread.join(0.05)
+
+
+def _client(host: str, port: int, *, read_timeout_s: float) -> Any:
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        host,
+        port,
+        is_master=False,
+        # bounds the client's own reconnect loop: after ``_abort`` cut its read, it retries
+        # for this long (``reach`` just connected, so the first connect is immediate)
+        timeout=timedelta(seconds=CLIENT_RETRY_S),
+        wait_for_workers=False,
+    )
+    store.check([_PROBE_KEY])
+    store.set_timeout(timedelta(seconds=read_timeout_s))
+    return store
+
+
+def shut_down_connections(host: str, port: int) -> int:
+    """Shut down this process's TCP connections to ``host:port``; how many."""
+    targets = _addresses(host, port)
+    count = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.fd >= 0 and (_plain(conn.raddr.ip), conn.raddr.port) in targets:
+            with contextlib.suppress(OSError):
+                # a duplicate of the fd: shutting it down shuts down the one socket behind both
+                with socket.socket(fileno=os.dup(conn.fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+    return count
+
+
+def bound_silent_connections(host: str, port: int, *, timeout_s: float) -> int:
+    """Bound how long our connections to the store may stay silent: ``TCP_USER_TIMEOUT``
+    (data unacknowledged that long: the kernel aborts the connection) plus keep-alive probes
+    (an idle one is checked too). A store cut off without a reset (a partition) then fails the
+    blocked call with ETIMEDOUT within seconds instead of TCP's ~15 minute retransmission
+    limit, and the calls blocked behind it (torch's heartbeat lock) return. Linux; a no-op
+    elsewhere. Returns how many connections were bounded."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return 0
+    idle = max(1, int(timeout_s / 3))
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout_s * 1000)),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+    ]
+    targets = _addresses(host, port)
+    count = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.fd >= 0 and (_plain(conn.raddr.ip), conn.raddr.port) in targets:
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fd)) as sock:
+                for level, name, value in options:  # the dup shares the one socket's options
+                    sock.setsockopt(level, name, value)
+                count += 1
+    return count
+
+
+def _addresses(host: str, port: int) -> set[tuple[str, int]]:
+    with contextlib.suppress(OSError):
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return {(_plain(info[4][0]), port) for info in infos}
+    return set()
+
+
+def _plain(ip: str) -> str:
+    """``::ffff:127.0.0.1`` -> ``127.0.0.1``: how an IPv4 peer of an IPv6 socket shows."""
+    with contextlib.suppress(ValueError):
+        mapped = ipaddress.ip_address(ip.split("%", 1)[0])
+        if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped:
+            return str(mapped.ipv4_mapped)
+    return ip
+
+
+def connect(host: str, port: int, *, deadline_s: float, read_timeout_s: float) -> Any:
+    """The connected store, waiting up to ``deadline_s`` for it to come up (see module)."""
+    warned = False
+
+    def warn_once(state: tenacity.RetryCallState) -> None:
+        nonlocal warned
+        if not warned:
+            warned = True
+            emit(
+                "store.unreachable",
+                level="warning",
+                endpoint=f"{host}:{port}",
+                error=_first_line(state.outcome.exception() if state.outcome else None),
+                consequence="waiting for the store host to come up",
+                retrying=True,
+                deadline_s=deadline_s,
+            )
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(_Transient),
+        stop=_STOP_BEFORE(deadline_s),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=RETRY_MAX_WAIT_S),
+        before_sleep=warn_once,
+        reraise=True,
+    )
+    try:
+        return retrying(_attempt, host, port, read_timeout_s)
+    except _Transient as exc:
+        raise StoreUnreachable(
+            f"--rdzv-endpoint={host}:{port}: no store answered within {deadline_s:g}s "
+            f"({exc}): start the store host, or check HOST:PORT and the firewall"
+        ) from exc
+
+
+def try_once(host: str, port: int, read_timeout_s: float) -> Any:
+    """One bounded attempt: the connected store, or None when nothing answers (yet)."""
+    try:
+        return _attempt(host, port, read_timeout_s)
+    except _Transient:
+        return None
+
+
+def _attempt(host: str, port: int, read_timeout_s: float) -> Any:
+    resolve(host, port)
+    reach(host, port)
+    return handshake(host, port, read_timeout_s=read_timeout_s)
+
+
+def open_store(
+    host: str, port: int, *, serve: bool, explicit: bool, deadline_s: float, read_timeout_s: float
+) -> Any:
+    """Host the store here (``serve``) or connect to it (see ``connect``).
+
+    A host that was only inferred from the address (``explicit`` False) falls back to being
+    a client when the port is taken: several agents on one machine share one store.
+    """
+    return open_store_hosted(
+        host, port, serve=serve, explicit=explicit, deadline_s=deadline_s,
+        read_timeout_s=read_timeout_s,
+    )[0]  # fmt: skip
+
+
+def claim_port(host: str, port: int) -> socket.socket | None:
+    """The store's listening socket, bound now; None when another process holds the port.
+    An agent that may host claims the port as soon as it starts, before its preflight, so
+    that of the agents on one machine the one started first hosts the store, not the one
+    whose preflight happened to finish first. Where old connections of a previous store
+    hold the port (TIME_WAIT), no claim: the store binds later, as any agent may."""
+    try:
+        return _bound_listener(host, port, reuse=False)
+    except OSError:
+        return None
+
+
+def open_store_hosted(
+    host: str,
+    port: int,
+    *,
+    serve: bool,
+    explicit: bool,
+    deadline_s: float,
+    read_timeout_s: float,
+    claimed: socket.socket | None = None,
+) -> tuple[Any, bool]:
+    """``open_store``, and whether this process hosts the store; ``claimed``: the port
+    bound earlier (``claim_port``), which the store then serves on."""
+    if serve:
+        try:
+            return _server(host, port, read_timeout_s=read_timeout_s, claimed=claimed), True
+        except (RuntimeError, OSError) as exc:  # the port is taken (EADDRINUSE)
+            if explicit:
+                raise EndpointError(
+                    f"--rdzv-endpoint={host}:{port}: cannot host the store here "
+                    f"({_first_line(exc)}): pick a free port or stop what holds it"
+                ) from exc
+    return connect(host, port, deadline_s=deadline_s, read_timeout_s=read_timeout_s), False
+
+
+# Pending connections the hosted store's listener queues (as `elastic-train store`'s default).
+LISTEN_BACKLOG = 512
+EXPOSED_HINT = (
+    "c10d has no authentication: whoever reaches this port can join or break the job; "
+    "keep it on a private network or firewall it to the nodes"
+)
+
+
+def _listen(host: str, port: int, *, reuse: bool = True) -> socket.socket:
+    """A socket bound to exactly ``host``'s address (OSError when it cannot be had), not yet
+    listening: until the store serves on it, a connection is refused, which a client takes
+    for a store not up yet and retries, not for a port that is not a store."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # a restarted agent takes its port back while old connections sit in TIME_WAIT;
+        # on Linux two live listeners still cannot share the port. Two sockets bound and
+        # not yet listening can, so a claim (``claim_port``) goes without it.
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(sockaddr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _own_name_on_loopback(host: str) -> bool:
+    """A host name, other than localhost, that this machine resolves to loopback: Debian's
+    /etc/hosts maps the machine's own name to 127.0.1.1, while the other nodes reach it by
+    that name at its real address."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return False  # an address, not a name
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return False
+    return ipaddress.ip_address(_plain(resolved)).is_loopback
+
+
+def _bound_listener(host: str, port: int, *, reuse: bool = True) -> socket.socket:
+    """The endpoint's own address, so that loopback stays loopback. Every interface only
+    where the endpoint's address cannot be the one the other nodes use: an address that is
+    not on this machine (a Service or NAT address that forwards here, with ``is_host=true``)
+    or this machine's name resolved to loopback here; ``store.exposed`` says so."""
+    if _own_name_on_loopback(host):
+        return _listen("", port, reuse=reuse)
+    try:
+        return _listen(host, port, reuse=reuse)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+    return _listen("", port, reuse=reuse)
+
+
+def _server(
+    host: str, port: int, *, read_timeout_s: float, claimed: socket.socket | None = None
+) -> Any:
+    from torch.distributed import TCPStore
+
+    listener = claimed if claimed is not None else _bound_listener(host, port)
+    bound_host = listener.getsockname()[0]
+    try:
+        listener.listen(LISTEN_BACKLOG)
+        store = TCPStore(
+            bound_host,
+            port,
+            is_master=True,
+            timeout=timedelta(seconds=read_timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        listener.close()  # torch did not take it
+        raise
+    listener.detach()  # the TCPStore owns the descriptor now and closes it when deleted
+    if not ipaddress.ip_address(_plain(bound_host)).is_loopback:
+        everywhere = ipaddress.ip_address(_plain(bound_host)).is_unspecified
+        emit(
+            "store.exposed",
+            level="warning" if everywhere else "info",
+            host=bound_host,
+            port=port,
+            hint=EXPOSED_HINT,
+        )
+    return store
+
+
+def check(host: str, port: int, *, read_timeout_s: float) -> None:
+    """Before anything starts: exit 2 on bad input; a store that is not up yet is fine."""
+    with contextlib.suppress(_Transient):
+        _attempt(host, port, read_timeout_s)  # a probe: the rendezvous opens its own
+
+
+def _first_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown"
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

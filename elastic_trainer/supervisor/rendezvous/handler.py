@@ -1,0 +1,361 @@
+"""torch's c10d dynamic rendezvous, with the knobs fast recovery needs.
+
+We use torch's own ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler``; the subclass
+changes three things, each for a measured reason (shared/BASELINES.md):
+
+- the last-call wait is patient on the first round (nodes start seconds apart: a short wait
+  splits the job in two) and short on later rounds (a failure or a membership change: every
+  second waited is a second of downtime);
+- heartbeats tick at half the keep-alive interval: torch only sends one when the previous is
+  at least an interval old, so ticking at the interval itself spaces them up to 2 intervals
+  apart and a live node can miss its expiry;
+- ``leave()`` takes this node out of the round *without* closing the rendezvous (torch's
+  ``shutdown()`` closes it for every node): a preempted node leaves, the others re-form;
+- in torchrun's static mode (``--node-rank``) the node's group rank is its node rank, as in
+  torch's static rendezvous: torch's c10d handler numbers nodes by sorting their
+  descriptors (address, pid), which a fixed-size world then renumbers here. The agents'
+  worker-rank assignment only needs the group ranks to be 0 .. nnodes-1 in some order. The
+  workers' store (``MASTER_ADDR:MASTER_PORT``) is hosted by global rank 0, which is then on
+  node rank 0, so node rank 0 publishes its own address for it (torch's published the address
+  of the node *it* numbered 0: on separate machines the other workers would dial a host where
+  no store runs). Each node publishes its declared node rank before it joins, and every node
+  checks the closed round's ranks (``decisions.static_rank_conflict``): two nodes given one
+  ``--node-rank`` end with ``ConfigError`` (exit 2) on each of them instead of a hang.
+- no idle waits: a re-forming round closes as soon as every node still alive from the previous
+  round (and every node already waiting) has joined (``decisions.close_round_now``); nodes the
+  agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
+  in the shared state first, so nobody waits for their heartbeats to run out; and a node that
+  waits for others polls the state every 50 ms instead of torch's fixed 1 s sleep.
+- a failed keep-alive heartbeat is counted, not logged (torch logs a warning per tick: with
+  the store gone that was two lines a second, for as long as the workers ran). The one
+  ``store.unreachable`` event comes from the membership watch, which reads the same store on
+  every monitor pass; the handler keeps the streak (``heartbeat_failures``) for it and tests.
+- every node of one rendezvous store shares a lineage token (``share_lineage``), which the
+  workers inherit (``ENV_RDZV_LINEAGE``): a snapshot folder's owner record carries it, so a
+  later attempt of the same rendezvous takes the folder over at once while a run formed on
+  another store (a restarted node that did not find the job's) is refused while the recorded
+  run is alive (``snapshots.ownership``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from elastic_trainer import torch_compat
+from elastic_trainer.contract import protocol
+from elastic_trainer.contract.config import RunConfig
+from elastic_trainer.contract.events import emit
+from elastic_trainer.errors import ConfigError, first_line
+from elastic_trainer.supervisor.core import decisions
+from elastic_trainer.supervisor.rendezvous import static_host
+from elastic_trainer.supervisor.rendezvous.membership import node_name
+
+
+class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
+    """A ``DynamicRendezvousHandler`` with per-round last-call and a non-closing leave."""
+
+    _first_last_call = timedelta(seconds=15)
+    _later_last_call = timedelta(seconds=2)
+    _rounds_joined = 0
+    _static_rank: int | None = None
+    _known: frozenset[Any] = frozenset()  # the members of the last round this node formed
+    _dead: frozenset[Any] = frozenset()  # nodes known gone, expired before the next join
+    store: Any = None  # the c10d store (create_handler): state polls and presence addresses
+    poll_s = 0.05  # while waiting for others to join: how often the state is read
+    heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
+    heartbeat_error = ""  # the first line of the streak's first failure
+    lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
+
+    def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
+        self._first_last_call = timedelta(seconds=first_last_call_s)
+        self._later_last_call = timedelta(seconds=later_last_call_s)
+
+    def use_static_rank(self, node_rank: int | None) -> None:
+        """torchrun's static mode: this node is group rank ``node_rank`` in every round."""
+        self._static_rank = node_rank
+
+    def next_rendezvous(self) -> Any:
+        last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
+        torch_compat.set_last_call_timeout(self, last_call)
+        torch_compat.install_join_hook(self, self._join_hook)
+        self._rounds_joined += 1
+        if self._dead:
+            self._expire_dead()
+        if self._static_rank is not None and self.store is not None:
+            self._publish("node-rank", str(self._static_rank))  # before joining: see check
+        info = super().next_rendezvous()
+        if self.lineage:  # the workers of this round start after it: they inherit it
+            os.environ[ENV_RDZV_LINEAGE] = self.lineage
+        self._known, self._dead = frozenset(self.participants()), frozenset()
+        if self._static_rank is not None and self.store is not None:
+            self._check_static_ranks(info.world_size)
+        return with_group_rank(info, self._static_rank, local_addr=self.this_node.addr)
+
+    def _check_static_ranks(self, num_nodes: int) -> None:
+        """Every member published its rank before it joined, so all are readable now."""
+        published = self._published("node-rank", set(self._known))
+        declared = {_member_name(n): int(rank) for n, rank in published.items()}
+        problem = decisions.static_rank_conflict(declared, num_nodes)
+        if problem is not None:
+            self._await_all_checked()
+            raise ConfigError(problem)
+
+    def _raise_if_static_conflict(self) -> None:
+        """Static mode: a second node rank 0 on another host wrote what it found into our
+        store while we wait for a round (``static_host``): exit 2 with that line."""
+        if self._static_rank is None or self.store is None:
+            return
+        problem = static_host.conflict_in(self.store, self.get_run_id())
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def _await_all_checked(self) -> None:
+        """Every member finds the same conflict; the one hosting the store must not exit (and
+        take the store along) before the others have read the ranks, or they would report a
+        lost store instead. Bounded: a member that never says so is not waited for long."""
+        self._publish("node-rank-checked", "1")
+        keys = [self._key("node-rank-checked", n) for n in self._known]
+        with contextlib.suppress(Exception):  # timed out, or the store went: exit all the same
+            self.store.wait(keys, timedelta(seconds=CHECKED_WAIT_S))
+
+    def mark_dead(self, nodes: set[Any]) -> None:
+        """Nodes known gone: expired in the shared state before our next join, and not waited
+        for. Only for certain knowledge (a closed connection, a goodbye, a confirmed silence)."""
+        self._dead = self._dead | frozenset(nodes)
+
+    def _expire_dead(self) -> None:
+        deadline = time.monotonic() + torch_compat.close_timeout_s(self)
+        try:
+            torch_compat.expire_nodes(self, set(self._dead), deadline)
+        except Exception as exc:  # their heartbeats still expire: slower, not wrong
+            emit(
+                "rendezvous.expire_failed",
+                level="warning",
+                nodes=sorted(node_name(n) for n in self._dead),
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="the next round waits for their heartbeats to expire",
+            )
+
+    def _join_hook(self, view: torch_compat.RoundView, may_wait: bool) -> str | None:
+        self._raise_if_static_conflict()
+        close = decisions.close_round_now(
+            me=view.me,
+            complete=view.complete,
+            joined=view.joined,
+            waiting=view.waiting,
+            known=self._known,
+            dead=self._dead,
+            min_nodes=view.min_nodes,
+            max_nodes=view.max_nodes,
+        )
+        if close:
+            return torch_compat.CLOSE
+        if may_wait and self.store is not None:
+            self._wait_for_change(view)
+            return torch_compat.POLLED
+        return None
+
+    def _wait_for_change(self, view: torch_compat.RoundView) -> None:
+        """Until round, completion, participants or wait list change (not mere heartbeats),
+        at most half a keep-alive interval (a heartbeat is due then) and never past the
+        round's last-call deadline (torch's op closes the round then)."""
+        interval_s, _ = torch_compat.keep_alive(self)
+        wait_s = interval_s / 2
+        if view.last_call_ends is not None:
+            left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
+            wait_s = min(wait_s, max(0.0, left_s))
+        until = time.monotonic() + wait_s
+        key = torch_compat.rendezvous_key(self.get_run_id())
+        while time.monotonic() < until:
+            time.sleep(self.poll_s)
+            self._raise_if_static_conflict()
+            try:
+                state = torch_compat.decode_rendezvous_state(self.store.get(key))
+            except Exception:  # unreadable now: torch's own sync reports store trouble
+                return
+            if state is None or torch_compat.state_view(state, view).key() != view.key():
+                return
+
+    def _start_heartbeats(self) -> None:
+        torch_compat.start_fast_heartbeats(self)
+
+    def _keep_alive(self) -> None:
+        """torch's heartbeat without its per-failure warning. Any error is caught: one raised
+        on the timer thread would end the heartbeats for good."""
+        try:
+            torch_compat.send_heartbeat(self)
+        except Exception as exc:
+            if self.heartbeat_failures == 0:
+                self.heartbeat_error = first_line(str(exc)) or type(exc).__name__
+            self.heartbeat_failures += 1
+            return
+        self.heartbeat_failures, self.heartbeat_error = 0, ""
+
+    @property
+    def round(self) -> int:
+        return int(torch_compat.rendezvous_state(self).round)
+
+    def participants(self) -> set[Any]:
+        return set(torch_compat.rendezvous_state(self).participants)
+
+    def leave(self) -> bool:
+        """Leave the current round without closing the rendezvous. Best effort."""
+        deadline = time.monotonic() + torch_compat.close_timeout_s(self)
+        try:
+            torch_compat.exit_round(self, deadline)
+            return True
+        except Exception as exc:  # the store may be gone: our heartbeat then simply expires
+            emit(
+                "rendezvous.leave_failed",
+                level="warning",
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="the others drop this node once its heartbeats expire",
+            )
+            return False
+
+    def stale_peers(self, members: set[Any]) -> set[Any]:
+        """Members of our last round that left it or stopped sending heartbeats."""
+        state = torch_compat.rendezvous_state(self, sync=True)
+        interval_s, attempts = torch_compat.keep_alive(self)
+        expired = datetime.now(timezone.utc) - timedelta(seconds=interval_s * attempts)
+        gone = set()
+        for node in members - {self.this_node}:
+            beat = state.last_heartbeats.get(node)
+            if node not in state.participants or beat is None or beat < expired:
+                gone.add(node)
+        return gone
+
+    @property
+    def this_node(self) -> Any:
+        return torch_compat.this_node(self)
+
+    # ---- what each node publishes about itself (presence address, static node rank) --------
+    def _key(self, kind: str, node: Any) -> str:
+        return f"elastic-train/{self.get_run_id()}/{kind}/{node!r}"
+
+    def _publish(self, kind: str, value: str) -> None:
+        self.store.set(self._key(kind, self.this_node), value)
+
+    def _published(self, kind: str, nodes: set[Any]) -> dict[Any, str]:
+        """node -> the value it published, for the nodes that published one."""
+        keys = {node: self._key(kind, node) for node in nodes}
+        return {n: self.store.get(k).decode() for n, k in keys.items() if self.store.check([k])}
+
+    def publish_presence(self, address: str) -> None:
+        self._publish("presence", address)
+
+    def presence_addresses(self, nodes: set[Any]) -> dict[Any, str]:
+        """node -> its published presence address (see presence.py)."""
+        return self._published("presence", nodes)
+
+
+def _member_name(node: Any) -> str:
+    """``node_name``, told apart from another handler of the same process (tests run several)."""
+    local_id = getattr(node, "local_id", 0)
+    return node_name(node) + (f"/{local_id}" if local_id else "")
+
+
+CHECKED_WAIT_S = 10.0  # how long a node waits for the others to see a --node-rank conflict
+
+# Under the round's own store prefix, apart from the keys torch's rank 0 already wrote.
+STATIC_MASTER_PREFIX = "elastic-train/static-master/"
+
+
+def with_group_rank(info: RendezvousInfo, rank: int | None, *, local_addr: str) -> RendezvousInfo:
+    """``info`` with this node's group rank set to ``rank`` (None: torch's rank, unchanged),
+    and the workers' store on the node that is group rank 0 (it publishes ``local_addr`` and a
+    free port; every other node blocks until it has)."""
+    if rank is None:
+        return info
+    master = RendezvousStoreInfo.build(
+        rank, PrefixStore(STATIC_MASTER_PREFIX, info.store), local_addr
+    )
+    return RendezvousInfo(info.store, rank, info.world_size, master)
+
+
+def create_handler(
+    cfg: RunConfig, *, serve: bool, claimed: Any = None
+) -> FastRecoveryRendezvousHandler:
+    """Host (``serve``) or connect to the c10d store and build the handler.
+
+    The store comes from ``endpoint.open_store`` rather than torch's ``create_backend``:
+    every connect and handshake is bounded, a store not up yet is waited for up to the join
+    timeout, and bad input is told apart (``endpoint.EndpointError``, ``StoreUnreachable``).
+    """
+    from elastic_trainer.supervisor.rendezvous import endpoint
+
+    tuning = cfg.rdzv
+    store, hosted = endpoint.open_store_hosted(
+        cfg.rdzv_host,
+        cfg.rdzv_port,
+        serve=serve,
+        explicit=cfg.is_host is not None,
+        deadline_s=tuning.join_timeout,
+        read_timeout_s=tuning.read_timeout,
+        claimed=claimed,
+    )
+    backend = C10dRendezvousBackend(store, cfg.job_id)
+    handler = FastRecoveryRendezvousHandler.from_backend(
+        cfg.job_id,
+        store,
+        backend,
+        cfg.min_nodes,
+        cfg.max_nodes,
+        cfg.local_addr,
+        RendezvousTimeout(
+            join=timedelta(seconds=tuning.join_timeout),
+            last_call=timedelta(seconds=tuning.first_last_call_timeout),
+            close=timedelta(seconds=tuning.close_timeout),
+            heartbeat=timedelta(seconds=tuning.heartbeat_timeout),
+        ),
+        keep_alive_interval=tuning.keep_alive_interval,  # type: ignore[arg-type]  # float works
+        keep_alive_max_attempt=tuning.keep_alive_max_attempt,
+    )
+    handler.tune(
+        first_last_call_s=tuning.first_last_call_timeout,
+        later_last_call_s=tuning.last_call_timeout,
+    )
+    handler.use_static_rank(cfg.torchrun.node_rank)
+    handler.store = store
+    handler.lineage = share_lineage(store, cfg.job_id)
+    if hosted:  # every agent's rendezvous.completed names it (``store_host``)
+        store.set(store_host_key(cfg.job_id), cfg.node)
+    return handler
+
+
+# The workers' copy of the store's lineage token (worker/snapshotting.py reads it).
+ENV_RDZV_LINEAGE = protocol.ENV_RDZV_LINEAGE
+
+
+def share_lineage(store: Any, job_id: str) -> str:
+    """The token every node of this rendezvous store agrees on: the first node to ask sets
+    it (compare-and-set), every later one (and every later round) reads the same. A store
+    that is gone and started again is another lineage, as its rendezvous state is new too."""
+    key = f"elastic-train/{job_id}/lineage"
+    return bytes(store.compare_set(key, "", uuid.uuid4().hex)).decode()
+
+
+def store_host_key(job_id: str) -> str:
+    return f"elastic-train/{job_id}/store-host"
+
+
+def store_host(store: Any, job_id: str) -> str | None:
+    """The node whose agent hosts the rendezvous store; None for a standalone store."""
+    key = store_host_key(job_id)
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # the store gone: the field says unknown, the agent finds out itself
+        return None

@@ -1,0 +1,161 @@
+"""What we know about the other nodes: waiting to join, gone (connection closed), or silent.
+
+A peer whose process dies has its presence connection closed by its kernel (``presence.py``):
+``lost_peers`` reports it at the next monitor tick, and ``before_rejoin`` tells the rendezvous
+to drop it at once (``FastRecoveryRendezvousHandler.mark_dead``) instead of waiting for its
+heartbeats to expire. That expiry stays the fallback for peers that send no reset.
+
+A peer that goes *silent* (frozen, powered off, cut off by a partition) sends no reset, and
+our workers would block in their next collective until its timeout (minutes). Its heartbeats
+stop all the same: once a member of our round has not beaten for the keep-alive limit on two
+checks in a row, the agent treats it as lost and re-forms without it
+(``decisions.on_peers_gone``). Two checks, one keep-alive interval apart, so one late
+heartbeat on a loaded machine is not a lost node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastic_trainer.contract.events import emit
+from elastic_trainer.errors import first_line
+from elastic_trainer.supervisor.rendezvous import presence
+
+CONFIRMATIONS = 2  # consecutive checks that must see the same peers silent
+
+
+class MembershipWatch:
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        endpoint: str,
+        check_every_s: float,
+        dead_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._handler = handler
+        self._endpoint = endpoint
+        self._every = check_every_s
+        self._dead_after = dead_after_s
+        self._clock = clock
+        self.members: set[Any] = set()
+        self._next_check = 0.0
+        self._suspects: set[Any] = set()
+        self._seen = 0
+        self._store_lost_reported = False
+        self._server: presence.PresenceServer | None = None
+        self.peers: presence.PeerWatch | None = None  # None: heartbeats only
+        self._confirmed_silent: set[Any] = set()
+
+    def open_presence(self, bind_host: str) -> None:
+        """Listen for peers and publish where (before the first join, so every member of a
+        round finds every other's address). Without it we fall back to heartbeats alone."""
+        try:
+            server = presence.PresenceServer(bind_host)
+            host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
+            self._handler.publish_presence(presence.format_address(host, server.port))
+        except Exception as exc:
+            emit(
+                "presence.unavailable",
+                level="warning",
+                error=first_line(str(exc)) or type(exc).__name__,
+                consequence="lost nodes are found by heartbeat expiry only",
+            )
+            return
+        self._server, self.peers = server, presence.PeerWatch()
+
+    def close(self) -> None:
+        """We leave on purpose: tell the peers so (not a lost node)."""
+        if self._server is not None:
+            self._server.close()
+        if self.peers is not None:
+            self.peers.close()
+
+    def round_formed(self) -> None:
+        """A new round closed: its participants are the members to watch."""
+        self.members = set(self._handler.participants())
+        self._suspects, self._seen, self._confirmed_silent = set(), 0, set()
+        self._next_check = self._clock() + self._dead_after  # their first beats are due
+        if self.peers is not None:
+            others = self.members - {self._handler.this_node}
+            try:
+                found = self._handler.presence_addresses(others)
+            except Exception as exc:
+                self._report_store_lost(exc)
+                found = {}
+            self.peers.watch({n: presence.parse_address(a) for n, a in found.items()})
+
+    def lost_peers(self) -> set[Any]:
+        """Members whose agent process is gone (its connection closed without a goodbye)."""
+        return self.peers.lost() & self.members if self.peers is not None else set()
+
+    def before_rejoin(self) -> None:
+        """Tell the rendezvous which members are certainly gone (lost, confirmed silent, or
+        left on purpose), so the next round neither waits for them to rejoin nor for their
+        heartbeats to expire."""
+        dead = self.lost_peers() | self._confirmed_silent
+        if self.peers is not None:
+            dead |= self.peers.left() & self.members
+        if dead:
+            self._handler.mark_dead(dead)
+
+    def nodes_waiting(self) -> int:
+        try:
+            return int(self._handler.num_nodes_waiting())
+        except Exception as exc:  # the store host is gone: keep training, no scale-up
+            self._report_store_lost(exc)
+            return 0
+
+    def silent_peers(self) -> set[Any]:
+        """Members whose heartbeats stopped, confirmed on consecutive checks (rate-limited
+        to one store read per keep-alive interval)."""
+        now = self._clock()
+        if len(self.members) < 2 or now < self._next_check:
+            return set()
+        self._next_check = now + self._every
+        try:
+            stale = set(self._handler.stale_peers(self.members))
+        except Exception as exc:
+            self._report_store_lost(exc)
+            return set()
+        self._seen = self._seen + 1 if stale and stale == self._suspects else int(bool(stale))
+        self._suspects = stale
+        if self._seen < CONFIRMATIONS:
+            return set()
+        self._confirmed_silent = set(stale)
+        return stale
+
+    def wait_for_lost_peer(self, stop_wait: Callable[[float], bool]) -> bool:
+        """After a failure: did a member vanish? Waits until a dead node's heartbeat would
+        have expired (``stop_wait`` returns True when a stop interrupts the wait)."""
+        deadline = self._clock() + self._dead_after + 1.5
+        while self._clock() < deadline:
+            try:
+                if self._handler.stale_peers(self.members):
+                    return True
+            except Exception:
+                return False
+            if stop_wait(0.5):
+                return False
+        return False
+
+    def _report_store_lost(self, exc: BaseException) -> None:
+        if self._store_lost_reported:
+            return
+        self._store_lost_reported = True
+        emit(
+            "store.unreachable",
+            level="error",
+            endpoint=self._endpoint,
+            error=first_line(str(exc)),
+            consequence="running workers continue; no node can join or leave until restart",
+        )
+
+
+def node_name(node: Any) -> str:
+    """A rendezvous node as ops can find it: its address and its agent's pid."""
+    addr, pid = getattr(node, "addr", None), getattr(node, "pid", None)
+    return f"{addr}:{pid}" if addr is not None and pid is not None else str(node)

@@ -1,0 +1,160 @@
+"""Process-group set-up and the few tiny collectives the session needs.
+
+Kept apart from the session so a script can set up the group (and its DDP model) before it
+builds the session: ``ctx = init_worker()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.logging import configure_logging
+from elastic_trainer.worker.context import WorkerContext
+
+_created_here = False  # only a group this module created is destroyed by shutdown()
+
+# A rank other than 0 waits this long for rank 0's store to accept connections before it hands
+# over to torch's own connect (which then retries, and fails, on its own terms).
+STORE_WAIT_S = 10.0
+STORE_POLL_S = 0.01
+
+
+def init_worker(
+    context: WorkerContext | None = None, *, configure_logs: bool = True
+) -> WorkerContext:
+    """Read the environment, configure logging and initialise the process group. Idempotent.
+
+    gloo on CPU, NCCL on CUDA (device set from LOCAL_RANK), with the collective timeout from
+    ``ELASTIC_TRAIN_COLLECTIVE_TIMEOUT`` (120 s by default, not torch's 30 min). A group the
+    script initialised itself is kept as is. A plain ``python script.py`` gets a world of one.
+    """
+    ctx = context or WorkerContext.from_env()
+    if configure_logs:
+        configure_logging(
+            fmt=ctx.log_format,  # type: ignore[arg-type]
+            log_file=ctx.log_file,
+            static_fields={
+                "job_id": ctx.job_id,
+                "node": ctx.node,
+                "rank": ctx.rank,
+                "local_rank": ctx.local_rank,
+                "restart_count": ctx.restart_count,
+            },
+        )
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    if not dist.is_initialized():
+        _init_process_group(ctx)
+    return ctx
+
+
+def _init_process_group(ctx: WorkerContext) -> None:
+    global _created_here
+    _created_here = True
+    timeout = datetime.timedelta(seconds=ctx.collective_timeout_s)
+    if ctx.is_distributed:
+        if ctx.rank != 0:
+            wait_for_store(ctx.master_addr or "", ctx.master_port or 0, within_s=STORE_WAIT_S)
+        # env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE exactly as torchrun set them.
+        dist.init_process_group(
+            backend=ctx.backend,
+            timeout=timeout,
+            device_id=ctx.device if ctx.backend == "nccl" else None,
+        )
+        return
+    # A world of one without a launcher: an in-memory store, no port to pick.
+    dist.init_process_group(
+        backend=ctx.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+    )
+
+
+def wait_for_store(host: str, port: int, *, within_s: float) -> bool:
+    """True once ``host:port`` accepts a TCP connection; False after ``within_s`` seconds, or
+    at once on an error other than a refused connection (torch's connect then reports it).
+
+    Why: the workers' store is hosted by the rank-0 worker itself (the supervisor sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and a TCPStore client that finds the port still
+    closed retries only after its connect backoff, 0.45-0.72 s measured here; workers forked
+    from the warm pool start within milliseconds of each other, so a rank that came first lost
+    that backoff on about one restart in four. Polling the port every 10 ms instead lets it
+    connect as soon as the store listens. The probe connection is closed without a word, which
+    the store server treats as a client that left.
+    """
+    deadline = time.monotonic() + within_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(left, STORE_POLL_S)).close()
+            return True
+        except (ConnectionRefusedError, TimeoutError):
+            if left <= 0:
+                return False
+        except OSError:  # unresolvable, unreachable: nothing a wait fixes
+            return False
+        time.sleep(STORE_POLL_S)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def collective_device() -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_ints(values: list[int], op: Any = None) -> list[int]:
+    """One all-reduce of a few int64s (SUM by default); no collective at world size 1."""
+    if world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM)
+    return [int(v) for v in tensor.tolist()]
+
+
+def broadcast_int(value: int, src: int = 0) -> int:
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.broadcast(tensor, src=src)
+    return int(tensor.item())
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave together, then destroy the group if init_worker created it.
+
+    Exiting with a live gloo group while a peer closes its sockets can abort the process
+    (SIGABRT from gloo's background thread): the barrier makes every rank leave at once.
+    """
+    global _created_here
+    if not (_created_here and dist.is_initialized()):
+        return
+    barrier()
+    dist.destroy_process_group()
+    _created_here = False

@@ -1,0 +1,242 @@
+"""Pure decisions of the in-memory tier for sharded (FSDP2) state (``worker.memory.shards``).
+
+Under FSDP2 every rank's local shards are its own: no other rank of the node holds them, so
+each rank keeps its own copies (its shards, the replicated values, its RNG) in its node's
+memory folder. A rank's folder holds two slots and a marker listing the committed copies
+(at most two, newest first). Keeping the previous copy committed while the next one is
+written matters here: the ranks write in the background, each at its own pace, so a crash
+usually finds one rank with step ``s`` committed and another still writing it; both still
+hold ``s - 1``, and the group restores the newest step every rank holds.
+
+A restore from memory needs the same world size (the same shards per rank); a changed world
+(a node lost or joined) restores from storage, and ``snapshot.restored`` says why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_trainer.worker.memory.plan import SLOTS, RestorePlan, Source
+
+MARKER = "committed.json"  # {"copies": [RankCopy as JSON, newest first]}: replaced atomically
+KEPT = 2  # copies a rank keeps committed: never more than its two slots
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCopy:
+    """One committed copy of a rank: which slot holds it, how long it is, its checksum."""
+
+    step: int
+    slot: str
+    nbytes: int
+    digest: str
+    world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "slot": self.slot,
+            "bytes": self.nbytes,
+            "digest": self.digest,
+            "world_size": self.world_size,
+        }
+
+
+def copies_of(marker: Any) -> list[RankCopy]:
+    """The committed copies a marker lists, newest first; anything malformed is ignored (a
+    copy that cannot be described exactly is not used)."""
+    raw = marker.get("copies") if isinstance(marker, Mapping) else None
+    out: list[RankCopy] = []
+    for entry in raw if isinstance(raw, list) else []:
+        copy = _copy(entry)
+        if copy is not None and copy.slot not in {c.slot for c in out}:
+            out.append(copy)
+    return sorted(out, key=lambda c: -c.step)[:KEPT]
+
+
+def _copy(entry: Any) -> RankCopy | None:
+    if not isinstance(entry, Mapping):
+        return None
+    step, slot, size = entry.get("step"), entry.get("slot"), entry.get("bytes")
+    digest, world = entry.get("digest"), entry.get("world_size")
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (step, size, world))
+    if not (ints and slot in SLOTS and isinstance(digest, str)):
+        return None
+    return RankCopy(step=step, slot=slot, nbytes=size, digest=digest, world_size=world)
+
+
+def marker_json(copies: Sequence[RankCopy]) -> str:
+    return json.dumps({"copies": [c.to_json() for c in copies]})
+
+
+def slot_to_write(copies: Sequence[RankCopy]) -> tuple[str, list[RankCopy]]:
+    """(the slot the next copy overwrites, the copies still committed while it is written):
+    never the newest copy's slot; the older copy in that slot is uncommitted first, so a
+    crash halfway leaves only whole copies listed."""
+    newest = copies[0] if copies else None
+    slot = SLOTS[1] if newest is not None and newest.slot == SLOTS[0] else SLOTS[0]
+    return slot, [c for c in copies if c.slot != slot]
+
+
+def after_write(kept: Sequence[RankCopy], new: RankCopy) -> list[RankCopy]:
+    """The marker's copies once ``new`` is written (newest first, at most ``KEPT``)."""
+    return [new, *[c for c in kept if c.step != new.step]][:KEPT]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFacts:
+    """What one rank of the (re)started group holds: (step, saved world size) per copy."""
+
+    copies: tuple[tuple[int, int], ...]
+
+
+def plan_restore(
+    facts: Sequence[RankFacts], world_size: int, storage_newest: int | None
+) -> RestorePlan:
+    """The newest step every rank holds a copy of, saved at this world size, unless storage
+    has a newer snapshot; else storage, with the reason."""
+    common = _common(facts, world_size)
+    if not common:
+        return _storage(_why_none(facts, world_size))
+    newest = max(common)
+    if storage_newest is not None and storage_newest > newest:
+        return _storage(
+            f"the storage snapshot of step {storage_newest} is newer than the newest "
+            f"in-memory copy every rank holds (step {newest})"
+        )
+    return RestorePlan(source=Source.MEMORY, step=newest)
+
+
+def _why_none(facts: Sequence[RankFacts], world_size: int) -> str:
+    if not any(f.copies for f in facts):
+        return "no rank holds an in-memory copy of its shards (none made yet, or lost)"
+    worlds = sorted({w for f in facts for _, w in f.copies if w != world_size})
+    if worlds:
+        return (
+            f"the world size changed ({'/'.join(map(str, worlds))} -> {world_size}): the "
+            "in-memory copies of sharded state serve the same world size only (restoring a "
+            "lost node's shards from a mirror is not implemented)"
+        )
+    missing = [r for r, f in enumerate(facts) if not f.copies]
+    if missing:
+        return f"rank(s) {_ranks(missing)} hold no in-memory copy of their shards"
+    held = "; ".join(f"rank {r}: {[s for s, _ in f.copies]}" for r, f in enumerate(facts))
+    return f"no step is held in memory by every rank ({held})"[:500]
+
+
+def _common(facts: Sequence[RankFacts], world_size: int) -> set[int]:
+    sets = [{s for s, w in f.copies if w == world_size} for f in facts]
+    return set.intersection(*sets) if sets else set()
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _storage(reason: str) -> RestorePlan:
+    return RestorePlan(source=Source.STORAGE, step=None, reason=reason)
+
+
+def layout_problem(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """Why a rank's saved shards do not fit its current DTensors (None: they do). Both map
+    each DTensor's fqn to its description (``shards.describe``)."""
+    if set(saved) != set(current):
+        extra = sorted(set(saved) ^ set(current))[:3]
+        return f"the sharded tensors differ from the saved ones (e.g. {', '.join(extra)})"
+    for fqn, was in saved.items():
+        now = current[fqn]
+        if was != now:
+            return f"tensor {fqn[:120]} was saved as {was} but is now {now}"[:400]
+    return None
+
+
+# --- mirrors: each rank's copy also lives on another node -------------------------------------
+def mirror_targets(node_keys: Sequence[str]) -> list[int | None]:
+    """Per rank: the rank (of another node) that keeps a mirror of its copies. Nodes in order
+    of their lowest rank form a ring; a rank's mirror is the rank with the same local index
+    on the next node (modulo that node's size). None when there is one node."""
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(node_keys):
+        nodes.setdefault(key, []).append(rank)
+    ring = list(nodes.values())
+    if len(ring) < 2:
+        return [None] * len(node_keys)
+    out: list[int | None] = [None] * len(node_keys)
+    for n, ranks in enumerate(ring):
+        following = ring[(n + 1) % len(ring)]
+        for index, rank in enumerate(ranks):
+            out[rank] = following[index % len(following)]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebuildPlan:
+    """A lost node's shards from the survivors' copies (their own and their mirrors): which
+    rank of the new world reads which old rank's copy of ``step`` (``holders[old rank]``)."""
+
+    step: int | None
+    saved_world_size: int | None = None
+    holders: tuple[int, ...] = ()
+    reason: str | None = None
+
+
+def plan_rebuild(
+    held: Sequence[Sequence[tuple[int, int, int]]], storage_newest: int | None
+) -> RebuildPlan:
+    """``held[r]``: (old rank, step, saved world size) of every copy rank r's node holds. The
+    newest step whose copies of every old rank survive somewhere, newer than storage's; each
+    old rank's copy is read by the lowest rank holding it."""
+    cover: dict[tuple[int, int], dict[int, int]] = {}
+    for rank, copies in enumerate(held):
+        for old, step, world in copies:
+            cover.setdefault((step, world), {}).setdefault(old, rank)
+    complete = [k for k, by_old in cover.items() if set(by_old) >= set(range(k[1]))]
+    if not complete:
+        return RebuildPlan(step=None, reason=_why_not_rebuilt(cover))
+    step, world = max(complete)
+    if storage_newest is not None and storage_newest >= step:
+        return RebuildPlan(
+            step=None,
+            reason=f"the storage snapshot of step {storage_newest} is as new as the newest "
+            f"step the survivors' in-memory copies make whole (step {step})",
+        )
+    holders = tuple(cover[(step, world)][old] for old in range(world))
+    return RebuildPlan(step=step, saved_world_size=world, holders=holders)
+
+
+def _why_not_rebuilt(cover: Mapping[tuple[int, int], Mapping[int, int]]) -> str:
+    if not cover:
+        return "no rank holds an in-memory copy of its shards (none made yet, or lost)"
+    step, world = max(cover)
+    lost = [old for old in range(world) if old not in cover[(step, world)]]
+    return (
+        f"the world changed and the in-memory copies of step {step} (world size {world}) of "
+        f"rank(s) {_ranks(lost)} were lost with their node, mirror included"
+    )
+
+
+def plan_sharded(
+    own: Sequence[RankFacts],
+    node_held: Sequence[Sequence[tuple[int, int, int]]],
+    world_size: int,
+    storage_newest: int | None,
+) -> tuple[RestorePlan, RebuildPlan | None]:
+    """Every rank's own copies at this world size first (a worker crash: restored in place);
+    else, when the world changed, the survivors' copies and mirrors rebuilt into a storage
+    snapshot (``Source.MIRROR``); else storage, with the reason."""
+    plan = plan_restore(own, world_size, storage_newest)
+    if plan.source is Source.MEMORY:
+        return plan, None
+    changed = any(not f.copies for f in own) or any(
+        w != world_size for f in own for _, w in f.copies
+    )
+    if not changed:
+        return plan, None
+    rebuild = plan_rebuild(node_held, storage_newest)
+    if rebuild.step is None:
+        return RestorePlan(source=Source.STORAGE, step=None, reason=rebuild.reason), None
+    return RestorePlan(source=Source.MIRROR, step=rebuild.step), rebuild

@@ -1,0 +1,1 @@
+"""Reading snapshots back: discover, verify, load (plain and sharded), export."""

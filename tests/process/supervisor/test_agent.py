@@ -1,0 +1,640 @@
+"""The agent as a thin executor, driven by scripted observations (as torch's api_test.py does
+for SimpleElasticAgent): no processes, no store, no sleeping. Each scenario scripts the
+rendezvous rounds and what the workers do, then checks the events and the outcome."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerSpec, WorkerState
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessFailure
+
+from elastic_trainer.contract import protocol
+from elastic_trainer.contract.config import RestartTuning, RunConfig
+from elastic_trainer.supervisor.agent import ElasticTrainAgent
+from elastic_trainer.supervisor.core.watchdog import HangVerdict
+from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+
+OK, RUNNING = 0, None
+
+
+@dataclass
+class Round:
+    """One rendezvous round: how many nodes, and what each monitor tick sees afterwards."""
+
+    nodes: int
+    ticks: list[dict[int, int | None]]  # per tick: local rank -> exit code (None = running)
+    waiting: list[int] = field(default_factory=list)  # nodes waiting, per tick
+    hang_at: int | None = None  # tick at which the watchdog reports a hang
+
+
+class FakeHandler:
+    this_node = "node0"
+
+    def __init__(self, agent_script: Script) -> None:
+        self.script = agent_script
+        self.round = 0
+        self.left = False
+        self.marked_dead: list[set[str]] = []  # per rejoin that had any
+
+    def mark_dead(self, nodes: set[str]) -> None:
+        self.marked_dead.append(set(nodes))
+
+    def publish_presence(self, address: str) -> None:
+        pass
+
+    def presence_addresses(self, nodes: set[str]) -> dict[str, str]:
+        return {}
+
+    def participants(self) -> set[str]:
+        return {f"node{i}" for i in range(self.script.current.nodes)}
+
+    def num_nodes_waiting(self) -> int:
+        waiting = self.script.current.waiting
+        tick = self.script.tick
+        if self.script.store_lost:
+            raise RuntimeError("Connection reset by peer")
+        return waiting[tick] if tick < len(waiting) else 0
+
+    def stale_peers(self, members: set[str]) -> set[str]:
+        if self.script.silent_from is not None and self.script.tick >= self.script.silent_from:
+            return set(self.script.silent) & members
+        return set(self.script.lost_peers)
+
+    def leave(self) -> bool:
+        self.left = True
+        return True
+
+    def get_run_id(self) -> str:
+        return "job"
+
+    def get_backend(self) -> str:
+        return "c10d"
+
+    def shutdown(self) -> bool:
+        return True
+
+
+class FakeStop:
+    """StopRequest without signals: ``wait`` never sleeps, it records and answers."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.interruptible = False
+        self.control_dir: str | None = None
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+        self.count = 0
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return self.requested
+
+    def write_stop_file(self) -> None:
+        pass
+
+
+class FakePeers:
+    """presence.PeerWatch, scripted: which peers' connections closed, from which tick."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+
+    def watch(self, peers: Any) -> None:
+        pass
+
+    def lost(self) -> set[str]:
+        script = self.script
+        first_round = script.index == 0
+        return set(script.closed) if first_round and script.tick >= script.closed_from else set()
+
+    def left(self) -> set[str]:
+        return set(self.script.left) if self.script.index == 0 else set()
+
+    def close(self) -> None:
+        pass
+
+
+class FakeProcs:
+    def __init__(self) -> None:
+        self.killed_pids: set[int] = set()
+        self.terminated: list[int] = []
+
+    def terminate(self, local_ranks: Any) -> list[int]:
+        self.terminated += local_ranks
+        return []
+
+    def track(self, popens: dict[int, Any]) -> None:
+        pass
+
+    def kill(self, *, grace_s: float) -> None:
+        pass
+
+    def alive(self) -> list[Any]:
+        return []
+
+    def refresh(self) -> None:
+        pass
+
+    def resources(self) -> dict[int, Any]:
+        return {}
+
+
+class Script:
+    def __init__(
+        self,
+        rounds: list[Round],
+        *,
+        lost_peers: tuple[str, ...] = (),
+        silent: tuple[str, ...] = (),
+        silent_from: int | None = None,
+        closed: tuple[str, ...] = (),
+        closed_from: int = 0,
+        left: tuple[str, ...] = (),
+    ) -> None:
+        self.left = left  # peers that said goodbye on their presence connection
+        self.silent, self.silent_from = silent, silent_from
+        self.closed, self.closed_from = closed, closed_from  # presence connections closed
+        self.rounds = rounds
+        self.index = -1
+        self.tick = 0
+        self.lost_peers = lost_peers
+        self.store_lost = False
+
+    @property
+    def current(self) -> Round:
+        return self.rounds[self.index]
+
+
+class ScriptedAgent(ElasticTrainAgent):
+    def __init__(self, script: Script, cfg: RunConfig, tmp_path: Any, nproc: int = 1) -> None:
+        self.script = script
+        self.error_file = "/nonexistent"  # torch's: what the worker wrote under @record
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=nproc,
+            entrypoint=sys.executable,
+            args=(),
+            rdzv_handler=FakeHandler(script),  # type: ignore[arg-type]
+            max_restarts=cfg.max_restarts,
+            monitor_interval=cfg.monitor_interval,
+        )
+        self.stop = FakeStop()
+        super().__init__(
+            spec=spec,
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+            cfg=cfg,
+            stop=self.stop,  # type: ignore[arg-type]
+            control_root=str(tmp_path),
+        )
+        self._procs = FakeProcs()  # type: ignore[assignment]
+        self._observer._procs = self._procs  # type: ignore[assignment]
+        self.clock = 0.0  # one second per monitor tick, for the silent-peer checks
+        self._membership = MembershipWatch(
+            spec.rdzv_handler,
+            endpoint="127.0.0.1:1",
+            check_every_s=1.0,
+            dead_after_s=3.0,
+            clock=lambda: self.clock,
+        )
+        self._membership.peers = FakePeers(script)  # type: ignore[assignment]
+        self._membership.open_presence = lambda bind_host: None  # type: ignore[method-assign]
+
+    def _join_round(self, worker_group: Any) -> None:
+        self.script.index += 1
+        self.script.tick = 0
+        nodes, nproc = self.script.current.nodes, worker_group.spec.local_world_size
+        worker_group.group_rank, worker_group.group_world_size = 0, nodes
+        worker_group.workers = [
+            Worker(
+                local_rank=lr,
+                global_rank=lr,
+                role_rank=lr,
+                world_size=nodes * nproc,
+                role_world_size=nodes * nproc,
+            )
+            for lr in range(nproc)
+        ]
+
+    def _spawn(self, worker_group: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+        return {lr: 1000 + lr for lr in range(worker_group.spec.local_world_size)}, {}
+
+    def _codes(self) -> dict[int, int | None]:
+        ticks = self.script.current.ticks
+        return ticks[min(self.script.tick, len(ticks) - 1)]
+
+    def _poll_codes(self) -> dict[int, int | None]:
+        return self._codes()
+
+    def _collect(self, worker_group: Any) -> RunResult:
+        codes = self._codes()
+        self.script.tick += 1
+        self.clock += 1.0
+        failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        if failed:
+            return RunResult(
+                state=WorkerState.FAILED,
+                failures={
+                    lr: ProcessFailure(
+                        local_rank=lr, pid=1000 + lr, exitcode=c, error_file=self.error_file
+                    )
+                    for lr, c in failed.items()
+                },
+            )
+        if all(c == OK for c in codes.values()):
+            return RunResult(state=WorkerState.SUCCEEDED)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _observe(self) -> HangVerdict | None:
+        if self.script.current.hang_at == self.script.tick - 1:
+            return HangVerdict(local_rank=0, last_step=7, stalled_s=301.0)
+        return None
+
+    def _exit_barrier(self) -> None:
+        pass
+
+
+def run(
+    rounds: list[Round],
+    tmp_path: Any,
+    *,
+    max_restarts: int = 3,
+    prepare: Callable[[ScriptedAgent], None] | None = None,
+    **script_kwargs: Any,
+) -> tuple[Any, list[dict[str, Any]], ScriptedAgent]:
+    cfg = RunConfig(
+        max_restarts=max_restarts,
+        monitor_interval=0.01,
+        restart=RestartTuning(backoff_base_s=1.0, backoff_max_s=8.0),
+    )
+    agent = ScriptedAgent(Script(rounds, **script_kwargs), cfg, tmp_path)
+    if prepare is not None:
+        prepare(agent)
+    with capture_logs() as logs:
+        outcome = agent.supervise()
+    return outcome, logs, agent
+
+
+def named(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def test_a_failure_restarts_the_group_and_counts(tmp_path) -> None:
+    outcome, logs, _ = run(
+        [Round(nodes=1, ticks=[{0: RUNNING}, {0: 1}]), Round(nodes=1, ticks=[{0: OK}])], tmp_path
+    )
+    assert (outcome.status, outcome.exit_code, outcome.restarts) == ("succeeded", 0, 1)
+    (failed,) = named(logs, "worker.failed")
+    assert (failed["cause"], failed["exit_code"], failed["rank"]) == ("error", 1, 0)
+    (restarting,) = named(logs, "group.restarting")
+    assert (restarting["reason"], restarting["restart_count"], restarting["restarts_left"]) == (
+        "failure",
+        1,
+        2,
+    )
+    assert not named(logs, "membership.changed")
+
+
+def test_a_crash_loop_backs_off_exponentially(tmp_path) -> None:
+    crash = Round(nodes=1, ticks=[{0: -9}])
+    outcome, logs, agent = run([crash, crash, crash, Round(nodes=1, ticks=[{0: OK}])], tmp_path)
+    assert outcome.status == "succeeded" and outcome.restarts == 3
+    assert [e["backoff_s"] for e in named(logs, "group.restarting")] == [0.0, 1.0, 2.0]
+    assert [e["signal"] for e in named(logs, "worker.failed")] == ["SIGKILL"] * 3
+    assert {1.0, 2.0} <= set(agent.stop.waits)  # the back-off was waited, interruptibly
+
+
+def test_the_job_fails_once_the_budget_is_spent(tmp_path) -> None:
+    crash = Round(nodes=1, ticks=[{0: 1}])
+    outcome, logs, _ = run([crash, crash], tmp_path, max_restarts=1)
+    assert (outcome.status, outcome.exit_code, outcome.restarts) == ("failed", 1, 1)
+    assert len(named(logs, "worker.failed")) == 2 and len(named(logs, "group.restarting")) == 1
+
+
+def test_a_node_lost_with_the_budget_spent_is_a_free_membership_change(tmp_path) -> None:
+    rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0, lost_peers=("node1",))
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    (restarting,) = named(logs, "group.restarting")
+    assert restarting["reason"] == "membership"
+    (changed,) = named(logs, "membership.changed")
+    assert (changed["old_world_size"], changed["new_world_size"], changed["reason"]) == (
+        2,
+        1,
+        "node_lost",
+    )
+
+
+def test_a_counted_failure_explained_by_a_smaller_world_is_refunded(tmp_path) -> None:
+    rounds = [Round(nodes=2, ticks=[{0: -6}]), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert outcome.restarts == 0  # charged at the failure, refunded when the world shrank
+    assert named(logs, "group.restarting")[0]["restart_count"] == 1
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+
+
+def test_a_node_joining_re_forms_the_group_for_free(tmp_path) -> None:
+    rounds = [
+        Round(nodes=1, ticks=[{0: RUNNING}, {0: RUNNING}], waiting=[0, 1]),
+        Round(nodes=2, ticks=[{0: OK}]),
+    ]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert named(logs, "group.restarting")[0]["reason"] == "membership"
+    (changed,) = named(logs, "membership.changed")
+    assert (changed["new_world_size"], changed["reason"]) == (2, "node_joined")
+    assert not named(logs, "worker.failed")
+
+
+def test_a_peer_preemption_is_a_membership_change_not_a_failure(tmp_path) -> None:
+    exit_75 = protocol.EXIT_PEER_PREEMPTED
+    rounds = [Round(nodes=2, ticks=[{0: exit_75}]), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, agent = run(rounds, tmp_path, max_restarts=0, left=("node1",))
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert named(logs, "worker.failed")[0]["cause"] == "preempted"
+    assert named(logs, "membership.changed")[0]["reason"] == "peer_preempted"
+    assert not named(logs, "peer.lost")  # it said goodbye: gone, not lost ...
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]  # ... not waited for
+
+
+def test_a_hang_kills_and_restarts_with_reason_hang(tmp_path) -> None:
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}], hang_at=0), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert outcome.restarts == 1
+    (hung,) = named(logs, "worker.hung")
+    assert (hung["last_step"], hung["stalled_s"]) == (7, 301.0)
+    assert named(logs, "worker.failed")[0]["cause"] == "hang"
+    assert named(logs, "group.restarting")[0]["reason"] == "hang"
+
+
+def test_a_lost_store_is_reported_once_and_the_workers_go_on(tmp_path) -> None:
+    def lose_store(agent: ScriptedAgent) -> None:
+        agent.script.store_lost = True
+
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}, {0: RUNNING}, {0: RUNNING}, {0: OK}])]
+    outcome, logs, _ = run(rounds, tmp_path, prepare=lose_store)
+    assert outcome.status == "succeeded"
+    (lost,) = named(logs, "store.unreachable")
+    assert "Connection reset" in lost["error"]
+
+
+def test_a_worker_refusing_its_configuration_ends_the_job_at_once(tmp_path) -> None:
+    rounds = [Round(nodes=1, ticks=[{0: protocol.EXIT_CONFIG}])]
+    outcome, logs, _ = run(rounds, tmp_path)
+    assert (outcome.status, outcome.exit_code, outcome.restarts) == ("config_error", 2, 0)
+    assert named(logs, "worker.failed")[0]["cause"] == "config"
+    assert not named(logs, "group.restarting")
+    assert outcome.error.startswith("worker rank 0 refused its configuration (exit 2)")
+
+
+class TailedSpecs(DefaultLogsSpecs):
+    """torch's specs with what console.RelayedLogsSpecs adds: each worker's stderr tail."""
+
+    def __init__(self, lines: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lines = lines
+
+    def stderr_tail(self, local_rank: int) -> list[str]:
+        return self.lines
+
+
+_TRACEBACK = [
+    "loading the model",
+    "Traceback (most recent call last):",
+    '  File "/job/train.py", line 3, in <module>',
+    "    from transformers import Trainer",
+    "ImportError: Using the Trainer with PyTorch requires accelerate>=1.1.0",
+]
+
+
+def test_a_plain_scripts_failure_is_summed_up_by_its_exception_line(tmp_path) -> None:
+    def prepare(agent: ScriptedAgent) -> None:
+        agent._logs_specs = TailedSpecs(_TRACEBACK, log_dir=str(tmp_path / "logs"))
+
+    rounds = [Round(nodes=1, ticks=[{0: 1}])]
+    outcome, logs, _ = run(rounds, tmp_path, max_restarts=0, prepare=prepare)
+    (failed,) = named(logs, "worker.failed")
+    assert failed["error_summary"] == _TRACEBACK[-1]
+    assert outcome.error == f"worker rank 0 failed: {_TRACEBACK[-1]}"  # job.finished.error
+
+
+def test_a_configuration_error_from_the_error_file_is_one_line_without_its_callstack(
+    tmp_path, monkeypatch
+) -> None:
+    """Regression: job.finished's error was the repr of @record's dict, py_callstack and all."""
+    from elastic_trainer.errors import ConfigError
+    from elastic_trainer.worker.failure import record_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise ConfigError("--batch-size=0 must be positive: pass --batch-size 1 or more")
+    except ConfigError as exc:
+        record_error(exc)  # what the worker's session does before it exits 2
+
+    def prepare(agent: ScriptedAgent) -> None:
+        agent.error_file = str(error_file)
+
+    rounds = [Round(nodes=1, ticks=[{0: protocol.EXIT_CONFIG}])]
+    outcome, logs, _ = run(rounds, tmp_path, prepare=prepare)
+    line = "ConfigError: --batch-size=0 must be positive: pass --batch-size 1 or more"
+    assert named(logs, "worker.failed")[0]["error_summary"] == line
+    assert outcome.error == f"worker rank 0 refused its configuration (exit 2): {line}"
+
+
+@pytest.mark.parametrize("in_session", [True, False], ids=["session", "plain-script"])
+@pytest.mark.parametrize("requested_at_tick", [0, 1])
+def test_a_stop_request_preempts_and_leaves_the_rendezvous(
+    tmp_path, requested_at_tick, in_session
+) -> None:
+    def stop_soon(agent: ScriptedAgent) -> None:
+        original = agent.stop.wait
+
+        def wait(timeout: float) -> bool:
+            if agent.script.tick >= requested_at_tick:
+                agent.stop.requested, agent.stop.signal_name = True, "SIGTERM"
+                if in_session:  # what a TrainingSession publishes when it starts
+                    progress = Path(agent.stop.control_dir) / protocol.progress_file(0)
+                    progress.write_text('{"step": 0, "epoch": 0, "restored_step": null}')
+            return original(timeout)
+
+        agent.stop.wait = wait  # type: ignore[method-assign]
+
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}] * 3)]
+    outcome, logs, agent = run(rounds, tmp_path, prepare=stop_soon)
+    assert (outcome.status, outcome.exit_code) == ("preempted", 143)
+    (received,) = named(logs, "preemption.received")
+    assert received["signal"] == "SIGTERM"
+    assert agent._worker_group.spec.rdzv_handler.left
+    # a session reads the stop file; an unmodified script gets SIGTERM at once, as torchrun's
+    assert received["signalled_ranks"] == agent._procs.terminated == ([] if in_session else [0])
+
+
+def test_a_silent_peer_is_dropped_once_confirmed_without_waiting_for_a_timeout(tmp_path) -> None:
+    """node1 stops beating (frozen or cut off: no reset, our worker just blocks): after two
+    checks one interval apart the group re-forms without it, for free."""
+    running = {0: RUNNING}
+    rounds = [Round(nodes=2, ticks=[running] * 12), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, agent = run(rounds, tmp_path, silent=("node1",), silent_from=5)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]  # no last call
+    (silent,) = named(logs, "peer.silent")
+    assert silent["nodes"] == ["node1"]
+    assert named(logs, "group.restarting")[0]["reason"] == "membership"
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+    assert not named(logs, "worker.failed")
+
+
+def test_a_peer_whose_connection_closed_is_dropped_at_once(tmp_path) -> None:
+    """node1's process died: its presence connection closed. We re-form at the next tick,
+    for free, before our worker's collective fails, and the rendezvous is told it is dead."""
+    ticks = [{0: RUNNING}] * 5 + [{0: 1}]  # our worker would fail on the dead peer later
+    rounds = [Round(nodes=2, ticks=ticks), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, agent = run(rounds, tmp_path, closed=("node1",), closed_from=2)
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    (lost,) = named(logs, "peer.lost")
+    assert (lost["nodes"], lost["how"]) == (["node1"], "connection_closed")
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+    assert not named(logs, "worker.failed")
+    assert agent._worker_group.spec.rdzv_handler.marked_dead == [{"node1"}]
+
+
+def test_a_failure_with_the_budget_spent_and_a_closed_peer_needs_no_heartbeat_wait(
+    tmp_path,
+) -> None:
+    """Our worker failed and the budget is spent: a lost peer would explain it. Its closed
+    connection says so at once; no waiting for its heartbeats to expire."""
+    rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
+
+    def clock_moves_with_waits(agent: ScriptedAgent) -> None:
+        def wait(timeout: float) -> bool:
+            agent.stop.waits.append(timeout)
+            agent.clock += timeout
+            return False
+
+        agent.stop.wait = wait  # type: ignore[method-assign]
+
+    outcome, logs, agent = run(
+        rounds, tmp_path, max_restarts=0, closed=("node1",), prepare=clock_moves_with_waits
+    )
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert 0.5 not in agent.stop.waits  # wait_for_lost_peer's polls never ran
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+
+
+def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
+    """Stale on one check only (a loaded machine): no re-formation."""
+    from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+
+    now = [10.0]
+    stale = [{"node1"}, set(), {"node1"}, {"node1"}]
+
+    class Handler:
+        def participants(self):
+            return {"node0", "node1"}
+
+        def stale_peers(self, members):
+            return stale.pop(0)
+
+    watch = MembershipWatch(
+        Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0, clock=lambda: now[0]
+    )
+    watch.round_formed()
+    seen = []
+    for _ in range(4):
+        now[0] += 3.0
+        seen.append(watch.silent_peers())
+    assert seen == [set(), set(), set(), {"node1"}]
+
+
+class _Pool:
+    ready = False
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait_ready(self, timeout: float, cancelled: Callable[[], bool]) -> bool:
+        self.waits += 1
+        return True
+
+
+class _Stop:
+    requested = False
+
+
+class _Holder:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def sync(self) -> None:
+        if isinstance(self.state, Exception):
+            raise self.state
+
+
+class _Rdzv:
+    """What torch_compat.rendezvous_state reads of a DynamicRendezvousHandler."""
+
+    def __init__(self, state: Any) -> None:
+        self._heartbeat_lock = threading.Lock()
+        self._state_holder = _Holder(state)
+
+
+def _first_join(state: Any) -> int:
+    pool = _Pool()
+    agent = SimpleNamespace(_pool=pool, _joined_once=False, _stop=_Stop())
+    ElasticTrainAgent._warm_up_before_joining(agent, _Rdzv(state))  # type: ignore[arg-type]
+    ElasticTrainAgent._warm_up_before_joining(agent, _Rdzv(state))  # type: ignore[arg-type]
+    return pool.waits
+
+
+def test_a_first_join_into_a_running_job_waits_for_the_pool_once():
+    running = SimpleNamespace(complete=True, participants={"other": 0})
+    starting = SimpleNamespace(complete=False, participants={})
+    assert _first_join(running) == 1  # the second join is a re-formation: no wait
+    assert _first_join(starting) == 0
+
+
+def test_a_store_that_does_not_answer_yet_is_joined_at_once_as_before():
+    assert _first_join(ConnectionError("store not up yet")) == 0
+
+
+@pytest.mark.parametrize(("nodes", "announced"), [(("1", "4"), True), (("2", "2"), False)])
+def test_a_first_round_that_waits_for_more_nodes_says_why(nodes, announced):
+    from elastic_trainer.supervisor.cli import args as args_mod
+
+    cfg = args_mod.parse(["--min-nodes", nodes[0], "--max-nodes", nodes[1], "x.py"])
+    with capture_logs() as logs:
+        ElasticTrainAgent._announce_first_round(SimpleNamespace(_cfg=cfg))
+    waiting = [e for e in logs if e["event"] == "rendezvous.waiting"]
+    assert bool(waiting) is announced
+    if announced:
+        assert waiting[0]["wait_s"] == cfg.rdzv.first_last_call_timeout
+        assert "--max-nodes equal to --min-nodes starts at once" in waiting[0]["hint"]
+
+
+def test_a_reform_never_waits_for_a_copy_from_a_plain_script(tmp_path, monkeypatch):
+    """Regression: every restart of a plain script waited the whole COPY_WAIT_S."""
+    from elastic_trainer.supervisor import agent as agent_mod
+
+    def no_wait(_s: float) -> None:
+        raise AssertionError("waited for a worker that never answers")
+
+    monkeypatch.setattr(agent_mod.time, "sleep", no_wait)
+    plain = SimpleNamespace(
+        _stop=SimpleNamespace(control_dir=str(tmp_path)), _poll_codes=lambda: {0: None, 1: None}
+    )
+    ElasticTrainAgent._await_copies(plain)  # alive, but neither said it would answer
+    (tmp_path / protocol.copier_file(1)).touch()  # a session that will answer
+    with pytest.raises(AssertionError, match="never answers"):
+        ElasticTrainAgent._await_copies(plain)
+    (tmp_path / protocol.copied_file(1)).write_text("copied")
+    ElasticTrainAgent._await_copies(plain)

@@ -1,0 +1,190 @@
+"""Re-forming rounds on torch's real c10d rendezvous (in-process nodes, a loopback TCPStore).
+
+The waits that would make these tests hang without the change are set long (30 s last call,
+30 s heartbeat expiry); the bounds below only say "did not hang", they are no timing targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+from torch.distributed import HashStore, TCPStore
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+from elastic_trainer import torch_compat
+from elastic_trainer.contract import protocol
+from elastic_trainer.supervisor.rendezvous.handler import (
+    FastRecoveryRendezvousHandler,
+    share_lineage,
+)
+
+HANG_S = 20.0  # far below the 30 s waits a missing early close would cost
+
+
+@pytest.fixture
+def server():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store.port
+    del store
+
+
+@pytest.fixture
+def nodes(server, monkeypatch):
+    # as run.py sets it: torch's shared bootstrap store would make a newcomer that is not
+    # rank 0 wait for an address the old rank 0 never republishes
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    made: list[FastRecoveryRendezvousHandler] = []
+
+    def make(*, max_nodes: int, first_last_call_s: float = 30.0) -> FastRecoveryRendezvousHandler:
+        store = TCPStore("127.0.0.1", server, is_master=False, timeout=timedelta(seconds=30))
+        handler = FastRecoveryRendezvousHandler.from_backend(
+            "job",
+            store,
+            C10dRendezvousBackend(store, "job"),
+            1,
+            max_nodes,
+            "127.0.0.1",
+            RendezvousTimeout(join=timedelta(seconds=60), close=timedelta(seconds=5)),
+            keep_alive_interval=10,  # a heartbeat expiry of 30 s: never reached here
+            keep_alive_max_attempt=3,
+        )
+        handler.tune(first_last_call_s=first_last_call_s, later_last_call_s=30.0)
+        handler.store = store
+        made.append(handler)
+        return handler
+
+    yield make
+    for handler in made:
+        handler.leave()
+
+
+class Joining:
+    """``next_rendezvous`` on a thread: (world size) once it returns."""
+
+    def __init__(self, handler: FastRecoveryRendezvousHandler) -> None:
+        self.world_size: int | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
+        self._thread.start()
+
+    def _run(self, handler: FastRecoveryRendezvousHandler) -> None:
+        try:
+            self.world_size = int(handler.next_rendezvous().world_size)
+        except BaseException as exc:  # reported by result()
+            self.error = exc
+
+    def result(self) -> int | None:
+        self._thread.join(HANG_S)
+        assert self.error is None, self.error
+        return self.world_size
+
+
+def shared_state(handler: FastRecoveryRendezvousHandler) -> Any:
+    key = torch_compat.rendezvous_key("job")
+    return torch_compat.decode_rendezvous_state(handler.store.get(key))
+
+
+def wait_for(predicate: Any) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not predicate():
+        assert time.monotonic() < deadline, "the state never got there"
+        time.sleep(0.02)
+
+
+def form(*handlers: FastRecoveryRendezvousHandler) -> None:
+    joins = [Joining(h) for h in handlers]
+    assert [j.result() for j in joins] == [len(handlers)] * len(handlers)
+
+
+def test_a_node_known_dead_is_neither_waited_for_nor_for_its_heartbeats(nodes) -> None:
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    form(a, b)
+    # b's process died: its connection closed, but its heartbeats would last 30 s more (here
+    # they even go on: only what the agent knows decides) and the last call is 30 s
+    a.mark_dead({b.this_node})
+    assert Joining(a).result() == 1
+    assert b.this_node not in shared_state(a).participants
+
+
+def test_a_live_peer_that_rejoins_late_is_waited_for_not_dropped(nodes) -> None:
+    """A worker crash: both agents re-join, one late (its workers took long to fail). The
+    round must hold both (closing without the late one would split the job), and must close
+    as soon as both are in, not at the 30 s last call (max_nodes 3: torch would wait)."""
+    a, b = nodes(max_nodes=3), nodes(max_nodes=3)
+    form_with_last_call(a, b)
+    first = Joining(a)
+    wait_for(lambda: a.this_node in shared_state(a).wait_list)  # a waits, b still running
+    second = Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
+
+
+def test_a_node_waiting_to_join_is_admitted_by_the_next_round(nodes) -> None:
+    a = nodes(max_nodes=3, first_last_call_s=0.2)
+    assert Joining(a).result() == 1
+    c = nodes(max_nodes=3)
+    newcomer = Joining(c)
+    wait_for(lambda: c.this_node in shared_state(a).wait_list)
+    assert (Joining(a).result(), newcomer.result()) == (2, 2)
+
+
+def form_with_last_call(a: FastRecoveryRendezvousHandler, b: FastRecoveryRendezvousHandler):
+    """The first round of two nodes when max_nodes is 3: both in, then the first last call
+    (made short here) closes it."""
+    a.tune(first_last_call_s=3.0, later_last_call_s=30.0)
+    b.tune(first_last_call_s=3.0, later_last_call_s=30.0)
+    form(a, b)
+
+
+def test_a_lost_store_fails_heartbeats_quietly_and_counts_them(monkeypatch, caplog) -> None:
+    """The store's host was preempted: torch logged a RendezvousConnectionError warning on
+    every heartbeat tick (376 lines in 3 minutes). Now: no line per attempt, a streak count
+    (the one store.unreachable comes from the membership watch), reset by a success."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=5))
+    handler = FastRecoveryRendezvousHandler.from_backend(
+        "job",
+        store,
+        C10dRendezvousBackend(store, "job"),
+        1,
+        1,
+        "127.0.0.1",
+        RendezvousTimeout(join=timedelta(seconds=60), heartbeat=timedelta(seconds=10)),
+        keep_alive_interval=0.01,  # every beat below is due (the timer is stopped)
+        keep_alive_max_attempt=1000,  # but the node expires only after 10 s
+    )
+    handler.store = store
+    assert Joining(handler).result() == 1
+    handler._stop_heartbeats()  # the test sends the beats
+    del master  # the store is gone
+    with capture_logs() as events, caplog.at_level(logging.DEBUG):
+        for _ in range(5):
+            time.sleep(0.02)  # not a sync: makes the beat due
+            handler._keep_alive()
+    assert handler.heartbeat_failures == 5 and handler.heartbeat_error
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert events == []
+    monkeypatch.setattr(torch_compat, "send_heartbeat", lambda handler: None)  # back again
+    handler._keep_alive()
+    assert (handler.heartbeat_failures, handler.heartbeat_error) == (0, "")
+
+
+def test_every_node_of_one_store_shares_one_lineage() -> None:
+    store, other = HashStore(), HashStore()
+    first = share_lineage(store, "job")
+    assert first and share_lineage(store, "job") == first  # a later node, a later round
+    assert share_lineage(other, "job") != first  # a store started again: another lineage
+
+
+def test_the_workers_read_the_lineage_the_supervisor_exports() -> None:
+    from elastic_trainer.supervisor.rendezvous import handler as rendezvous
+    from elastic_trainer.worker import snapshotting
+
+    assert snapshotting.ENV_RDZV_LINEAGE == rendezvous.ENV_RDZV_LINEAGE == protocol.ENV_RDZV_LINEAGE

@@ -1,0 +1,203 @@
+"""The just-in-time copy (``worker.memory.on_failure``): nothing copied while training goes
+well; a failure copies the consistent state once, and the next session resumes from it.
+A state torn by an optimizer step is never copied.
+
+One process, a world of one (as tests/unit/worker/test_session_restart_stop.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_trainer.contract import protocol
+from elastic_trainer.supervisor.core import decisions
+from elastic_trainer.worker.audit import read_audit_log
+from elastic_trainer.worker.context import WorkerContext, WorkerSettings
+from elastic_trainer.worker.memory import on_failure
+from elastic_trainer.worker.memory.on_failure import FailureCopy, Phase
+from elastic_trainer.worker.memory.tier import NodeCopies
+from elastic_trainer.worker.sampler import ElasticSampler
+from elastic_trainer.worker.session import TrainingSession
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh worker
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _session(
+    tmp_path: Path, model: nn.Module, optimizer, *, audit: Path | None = None, **settings
+) -> TrainingSession:
+    control = tmp_path / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    worker = WorkerSettings(
+        control_dir=str(control), memory_dir=str(tmp_path / "memory"), **settings
+    )
+    sampler = ElasticSampler(list(range(64)), global_batch_size=8, shuffle=False)
+    return TrainingSession(
+        {"model": model, "optimizer": optimizer},
+        sampler=sampler,
+        context=WorkerContext(settings=worker),
+        snapshot_dir=str(tmp_path / "snapshots"),
+        snapshot_every=1000,
+        audit_dir=str(audit) if audit is not None else None,
+        configure_logs=False,
+    )
+
+
+def _parts(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(session, model, optimizer, steps: int, *, fail_at: str | None = None) -> None:
+    x = torch.arange(12.0).reshape(4, 3)
+    for _ in range(steps):
+        model(x).sum().backward()
+        if fail_at == "backward":  # a peer lost in the all-reduce: nothing stepped
+            raise Boom
+        optimizer.step()
+        optimizer.zero_grad()
+        if fail_at == "counting":  # lost in step_done's all-reduce: stepped, not counted
+            raise Boom
+        session.step_done()
+
+
+def _copies(tmp_path: Path) -> NodeCopies:
+    return NodeCopies(str(tmp_path / "memory"))
+
+
+def _run_then_fail(tmp_path: Path, fail_at: str) -> dict[str, torch.Tensor]:
+    model, optimizer = _parts()
+    audit = tmp_path / "audit"
+    with pytest.raises(Boom), _session(tmp_path, model, optimizer, audit=audit) as session:
+        _train(session, model, optimizer, 3)
+        assert _copies(tmp_path).newest() is None  # no copy while training goes well
+        _train(session, model, optimizer, 1, fail_at=fail_at)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("fail_at", "step"), [("backward", 3), ("counting", 4)])
+def test_a_failure_copies_the_consistent_state_once_and_the_next_session_resumes_from_it(
+    tmp_path, fail_at, step
+):
+    at_failure = _run_then_fail(tmp_path, fail_at)
+    assert _copies(tmp_path).newest() == step
+    # the stepped step's samples were trained: the audit says so (the group resumes after it)
+    recorded = [r.step for r in read_audit_log(str(tmp_path / "audit"))]
+    assert recorded == list(range(1, step + 1))
+    model, optimizer = _parts(seed=1)  # other weights: the restore must replace them
+    with _session(tmp_path, model, optimizer) as session:
+        assert session.restored_step == step
+        assert session.sampler.cursor == 8 * step  # the stepped one's batch is not retrained
+        torch.testing.assert_close(model.state_dict(), at_failure, rtol=0, atol=0)
+        assert optimizer.state_dict()["state"]  # the momentum came back too
+        _train(session, model, optimizer, 1)
+
+
+def test_the_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
+    model, optimizer = _parts()
+    with _session(tmp_path / "straight", model, optimizer) as session:
+        _train(session, model, optimizer, 6)
+    straight = model.state_dict()
+    _run_then_fail(tmp_path / "failed", "counting")  # 3 steps, a 4th stepped, then lost
+    model, optimizer = _parts(seed=1)
+    with _session(tmp_path / "failed", model, optimizer) as session:
+        _train(session, model, optimizer, 6 - session.step)
+    torch.testing.assert_close(model.state_dict(), straight, rtol=0, atol=0)
+
+
+def test_a_state_torn_by_an_optimizer_step_is_never_copied(tmp_path):
+    model, optimizer = _parts()
+
+    def torn(*_):  # a failure inside optimizer.step(), after its pre-hooks
+        raise Boom
+
+    with pytest.raises(Boom), _session(tmp_path, model, optimizer) as session:
+        _train(session, model, optimizer, 2)
+        optimizer.register_step_pre_hook(torn)
+        _train(session, model, optimizer, 1)
+    assert _copies(tmp_path).newest() is None
+
+
+def test_the_supervisors_request_is_answered_from_a_thread(tmp_path):
+    model, optimizer = _parts()
+    control = tmp_path / "control"
+    with _session(tmp_path, model, optimizer) as session:
+        _train(session, model, optimizer, 2)
+        assert (control / protocol.copier_file(0)).exists()  # it says it will answer
+        assert on_failure.wake(str(control / protocol.copy_now_fifo(0)))  # as the supervisor
+        answer = control / protocol.copied_file(0)
+        deadline = time.monotonic() + 30
+        while not answer.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the watcher thread's answer: a bounded wait for a condition
+        assert answer.read_text() == "copied"
+        assert _copies(tmp_path).newest() == 2
+
+
+def test_a_graceful_restart_resumes_from_the_copy_made_at_the_steps_end(tmp_path):
+    model, optimizer = _parts()
+    control = tmp_path / "control"
+    session = _session(tmp_path, model, optimizer)
+    x = torch.randn(4, 3)
+    while not session.should_stop:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        session.step_done()
+        if session.step == 2:
+            (control / protocol.RESTART_FILE).touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        session.finish()
+    assert _copies(tmp_path).newest() == 3
+    assert not list((tmp_path / "snapshots").glob("step-*"))  # no storage save to wait for
+
+
+def test_phases_order_the_copy_against_the_step():
+    written = []
+    copy = FailureCopy(lambda stepped: (5 + stepped, {}, {}), lambda *a: written.append(a[0]) or 1)
+    model, optimizer = _parts()
+    copy.attach([optimizer])
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert copy.phase is Phase.STEPPED
+    assert copy.copy() and written == [6]
+    assert copy.copy() and written == [6]  # once per step
+    copy.counted()
+    copy.phase = Phase.TORN
+    assert not copy.copy()
+    copy.close()
+
+
+def test_a_reform_waits_only_for_live_workers_that_can_answer_and_have_not():
+    codes = {0: None, 1: None, 2: 1, 3: None}  # rank 3: a plain script, never answers
+    copiers = {0, 1, 2}
+    assert decisions.copies_pending(codes, copiers=copiers, answered={0}) == {1}
+    assert decisions.copies_pending(codes, copiers=copiers, answered={0, 1}) == set()
+
+
+def test_closing_wakes_the_watcher_without_a_copy(tmp_path):
+    written = []
+    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy.watch(str(tmp_path), 3)
+    assert (tmp_path / protocol.copy_now_fifo(3)).exists()
+    copy.close()
+    copy._watcher.join(timeout=30)
+    assert not copy._watcher.is_alive() and written == []
+    assert not (tmp_path / protocol.copied_file(3)).exists()
