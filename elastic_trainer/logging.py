@@ -24,6 +24,7 @@ from typing import Any, Literal
 import structlog
 
 from elastic_trainer.contract.events import FOREIGN_RECORD
+from elastic_trainer.contract.protocol import ENV_NODE
 
 LogFormat = Literal["json", "console", "auto"]
 
@@ -197,7 +198,7 @@ def bind_static_fields(fields: Mapping[str, Any]) -> None:
     """Bind fields every later event of this process carries, from any thread (job_id, node,
     pid, rank...)."""
     defaults = {
-        "node": os.environ.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
+        "node": os.environ.get(ENV_NODE) or socket.gethostname(),
         "pid": os.getpid(),
     }
     _STATIC_FIELDS.update({**defaults, **_STATIC_FIELDS, **fields})

@@ -7,13 +7,13 @@ and torchrun's ``PET_*`` environment; nothing here touches the network or the di
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_trainer.contract import protocol
-from elastic_trainer.contract.protocol import LOG_FORMATS, WorkerSettings
+from elastic_trainer.contract.protocol import WorkerSettings
 from elastic_trainer.errors import ConfigError
 
 DEFAULT_MODULE = "elastic_trainer.jobs.default"
@@ -190,20 +190,12 @@ class RunConfig:
     max_restarts: int = 3
     monitor_interval: float = 0.2
     hang_timeout: float = 300.0  # 0 disables the watchdog
-    grace_period: float = protocol.DEFAULT_GRACE_PERIOD_S
-    snapshot_dir: str | None = None
-    # None: not set by the operator (WorkerSettings says who decides then)
-    snapshot_every: int | str | None = None  # steps, or "auto" (worker.interval)
-    snapshot_keep: int | None = None
-    # None: the script's, else none for replicated state (a copy just in time), auto for sharded
-    memory_snapshot_every: int | str | None = None
-    storage_timeout: float | None = None
-    log_format: str = "auto"
-    log_file: str | None = None
+    # the workers' settings an operator chose (snapshots, logs, timeouts; WorkerSettings
+    # declares each once); worker_settings() adds what the supervisor sets at each start
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
     node: str = "localhost"
     entrypoint: Entrypoint = field(default_factory=Entrypoint)
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
-    collective_timeout: float = protocol.DEFAULT_COLLECTIVE_TIMEOUT_S
     exit_barrier_timeout: float = 60.0
     resources_interval: float = 30.0
     control_root: str | None = None  # None: the system temp dir
@@ -218,11 +210,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         self._check_nodes()
         self._check_times()
-        self._check_snapshots()
         self._check_metrics()
-        _check(
-            self.log_format in LOG_FORMATS, "--log-format", self.log_format, "use json|console|auto"
-        )
         _check(bool(self.job_id), "--job-id", self.job_id, "use a non-empty id shared by all nodes")
         _check(bool(self.rdzv_host), "--rdzv-endpoint", self.rdzv_host, "use HOST[:PORT]")
         _check(
@@ -267,8 +255,6 @@ class RunConfig:
     def _check_times(self) -> None:
         _positive("--monitor-interval", self.monitor_interval)
         _non_negative("--hang-timeout", self.hang_timeout)
-        _non_negative("--grace-period", self.grace_period)
-        _positive("collective_timeout", self.collective_timeout)
         _positive("exit_barrier_timeout", self.exit_barrier_timeout)
         _positive("resources_interval", self.resources_interval)
         _check(
@@ -276,39 +262,6 @@ class RunConfig:
             "--hang-timeout",
             self.hang_timeout,
             f"use 0 (off) or more than --monitor-interval={self.monitor_interval}",
-        )
-
-    def _check_snapshots(self) -> None:
-        _check(
-            self.snapshot_every is None
-            or self.snapshot_every == "auto"
-            or (type(self.snapshot_every) is int and self.snapshot_every >= 1),
-            "--snapshot-every",
-            self.snapshot_every,
-            "use an integer number of steps >= 1, or auto",
-        )
-        _check(
-            self.snapshot_keep is None
-            or (isinstance(self.snapshot_keep, int) and self.snapshot_keep >= 1),
-            "--snapshot-keep",
-            self.snapshot_keep,
-            "use an integer >= 1",
-        )
-        _check(
-            self.memory_snapshot_every is None
-            or self.memory_snapshot_every == "auto"
-            or (type(self.memory_snapshot_every) is int and self.memory_snapshot_every >= 0),
-            "--memory-snapshot-every",
-            self.memory_snapshot_every,
-            "use an integer number of steps >= 1, or 0 for no in-memory copies",
-        )
-        if self.storage_timeout is not None:
-            _positive("--storage-timeout", self.storage_timeout)
-        _check(
-            self.snapshot_dir is None or bool(self.snapshot_dir.strip()),
-            "--snapshot-dir",
-            self.snapshot_dir,
-            "use a local path or an fsspec URL such as s3://bucket/run",
         )
 
     def _check_metrics(self) -> None:
@@ -329,24 +282,18 @@ class RunConfig:
     def worker_settings(
         self, control_dir: str, memory_dir: str | None = None, *, mtbf_s: float | None = None
     ) -> WorkerSettings:
-        """What every worker of this node is told (through its environment); ``memory_dir``:
-        this supervisor's in-memory tier folder (``worker.memory.tier``); ``mtbf_s``: the
-        job's mean time between failures observed so far (``--snapshot-every auto``)."""
-        return WorkerSettings(
-            mtbf_s=mtbf_s,
-            memory_dir=memory_dir,
-            memory_snapshot_every=self.memory_snapshot_every,
+        """What every worker of this node is told (through its environment): the operator's
+        settings, and ``memory_dir``: this supervisor's in-memory tier folder
+        (``worker.memory.tier``); ``mtbf_s``: the job's mean time between failures observed
+        so far (``--snapshot-every auto``)."""
+        return dataclasses.replace(
+            self.worker,
             job_id=self.job_id,
             node=self.node,
             control_dir=control_dir,
-            snapshot_dir=self.snapshot_dir,
-            snapshot_every=self.snapshot_every,
-            snapshot_keep=self.snapshot_keep,
-            storage_timeout_s=self.storage_timeout,
-            log_format="console" if self.log_format == "console" else "json",
-            log_file=self.log_file,
-            collective_timeout_s=self.collective_timeout,
-            grace_period_s=self.grace_period,
+            memory_dir=memory_dir,
+            mtbf_s=mtbf_s,
+            log_format="console" if self.worker.log_format == "console" else "json",
         )
 
     @property
@@ -366,7 +313,7 @@ class RunConfig:
             "entrypoint": self.entrypoint.name(),
             "max_restarts": self.max_restarts,
             "hang_timeout": self.hang_timeout,
-            "grace_period": self.grace_period,
-            "snapshot_dir": self.snapshot_dir,
+            "grace_period": self.worker.grace_period_s,
+            "snapshot_dir": self.worker.snapshot_dir,
             "warm_workers": self.warm_workers,
         }

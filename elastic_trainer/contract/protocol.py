@@ -9,11 +9,12 @@ and need no extra ports.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from elastic_trainer.errors import EnvironmentProblem
+from elastic_trainer.errors import ConfigError, EnvironmentProblem
 
 # --- defaults: the one place each is written ----------------------------------------------
 DEFAULT_SNAPSHOT_EVERY = 100  # steps between periodic snapshots
@@ -27,35 +28,21 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_GRACE_PERIOD_S = 25.0  # SIGTERM -> final snapshot -> exit, under common kill delays
 LOG_FORMATS = ("json", "console", "auto")
 
-# --- environment variables set by the supervisor for every worker -------------------------
-ENV_JOB_ID = "ELASTIC_TRAIN_JOB_ID"
-ENV_NODE = "ELASTIC_TRAIN_NODE"  # the node's name in events (hostname by default)
-ENV_SNAPSHOT_DIR = "ELASTIC_TRAIN_SNAPSHOT_DIR"  # fsspec URL; empty = no snapshots
-ENV_SNAPSHOT_EVERY = "ELASTIC_TRAIN_SNAPSHOT_EVERY"  # steps between periodic snapshots
-ENV_SNAPSHOT_KEEP = "ELASTIC_TRAIN_SNAPSHOT_KEEP"  # newest K committed snapshots kept
-ENV_STORAGE_TIMEOUT = "ELASTIC_TRAIN_STORAGE_TIMEOUT"  # seconds, one storage operation
-ENV_MEMORY_SNAPSHOT_EVERY = "ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY"  # steps; 0 = off
-# node-local memory folder (tmpfs) of this agent's in-memory copies; unset = no memory tier
-ENV_MEMORY_DIR = "ELASTIC_TRAIN_MEMORY_DIR"
-ENV_CONTROL_DIR = "ELASTIC_TRAIN_CONTROL_DIR"  # node-local dir, see the files below
-ENV_LOG_FORMAT = "ELASTIC_TRAIN_LOG_FORMAT"  # json | console
-ENV_LOG_FILE = "ELASTIC_TRAIN_LOG_FILE"  # optional path workers append JSON lines to
-ENV_COLLECTIVE_TIMEOUT = "ELASTIC_TRAIN_COLLECTIVE_TIMEOUT"  # seconds, process-group timeout
-ENV_GRACE_PERIOD = "ELASTIC_TRAIN_GRACE_PERIOD"  # seconds from a stop request to the kill
-# the job's mean time between failures as the supervisor observed it (--snapshot-every auto)
-ENV_MTBF = "ELASTIC_TRAIN_MTBF_S"
-# the rendezvous store's lineage (one per store, shared by its nodes): a snapshot folder's
-# owner record carries it, so a re-form of the job is told from another job's run
-ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
-# the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
-# and the node sentinel kills whatever still carries it once the supervisor is gone
-ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"
 
-
+# --- parsers: text (a flag's value, an environment variable) -> a value ---------------------
+# Each raises ValueError naming what it expects; the same one checks the flag, the
+# supervisor's configuration and the worker's environment.
 def _positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
         raise ValueError("expected an integer >= 1")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
     return value
 
 
@@ -73,30 +60,67 @@ def memory_interval(raw: str) -> int | str:
     return _non_negative_int(raw)
 
 
-def _non_negative_int(raw: str) -> int:
-    value = int(raw)
-    if value < 0:
-        raise ValueError("expected an integer >= 0")
-    return value
+def _seconds(*, zero: bool) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise ValueError(f"expected a number of seconds {'>=' if zero else '>'} 0")
+        return value
 
-
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError("expected a number of seconds > 0")
-    return value
+    return parse
 
 
 def _log_format(raw: str) -> str:
     if raw not in LOG_FORMATS:
-        raise ValueError(f"expected one of {LOG_FORMATS}")
+        raise ValueError(f"expected one of {', '.join(LOG_FORMATS)}")
     return raw
+
+
+def _text(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("expected a non-empty value")
+    return raw
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one worker setting travels: the environment variable that carries it to the
+    workers (also the default of its flag in the supervisor's own environment), the parser
+    that reads and checks it, and the ``elastic-train`` flag an operator sets it with (None:
+    the supervisor sets it itself) with that flag's help and the fix a bad value names."""
+
+    env: str
+    parse: Callable[[str], Any] = _text
+    flag: str | None = None
+    help: str = ""
+    fix: str = ""
+
+    def check(self, value: Any) -> str | None:
+        """Why ``value`` (already typed) is not valid, or None: it must read back as itself."""
+        try:
+            ok = self.parse(str(value)) == value
+        except ValueError as exc:
+            return str(exc)
+        return None if ok else f"expected {type(self.parse(str(value))).__name__}"
+
+
+def _setting(default: Any, **how: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(**how)})
+
+
+def setting_of(cls: type, name: str) -> Setting:
+    """The ``Setting`` declared for field ``name`` of a settings dataclass."""
+    return {f.name: f for f in fields(cls)}[name].metadata["setting"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSettings:
     """What the supervisor tells each worker besides torchrun's variables: the one contract
     across that process boundary, written with ``to_env`` and read back with ``from_env``.
+    Each setting is declared once, here: its type and default, its environment variable,
+    its parser (the one validation), and the flag an operator sets it with
+    (``supervisor/cli/args.py`` builds those flags from these declarations, and
+    ``RunConfig`` embeds the operator's values as ``RunConfig.worker``).
 
     ``None`` means the operator did not set it: the worker then takes the training script's
     own keyword (``TrainingSession(snapshot_every=...)``), else the default above. When both
@@ -105,27 +129,110 @@ class WorkerSettings:
     says so in a ``session.setting_overridden`` event.
     """
 
-    job_id: str | None = None
-    node: str | None = None  # None: the hostname
-    control_dir: str | None = None
-    snapshot_dir: str | None = None  # fsspec URL; None = no snapshots
-    snapshot_every: int | str | None = None  # steps, or "auto" (worker.interval)
-    snapshot_keep: int | None = None
-    storage_timeout_s: float | None = None  # None: the snapshot store's own default
-    # the in-memory tier: this agent's folder (the supervisor's, removed when it exits) and
-    # the steps between copies (None: the script's keyword, else the default; 0 = off)
-    memory_dir: str | None = None
-    memory_snapshot_every: int | str | None = None
-    log_format: str = "auto"
-    log_file: str | None = None
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
-    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
-    mtbf_s: float | None = None  # None: none observed yet
+    job_id: str | None = _setting(None, env="ELASTIC_TRAIN_JOB_ID")
+    # the node's name in events; None: the hostname
+    node: str | None = _setting(None, env="ELASTIC_TRAIN_NODE")
+    # node-local folder of this attempt's control files (below)
+    control_dir: str | None = _setting(None, env="ELASTIC_TRAIN_CONTROL_DIR")
+    snapshot_dir: str | None = _setting(
+        None,
+        env="ELASTIC_TRAIN_SNAPSHOT_DIR",
+        flag="--snapshot-dir",
+        help="local path or fsspec URL for snapshots",
+        fix="use a local path or an fsspec URL such as s3://bucket/run",
+    )
+    snapshot_every: int | str | None = _setting(
+        None,
+        env="ELASTIC_TRAIN_SNAPSHOT_EVERY",
+        parse=snapshot_interval,
+        flag="--snapshot-every",
+        help="steps between snapshots, or auto: from their measured cost and the failure rate "
+        f"(default {DEFAULT_SNAPSHOT_EVERY})",
+        fix="use an integer number of steps >= 1, or auto",
+    )
+    # the in-memory tier: steps between periodic copies (None: the script's keyword, else
+    # none for replicated state, copied just in time; auto for sharded state; 0 = off)
+    memory_snapshot_every: int | str | None = _setting(
+        None,
+        env="ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY",
+        parse=memory_interval,
+        flag="--memory-snapshot-every",
+        help="steps between periodic in-memory copies (default: none for replicated state, "
+        "copied just in time on failure; auto for sharded state)",
+        fix="use an integer number of steps >= 1, or 0 for no in-memory copies, or auto",
+    )
+    snapshot_keep: int | None = _setting(
+        None,
+        env="ELASTIC_TRAIN_SNAPSHOT_KEEP",
+        parse=_positive_int,
+        flag="--snapshot-keep",
+        help=f"newest snapshots kept (default {DEFAULT_SNAPSHOT_KEEP})",
+        fix="use an integer >= 1",
+    )
+    # None: the snapshot store's own default
+    storage_timeout_s: float | None = _setting(
+        None,
+        env="ELASTIC_TRAIN_STORAGE_TIMEOUT",
+        parse=_seconds(zero=False),
+        flag="--storage-timeout",
+        help="seconds one snapshot storage operation may take",
+        fix="use a number of seconds > 0",
+    )
+    # this agent's in-memory tier folder (the supervisor's, removed when it exits)
+    memory_dir: str | None = _setting(None, env="ELASTIC_TRAIN_MEMORY_DIR")
+    log_format: str = _setting(
+        "auto",
+        env="ELASTIC_TRAIN_LOG_FORMAT",
+        parse=_log_format,
+        flag="--log-format",
+        help="json, console or auto (default auto)",
+        fix="use json, console or auto",
+    )
+    log_file: str | None = _setting(
+        None,
+        env="ELASTIC_TRAIN_LOG_FILE",
+        flag="--log-file",
+        help="also append JSON lines to this file",
+        fix="use a file path",
+    )
+    collective_timeout_s: float = _setting(
+        DEFAULT_COLLECTIVE_TIMEOUT_S,
+        env="ELASTIC_TRAIN_COLLECTIVE_TIMEOUT",
+        parse=_seconds(zero=False),
+        flag="--collective-timeout",
+        help="process-group timeout for workers, seconds",
+        fix="use a number of seconds > 0",
+    )
+    grace_period_s: float = _setting(
+        DEFAULT_GRACE_PERIOD_S,
+        env="ELASTIC_TRAIN_GRACE_PERIOD",
+        parse=_seconds(zero=True),
+        flag="--grace-period",
+        help=f"seconds to stop after SIGTERM (default {DEFAULT_GRACE_PERIOD_S:g})",
+        fix="use a number of seconds >= 0",
+    )
+    # the job's mean time between failures as the supervisor observed it (--snapshot-every
+    # auto); None: none observed yet
+    mtbf_s: float | None = _setting(None, env="ELASTIC_TRAIN_MTBF_S", parse=_seconds(zero=False))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            problem = None if value is None else f.metadata["setting"].check(value)
+            if problem is not None:
+                how = f.metadata["setting"]
+                name = how.flag or how.env
+                raise ConfigError(f"{name}={value!r} is invalid ({problem}): {how.fix}")
+
+    @classmethod
+    def operator_settings(cls) -> list[str]:
+        """The settings an operator sets with a flag (the rest the supervisor sets)."""
+        return [f.name for f in fields(cls) if f.metadata["setting"].flag is not None]
 
     def to_env(self) -> dict[str, str]:
         """The variables of the settings that are set (None: absent)."""
         return {
-            _ENV[f.name]: str(getattr(self, f.name))
+            f.metadata["setting"].env: str(getattr(self, f.name))
             for f in fields(self)
             if getattr(self, f.name) is not None
         }
@@ -134,8 +241,8 @@ class WorkerSettings:
         """Write these settings into ``environ`` (what the workers will inherit), removing
         any variable of an unset one: a stale value must never reach a worker as if the
         operator had set it."""
-        for name in _ENV.values():
-            environ.pop(name, None)
+        for f in fields(self):
+            environ.pop(f.metadata["setting"].env, None)
         environ.update(self.to_env())
 
     @classmethod
@@ -143,45 +250,44 @@ class WorkerSettings:
         """Parse and validate; EnvironmentProblem names the variable and the value."""
         values: dict[str, Any] = {}
         for f in fields(cls):
-            raw = env.get(_ENV[f.name], "")
+            how: Setting = f.metadata["setting"]
+            raw = env.get(how.env, "")
             if raw == "":
                 continue
             try:
-                values[f.name] = _PARSE.get(f.name, str)(raw)
+                values[f.name] = how.parse(raw)
             except ValueError as exc:
                 raise EnvironmentProblem(
-                    f"{_ENV[f.name]}={raw!r} is not valid ({exc}); it is set by elastic-train: "
+                    f"{how.env}={raw!r} is not valid ({exc}); it is set by elastic-train: "
                     "launch the script with it, or unset the variable"
                 ) from None
         return cls(**values)
 
 
-_ENV: dict[str, str] = {
-    "job_id": ENV_JOB_ID,
-    "node": ENV_NODE,
-    "control_dir": ENV_CONTROL_DIR,
-    "snapshot_dir": ENV_SNAPSHOT_DIR,
-    "snapshot_every": ENV_SNAPSHOT_EVERY,
-    "snapshot_keep": ENV_SNAPSHOT_KEEP,
-    "storage_timeout_s": ENV_STORAGE_TIMEOUT,
-    "memory_dir": ENV_MEMORY_DIR,
-    "memory_snapshot_every": ENV_MEMORY_SNAPSHOT_EVERY,
-    "log_format": ENV_LOG_FORMAT,
-    "log_file": ENV_LOG_FILE,
-    "collective_timeout_s": ENV_COLLECTIVE_TIMEOUT,
-    "grace_period_s": ENV_GRACE_PERIOD,
-    "mtbf_s": ENV_MTBF,
-}
-_PARSE: dict[str, Callable[[str], Any]] = {
-    "snapshot_every": snapshot_interval,
-    "snapshot_keep": _positive_int,
-    "storage_timeout_s": _positive_float,
-    "memory_snapshot_every": memory_interval,
-    "log_format": _log_format,
-    "collective_timeout_s": _positive_float,
-    "grace_period_s": _positive_float,
-    "mtbf_s": _positive_float,
-}
+# --- environment variables set by the supervisor for every worker -------------------------
+# The settings' own (declared above, named here for the code that reads one directly):
+ENV_JOB_ID = setting_of(WorkerSettings, "job_id").env
+ENV_NODE = setting_of(WorkerSettings, "node").env
+ENV_CONTROL_DIR = setting_of(WorkerSettings, "control_dir").env
+ENV_SNAPSHOT_DIR = setting_of(WorkerSettings, "snapshot_dir").env
+ENV_SNAPSHOT_EVERY = setting_of(WorkerSettings, "snapshot_every").env
+ENV_SNAPSHOT_KEEP = setting_of(WorkerSettings, "snapshot_keep").env
+ENV_STORAGE_TIMEOUT = setting_of(WorkerSettings, "storage_timeout_s").env
+ENV_MEMORY_SNAPSHOT_EVERY = setting_of(WorkerSettings, "memory_snapshot_every").env
+ENV_MEMORY_DIR = setting_of(WorkerSettings, "memory_dir").env
+ENV_LOG_FORMAT = setting_of(WorkerSettings, "log_format").env
+ENV_LOG_FILE = setting_of(WorkerSettings, "log_file").env
+ENV_COLLECTIVE_TIMEOUT = setting_of(WorkerSettings, "collective_timeout_s").env
+ENV_GRACE_PERIOD = setting_of(WorkerSettings, "grace_period_s").env
+ENV_MTBF = setting_of(WorkerSettings, "mtbf_s").env
+# Not worker settings: the rendezvous store's lineage (one per store, shared by its nodes): a
+# snapshot folder's owner record carries it, so a re-form of the job is told from another
+# job's run
+ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
+# the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
+# and the node sentinel kills whatever still carries it once the supervisor is gone
+ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"
+
 
 # --- files inside the control directory ---------------------------------------------------
 # Created by the supervisor when the node must stop (SIGTERM / SIGUSR1 = preemption).
@@ -202,6 +308,22 @@ def copy_now_fifo(local_rank: int) -> str:
     gets back to its loop), then answers in ``copied_file``; the supervisor waits for the
     answers, bounded."""
     return f"copy-now-{local_rank}.fifo"
+
+
+def request_copy(fifo: str) -> bool:
+    """The supervisor's side of ``copy_now_fifo``: one byte wakes the worker's watcher.
+    False when no worker holds the FIFO (none made it, or its worker is gone)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: no reader; ENOENT: none
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"x")
+    except OSError:  # EAGAIN: the FIFO is full of requests already
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def copied_file(local_rank: int) -> str:

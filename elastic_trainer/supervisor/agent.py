@@ -40,7 +40,6 @@ from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous import presence
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.warm import client as warm_workers
-from elastic_trainer.worker.memory import on_failure
 
 # kept for callers that compare statuses as strings (run.py, tests)
 STATUS_SUCCEEDED = JobStatus.SUCCEEDED.value
@@ -400,7 +399,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if control_dir is None:
             return
         for rank in _listed(control_dir, protocol.copier_file):
-            on_failure.wake(os.path.join(control_dir, protocol.copy_now_fifo(rank)))
+            protocol.request_copy(os.path.join(control_dir, protocol.copy_now_fifo(rank)))
         deadline = time.monotonic() + COPY_WAIT_S
         while decisions.copies_pending(
             self._poll_codes(),
@@ -425,7 +424,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             self._poll_codes(),
             peer_stop_seen=self._peer_stop_seen,
             now=time.monotonic(),
-            grace_s=self._cfg.grace_period,
+            grace_s=self._cfg.worker.grace_period_s,
         )
         if action == PeerStop.WAIT:
             return RunResult(state=WorkerState.HEALTHY)
@@ -514,7 +513,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     # ---- preemption ----------------------------------------------------------------------
     def _preempt(self) -> tuple[str, int]:
         stop = self._stop
-        grace = self._cfg.grace_period
+        grace = self._cfg.worker.grace_period_s
         local_ranks = range(self._worker_group.spec.local_world_size)
         in_session = read_progress(stop.control_dir, local_ranks) if stop.control_dir else {}
         plain = decisions.signal_at_once(local_ranks, in_session)

@@ -54,10 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = args.parse(argv)
-        _check_log_file(cfg.log_file)
+        _check_log_file(cfg.worker.log_file)
         configure_logging(
-            fmt=cfg.log_format,  # type: ignore[arg-type]
-            log_file=cfg.log_file,
+            fmt=cfg.worker.log_format,  # type: ignore[arg-type]
+            log_file=cfg.worker.log_file,
             static_fields={
                 "job_id": cfg.job_id,
                 "node": cfg.node,
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals.restore(previous)
         return int(exc.code or 0)
     router = None
-    if resolve_format(cfg.log_format) == "json":  # type: ignore[arg-type]
+    if resolve_format(cfg.worker.log_format) == "json":  # type: ignore[arg-type]
         router = stderr_router.install(static_fields)
     try:
         return Supervisor(cfg, serving=serving, claimed=claimed).run()
@@ -105,9 +105,11 @@ def preflight(cfg: RunConfig) -> None:
     world_sizes = [cfg.nproc_per_node * n for n in range(cfg.min_nodes, cfg.max_nodes + 1)]
     for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
         emit("preflight.warning", level="warning", warning=warning)
-    if cfg.snapshot_dir:
-        storage = check_snapshot_dir(cfg.snapshot_dir, storage_timeout=cfg.storage_timeout)
-        reused = finished.check(storage, redact(cfg.snapshot_dir))
+    if cfg.worker.snapshot_dir:
+        storage = check_snapshot_dir(
+            cfg.worker.snapshot_dir, storage_timeout=cfg.worker.storage_timeout_s
+        )
+        reused = finished.check(storage, redact(cfg.worker.snapshot_dir))
         if reused is not None:
             emit("preflight.warning", level="warning", warning=reused)
     if not hosts_store(cfg):
@@ -267,7 +269,7 @@ class Supervisor:
         emit("supervisor.started", **self.cfg.summary())
         status, code, restarts, goodput, error = self._run_agent(stop, metrics)
         procs.reap_strays(keep=set())
-        if error and resolve_format(self.cfg.log_format) == "console":  # type: ignore[arg-type]
+        if error and resolve_format(self.cfg.worker.log_format) == "console":  # type: ignore[arg-type]
             # why this node cannot go on, for a person; JSON mode has it in job.finished.error
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         if status == JobStatus.SUCCEEDED:
@@ -289,14 +291,14 @@ class Supervisor:
         """``finished.json`` in the run folder (see ``supervisor/finished.py``); best effort:
         a folder that cannot take it only loses the next run's warning."""
         cfg = self.cfg
-        if not cfg.snapshot_dir:
+        if not cfg.worker.snapshot_dir:
             return
         from snapshots.format.manifest import now_iso
         from snapshots.storage import open_storage
 
         body = finished.record(cfg.job_id, list(cfg.entrypoint.argv()), now_iso())
         with contextlib.suppress(Exception):
-            open_storage(cfg.snapshot_dir).write(finished.FINISHED_NAME, body)
+            open_storage(cfg.worker.snapshot_dir).write(finished.FINISHED_NAME, body)
 
     def _run_agent(
         self, stop: object, metrics: object = None
@@ -355,7 +357,7 @@ class Supervisor:
             monitor_interval=cfg.monitor_interval,
             local_addr=cfg.local_addr,
         )
-        console = resolve_format(cfg.log_format) == "console"  # type: ignore[arg-type]
+        console = resolve_format(cfg.worker.log_format) == "console"  # type: ignore[arg-type]
         logs = workerenv.logs_specs(cfg, control_root, console=console, fields=static_fields())
         agent = agent_mod.ElasticTrainAgent(
             spec=spec,

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -30,6 +30,7 @@ from elastic_trainer.contract.config import (
     RendezvousTuning,
     RunConfig,
 )
+from elastic_trainer.contract.protocol import WorkerSettings
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor.cli import torchrun_flags
 from elastic_trainer.supervisor.cli.allocation import detect_local_workers
@@ -77,26 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-restarts", "--max_restarts", type=int, help="failures tolerated (default 3)")
     a("--monitor-interval", "--monitor_interval", type=float, help="seconds between checks")
     a("--hang-timeout", type=float, help="seconds without progress = hang (0 = off)")
-    a("--grace-period", type=float, help="seconds to stop after SIGTERM (default 25)")
-    a("--snapshot-dir", help="local path or fsspec URL for snapshots")
-    a(
-        "--snapshot-every",
-        type=_snapshot_every,
-        help="steps between snapshots, or auto: from their measured cost and the failure rate "
-        "(default 100)",
-    )
-    a(
-        "--memory-snapshot-every",
-        type=_memory_every,
-        help="steps between periodic in-memory copies (default: none for replicated state, "
-        "copied just in time on failure; 1 for sharded state)",
-    )
-    a("--snapshot-keep", type=int, help="newest snapshots kept (default 3)")
-    a("--storage-timeout", type=float, help="seconds one snapshot storage operation may take")
-    a("--log-format", choices=("json", "console", "auto"), help="default auto")
-    a("--log-file", help="also append JSON lines to this file")
+    for dest, (_, how) in _worker_flags().items():  # declared once, in WorkerSettings
+        a(how.flag, dest=dest, type=_arg_type(how), help=how.help)
     a("--node", help="this node's name in events (default: hostname)")
-    a("--collective-timeout", type=float, help="process-group timeout for workers, seconds")
     a("--metrics-port", type=int, help="serve Prometheus /metrics and /health on this port")
     a("--metrics-host", help="address the metrics server binds (default 127.0.0.1)")
     a(
@@ -167,22 +151,25 @@ def _job_args(rest: list[str]) -> list[str]:
     return rest[1:] if rest[:1] == ["--"] else rest
 
 
-def _memory_every(raw: str) -> int | str:
-    try:
-        return protocol.memory_interval(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {raw!r}: use a number of steps >= 0, or auto"
-        ) from None
+def _worker_flags() -> dict[str, tuple[str, protocol.Setting]]:
+    """The worker settings an operator sets: argparse name -> (WorkerSettings field, how).
+    The argparse name is the flag's, so ``ELASTIC_TRAIN_<NAME>`` (``env_defaults``) is the
+    setting's own variable."""
+    out = {}
+    for name in WorkerSettings.operator_settings():
+        how = protocol.setting_of(WorkerSettings, name)
+        out[(how.flag or "").removeprefix("--").replace("-", "_")] = (name, how)
+    return out
 
 
-def _snapshot_every(raw: str) -> int | str:
-    try:
-        return protocol.snapshot_interval(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {raw!r}: use a number of steps >= 1, or auto"
-        ) from None
+def _arg_type(how: protocol.Setting) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        try:
+            return how.parse(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"invalid value {raw!r}: {how.fix or exc}") from None
+
+    return parse
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, str]:
@@ -452,7 +439,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
             job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
             rdzv=tuning,
             **_optional_fields(ns, env),
-            node=ns.node or env.get("ELASTIC_TRAIN_NODE") or socket.gethostname(),
+            node=ns.node or env.get(protocol.ENV_NODE) or socket.gethostname(),
             entrypoint=Entrypoint(
                 script=split.script,
                 module=split.module or ns.module,
@@ -489,11 +476,12 @@ def with_run_folder(cfg: RunConfig, cwd: str | None = None) -> RunConfig:
     """The built-in job without --snapshot-dir keeps its run in ``runs/<job-id>/``: snapshots,
     exported models, and (without --log-file) one event log per node, which is what
     ``elastic-train report runs/<job-id>`` reads. User scripts get no such default."""
-    if not runs_builtin_job(cfg) or cfg.snapshot_dir:
+    if not runs_builtin_job(cfg) or cfg.worker.snapshot_dir:
         return cfg
     folder = os.path.join(cwd or os.getcwd(), "runs", _safe_name(cfg.job_id))
-    log_file = cfg.log_file or os.path.join(folder, f"events-{_safe_name(cfg.node)}.jsonl")
-    return dataclasses.replace(cfg, snapshot_dir=folder, log_file=log_file)
+    log_file = cfg.worker.log_file or os.path.join(folder, f"events-{_safe_name(cfg.node)}.jsonl")
+    worker = dataclasses.replace(cfg.worker, snapshot_dir=folder, log_file=log_file)
+    return dataclasses.replace(cfg, worker=worker)
 
 
 def _safe_name(text: str) -> str:
@@ -508,17 +496,14 @@ def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str
     interval = _pick(ns.monitor_interval, env, "PET_MONITOR_INTERVAL")
     if interval is not None:
         out["monitor_interval"] = _as_float("--monitor-interval", interval)
+    worker = {
+        name: getattr(ns, dest)
+        for dest, (name, _) in _worker_flags().items()
+        if getattr(ns, dest) is not None
+    }
+    out["worker"] = WorkerSettings(**worker)
     for name in (
         "hang_timeout",
-        "grace_period",
-        "snapshot_dir",
-        "snapshot_every",
-        "memory_snapshot_every",
-        "snapshot_keep",
-        "storage_timeout",
-        "log_format",
-        "log_file",
-        "collective_timeout",
         "metrics_port",
         "metrics_host",
         "memory_tier",

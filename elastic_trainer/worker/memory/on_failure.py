@@ -15,13 +15,14 @@ thread never sees either half done.
 
 The copy is made on the training thread when the script raises (the session's ``abort``,
 or ``bootstrap`` for a script without ``with``), or on a watcher thread when the supervisor
-asks (it opens the rank's ``protocol.copy_now_fifo``; a rank blocked in a collective with a
-frozen peer never returns to Python by itself); the watcher then answers with
-``protocol.copied_file``.
+asks (it writes a byte into the rank's ``protocol.copy_now_fifo``: ``protocol.request_copy``;
+a rank blocked in a collective with a frozen peer never returns to Python by itself); the
+watcher then answers with ``protocol.copied_file``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import threading
@@ -68,7 +69,7 @@ class FailureCopy:
         self._handles: list[Any] = []
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        self._fifo: str | None = None
+        self._writing: int | None = None  # our own write end of the FIFO (watch)
         _open.add(self)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -105,53 +106,50 @@ class FailureCopy:
             return False
 
     def watch(self, control_dir: str | None, local_rank: int) -> None:
-        """Answer the supervisor's request from a thread that sleeps in ``open`` of this
-        rank's FIFO (``protocol.copy_now_fifo``) until the supervisor opens it: no polling,
-        so no wake-ups that would take a core from training's threads (a 20 ms poll cost
-        ~4 % of a step on 2 cores)."""
+        """Answer the supervisor's request from a thread that sleeps in ``read`` of this
+        rank's FIFO (``protocol.copy_now_fifo``) until a byte arrives: no polling, so no
+        wake-ups that would take a core from training's threads (a 20 ms poll cost ~4 % of a
+        step on 2 cores).
+
+        Both ends are open before the copier file announces the FIFO: a request can never
+        find nobody reading, and the read never ends early (our own write end is open)."""
         if control_dir is None:
             return
-        self._fifo = os.path.join(control_dir, protocol.copy_now_fifo(local_rank))
+        fifo = os.path.join(control_dir, protocol.copy_now_fifo(local_rank))
         answer = os.path.join(control_dir, protocol.copied_file(local_rank))
         try:
-            os.mkfifo(self._fifo, 0o600)  # in the supervisor's private control folder
+            os.mkfifo(fifo, 0o600)  # in the supervisor's private control folder
+            reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            self._writing = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
         except OSError:
-            self._fifo = None
             return
+        os.set_blocking(reading, True)
         _answer(os.path.join(control_dir, protocol.copier_file(local_rank)), True)
 
-        def run(fifo: str) -> None:
+        def run() -> None:
             try:
-                os.close(os.open(fifo, os.O_RDONLY))  # until a writer opens it
+                os.read(reading, 1)  # a request, or close()
             except OSError:
                 return
+            finally:
+                os.close(reading)
             if not self._stop.is_set():
                 _answer(answer, self.copy())
 
-        self._watcher = threading.Thread(
-            target=run, args=(self._fifo,), name="copy-on-failure", daemon=True
-        )
+        self._watcher = threading.Thread(target=run, name="copy-on-failure", daemon=True)
         self._watcher.start()
 
     def close(self) -> None:
         _open.discard(self)
         self._stop.set()
-        wake(self._fifo)  # the watcher ends without copying
+        writing, self._writing = self._writing, None
+        if writing is not None:  # the watcher ends without copying, whenever it reads
+            with contextlib.suppress(OSError):
+                os.write(writing, b"x")
+            os.close(writing)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def wake(fifo: str | None) -> bool:
-    """Open ``fifo`` for writing and close it: the reader blocked in ``open`` returns. False
-    when nobody waits on it (the watcher already woke, or is gone)."""
-    if fifo is None:
-        return False
-    try:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    except OSError:  # ENXIO: no reader; ENOENT: the folder is gone
-        return False
-    return True
 
 
 def _answer(path: str, done: bool) -> None:

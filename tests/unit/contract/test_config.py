@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from elastic_trainer.contract.config import Entrypoint, RendezvousTuning, RestartTuning, RunConfig
+from elastic_trainer.contract.protocol import WorkerSettings, setting_of
 from elastic_trainer.errors import ConfigError
 
 
@@ -12,7 +15,7 @@ def test_defaults_are_valid_and_run_the_builtin_job() -> None:
     cfg = RunConfig()
     assert cfg.entrypoint.argv() == ("-m", "elastic_trainer.jobs.default")
     assert cfg.rdzv_endpoint == "127.0.0.1:29400"
-    assert cfg.grace_period == 25.0
+    assert cfg.worker.grace_period_s == 25.0
 
 
 @pytest.mark.parametrize(
@@ -25,12 +28,6 @@ def test_defaults_are_valid_and_run_the_builtin_job() -> None:
         ({"monitor_interval": 0}, "--monitor-interval"),
         ({"hang_timeout": -1}, "--hang-timeout"),
         ({"hang_timeout": 0.1, "monitor_interval": 0.5}, "--hang-timeout"),
-        ({"grace_period": -1}, "--grace-period"),
-        ({"snapshot_every": 0}, "--snapshot-every"),
-        ({"memory_snapshot_every": -1}, "--memory-snapshot-every"),
-        ({"snapshot_keep": 0}, "--snapshot-keep"),
-        ({"snapshot_dir": "  "}, "--snapshot-dir"),
-        ({"log_format": "xml"}, "--log-format"),
         ({"job_id": ""}, "--job-id"),
         ({"rdzv_port": 70000}, "--rdzv-endpoint"),
     ],
@@ -41,6 +38,56 @@ def test_bad_values_name_the_field_and_the_value(kwargs: dict, names: str) -> No
     message = str(info.value)
     assert names in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        (
+            {"grace_period_s": -1.0},
+            "--grace-period=-1.0 is invalid (expected a number of seconds >= 0)",
+        ),
+        ({"snapshot_every": 0}, "--snapshot-every"),
+        ({"snapshot_every": "sometimes"}, "--snapshot-every"),
+        ({"memory_snapshot_every": -1}, "--memory-snapshot-every"),
+        ({"snapshot_keep": 0}, "--snapshot-keep"),
+        ({"snapshot_dir": "  "}, "--snapshot-dir"),
+        ({"log_format": "xml"}, "--log-format"),
+        ({"storage_timeout_s": float("inf")}, "--storage-timeout"),
+        ({"mtbf_s": 0.0}, "ELASTIC_TRAIN_MTBF_S"),
+    ],
+)
+def test_bad_worker_settings_name_the_flag_and_the_value(kwargs: dict, names: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        WorkerSettings(**kwargs)
+    assert names in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_worker_setting_is_declared_once_with_its_variable_and_parser() -> None:
+    env_names = [setting_of(WorkerSettings, f.name).env for f in fields(WorkerSettings)]
+    assert len(set(env_names)) == len(env_names) and all(
+        n.startswith("ELASTIC_TRAIN_") for n in env_names
+    )
+    # what the supervisor writes, the worker reads back as the same settings
+    chosen = WorkerSettings(
+        snapshot_dir="s3://b/run",
+        snapshot_every="auto",
+        memory_snapshot_every=0,
+        snapshot_keep=2,
+        storage_timeout_s=12.5,
+        log_format="console",
+        grace_period_s=0.0,
+        mtbf_s=600.0,
+    )
+    assert WorkerSettings.from_env(chosen.to_env()) == chosen
+
+
+def test_a_zero_grace_period_reaches_the_workers() -> None:
+    """``--grace-period 0`` (stop at once) was valid for the supervisor, but its workers'
+    parser wanted seconds > 0: every worker failed at start."""
+    cfg = RunConfig(worker=WorkerSettings(grace_period_s=0.0))
+    env = cfg.worker_settings("/tmp/control").to_env()
+    assert WorkerSettings.from_env(env).grace_period_s == 0.0
 
 
 def test_positional_arguments_are_rejected() -> None:

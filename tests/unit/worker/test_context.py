@@ -99,14 +99,16 @@ def test_worker_settings_round_trip_through_the_environment(tmp_path) -> None:
     cfg = RunConfig(
         job_id="job-9",
         node="n1",
-        snapshot_dir="memory://s",
-        snapshot_every=7,
-        snapshot_keep=2,
-        storage_timeout=12.5,
-        log_format="console",
-        log_file=str(tmp_path / "l.jsonl"),
-        collective_timeout=33.0,
-        grace_period=4.0,
+        worker=WorkerSettings(
+            snapshot_dir="memory://s",
+            snapshot_every=7,
+            snapshot_keep=2,
+            storage_timeout_s=12.5,
+            log_format="console",
+            log_file=str(tmp_path / "l.jsonl"),
+            collective_timeout_s=33.0,
+            grace_period_s=4.0,
+        ),
     )
     sent = cfg.worker_settings(str(tmp_path))
     assert WorkerSettings.from_env(sent.to_env()) == sent
@@ -133,6 +135,8 @@ def test_one_default_per_value() -> None:
     settings = RunConfig().worker_settings("/tmp/x")
     ctx = WorkerContext.from_env(settings.to_env())
     assert (
-        ctx.collective_timeout_s == DEFAULT_COLLECTIVE_TIMEOUT_S == RunConfig().collective_timeout
+        ctx.collective_timeout_s
+        == DEFAULT_COLLECTIVE_TIMEOUT_S
+        == RunConfig().worker.collective_timeout_s
     )
     assert settings.snapshot_every is None and settings.snapshot_keep is None

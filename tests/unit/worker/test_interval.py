@@ -53,9 +53,10 @@ def test_auto_starts_at_the_default_and_moves_only_on_measurements_beyond_the_hy
 
 
 def test_auto_on_the_command_line_and_in_the_workers_environment():
-    assert args.parse(["--snapshot-every", "auto", "x.py"]).snapshot_every == "auto"
-    assert args.parse(["x.py"], env={"ELASTIC_TRAIN_SNAPSHOT_EVERY": "auto"}).snapshot_every == (
-        "auto"
+    assert args.parse(["--snapshot-every", "auto", "x.py"]).worker.snapshot_every == "auto"
+    assert (
+        args.parse(["x.py"], env={"ELASTIC_TRAIN_SNAPSHOT_EVERY": "auto"}).worker.snapshot_every
+        == "auto"
     )
     settings = WorkerSettings(snapshot_every="auto", mtbf_s=120.0)
     assert WorkerSettings.from_env(settings.to_env()) == settings
@@ -113,4 +114,7 @@ def test_the_sharded_tiers_copies_keep_within_their_budget_of_the_step_time():
     # what the copies then cost: one 30 ms stall per 15 steps of 100 ms
     assert 0.03 / (chosen.every * 0.1) <= I.MEMORY_BUDGET
     assert protocol.memory_interval("auto") == "auto" and protocol.memory_interval("0") == 0
-    assert args.parse(["--memory-snapshot-every", "auto", "x.py"]).memory_snapshot_every == "auto"
+    assert (
+        args.parse(["--memory-snapshot-every", "auto", "x.py"]).worker.memory_snapshot_every
+        == "auto"
+    )

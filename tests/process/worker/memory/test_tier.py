@@ -190,7 +190,7 @@ def test_memory_settings_round_trip_and_zero_means_no_periodic_copies():
 
 def test_the_supervisor_flag_and_variable_reach_the_workers_with_this_agents_folder():
     cfg = args.parse(["--memory-snapshot-every", "0", "x.py"])
-    assert cfg.memory_snapshot_every == 0
+    assert cfg.worker.memory_snapshot_every == 0
     cfg = args.parse(["x.py"], env={"ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY": "5"})
     folder = workerenv.memory_dir(cfg)
     assert str(os.getpid()) in folder and cfg.job_id in folder  # stable per agent, per job

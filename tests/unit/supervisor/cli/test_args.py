@@ -106,7 +106,7 @@ BAD = [
     (["--rdzv-conf", "join_timeout=soon"], "join_timeout"),
     (["--rdzv-conf", "is_host=maybe"], "is_host"),
     (["--rdzv-backend", "etcd"], "c10d"),
-    (["--log-format", "xml"], "invalid choice"),
+    (["--log-format", "xml"], "--log-format: invalid value 'xml': use json, console or auto"),
     (["--snapshot-every", "0"], "--snapshot-every"),
     (["--memory-snapshot-every", "-1"], "--memory-snapshot-every"),
     (["--frobnicate"], "unknown option --frobnicate"),
@@ -171,8 +171,8 @@ def test_unwritable_log_file_exits_2(tmp_path, capsys) -> None:
 def test_builtin_job_without_snapshot_dir_gets_a_run_folder(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     cfg = args.parse(["--job-id", "demo", "--node", "n/1"])
-    assert cfg.snapshot_dir == str(tmp_path / "runs" / "demo")
-    assert cfg.log_file == str(tmp_path / "runs" / "demo" / "events-n_1.jsonl")
+    assert cfg.worker.snapshot_dir == str(tmp_path / "runs" / "demo")
+    assert cfg.worker.log_file == str(tmp_path / "runs" / "demo" / "events-n_1.jsonl")
 
 
 def test_run_folder_never_overrides_what_the_user_chose(tmp_path) -> None:
@@ -181,9 +181,9 @@ def test_run_folder_never_overrides_what_the_user_chose(tmp_path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
     user_script = args.parse([str(script)])
-    assert with_run_folder(user_script, cwd=str(tmp_path)).snapshot_dir is None
+    assert with_run_folder(user_script, cwd=str(tmp_path)).worker.snapshot_dir is None
     chosen = args.parse(["--snapshot-dir", "s3://b/x", "--log-file", "/tmp/l.jsonl"])
-    assert (chosen.snapshot_dir, chosen.log_file) == ("s3://b/x", "/tmp/l.jsonl")
+    assert (chosen.worker.snapshot_dir, chosen.worker.log_file) == ("s3://b/x", "/tmp/l.jsonl")
 
 
 @pytest.mark.parametrize(
@@ -341,7 +341,7 @@ def test_every_option_has_an_elastic_train_variable_and_the_flag_wins() -> None:
         "PET_MAX_RESTARTS": "1",  # torchrun's: ours wins over it
     }
     cfg = args.parse(["x.py"], env=env)
-    assert (cfg.max_restarts, cfg.snapshot_dir, cfg.max_nodes) == (7, "memory://env", 1)
+    assert (cfg.max_restarts, cfg.worker.snapshot_dir, cfg.max_nodes) == (7, "memory://env", 1)
     assert args.parse(["--max-restarts", "2", "x.py"], env=env).max_restarts == 2
     with pytest.raises(ConfigError, match="invalid int value: 'many'"):
         args.parse(["x.py"], env={"ELASTIC_TRAIN_MAX_RESTARTS": "many"})

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -141,7 +143,7 @@ def test_the_supervisors_request_is_answered_from_a_thread(tmp_path):
     with _session(tmp_path, model, optimizer) as session:
         _train(session, model, optimizer, 2)
         assert (control / protocol.copier_file(0)).exists()  # it says it will answer
-        assert on_failure.wake(str(control / protocol.copy_now_fifo(0)))  # as the supervisor
+        assert protocol.request_copy(str(control / protocol.copy_now_fifo(0)))  # the supervisor
         answer = control / protocol.copied_file(0)
         deadline = time.monotonic() + 30
         while not answer.exists() and time.monotonic() < deadline:
@@ -201,3 +203,49 @@ def test_closing_wakes_the_watcher_without_a_copy(tmp_path):
     copy._watcher.join(timeout=30)
     assert not copy._watcher.is_alive() and written == []
     assert not (tmp_path / protocol.copied_file(3)).exists()
+
+
+_START = threading.Thread.start  # the real one, before a test swaps the class
+
+
+class _HeldBack(threading.Thread):
+    """A watcher thread that runs only when the test says: what a busy machine may do."""
+
+    held: ClassVar[list[threading.Thread]] = []
+
+    def start(self) -> None:
+        _HeldBack.held.append(self)
+
+
+def _run_held_back() -> threading.Thread:
+    (thread,) = _HeldBack.held
+    _HeldBack.held.clear()
+    _START(thread)
+    thread.join(timeout=30)
+    return thread
+
+
+def test_a_close_before_the_watcher_runs_still_ends_it(tmp_path, monkeypatch):
+    """The watcher used to sleep in ``open`` of the FIFO and close() woke it by opening the
+    other end: a close before the thread got there found nobody (ENXIO), and the thread then
+    slept forever."""
+    _HeldBack.held.clear()
+    monkeypatch.setattr(on_failure.threading, "Thread", _HeldBack)
+    written = []
+    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy.watch(str(tmp_path), 3)
+    copy.close()
+    assert not _run_held_back().is_alive() and written == []
+
+
+def test_a_request_before_the_watcher_runs_is_answered(tmp_path, monkeypatch):
+    _HeldBack.held.clear()
+    monkeypatch.setattr(on_failure.threading, "Thread", _HeldBack)
+    written = []
+    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy.watch(str(tmp_path), 0)
+    assert (tmp_path / protocol.copier_file(0)).exists()  # announced: requests may come
+    assert protocol.request_copy(str(tmp_path / protocol.copy_now_fifo(0)))
+    assert not _run_held_back().is_alive()
+    assert (tmp_path / protocol.copied_file(0)).read_text() == "copied" and written == [1]
+    copy.close()
