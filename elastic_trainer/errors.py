@@ -50,9 +50,3 @@ class StorageUnavailable(ElasticTrainError):
     scheduler's restart policy may retry it), but this node cannot start now."""
 
     exit_code = 1
-
-
-class RestartBudgetExhausted(ElasticTrainError):
-    """The group failed more often than --max-restarts allows."""
-
-    exit_code = 1

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_trainer.errors import ConfigError
+from elastic_trainer.errors import ConfigError, first_line
 
 _LIST_HINT = (
     "python -c 'import torchvision; print(torchvision.models.list_models("
@@ -65,7 +65,7 @@ def check_input_size(model: nn.Module, name: str, image_size: int) -> None:
         with torch.no_grad():
             model(torch.zeros(1, 3, image_size, image_size))
     except (RuntimeError, ValueError, AssertionError) as exc:  # torch._assert: ViTs
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(str(exc)) or type(exc).__name__
         raise ConfigError(
             f"--model {name!r} cannot take {image_size}x{image_size} images ({first}): "
             f"pick a convolutional model such as resnet18"

@@ -15,13 +15,18 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_trainer import stderr_router
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RunConfig
 from elastic_trainer.contract.events import JobStatus, emit
-from elastic_trainer.errors import ConfigError, ElasticTrainError, StorageUnavailable
+from elastic_trainer.errors import (
+    ConfigError,
+    ElasticTrainError,
+    StorageUnavailable,
+    first_line,
+)
 from elastic_trainer.logging import (
     configure_logging,
     redact,
@@ -32,6 +37,9 @@ from elastic_trainer.logging import (
 from elastic_trainer.supervisor import finished
 from elastic_trainer.supervisor.cli import preflight as entrypoint_preflight
 
+if TYPE_CHECKING:  # the agent imports torch: run.py loads it only once a run starts
+    from elastic_trainer.supervisor.agent import AgentOutcome
+
 # torch's C++ warnings (c10d's TCPStore retries, with stack traces) are noise in a job whose
 # failures we report as events; errors still show. Set before torch loads; workers inherit it.
 # TORCH_CPP_LOG_LEVEL=WARNING brings them back (as output.stderr events in JSON mode).
@@ -40,6 +48,7 @@ _CPP_LOG_LEVEL = "ERROR"
 # idle keep-alive probes unanswered) before the kernel aborts it: a node cut off from its
 # store notices within this, instead of TCP's ~15 minutes (endpoint.bound_silent_connections).
 STORE_SILENCE_LIMIT_S = 10.0
+_RENDEZVOUS_TIMEOUT = JobStatus.RENDEZVOUS_TIMEOUT.value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,7 +177,7 @@ def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> Any
         return storage
     except Exception as exc:
         cause = exc.__cause__ or exc
-        reason = _scrub(str(cause).splitlines()[0] if str(cause) else type(cause).__name__, url)
+        reason = _scrub(first_line(str(cause)) or type(cause).__name__, url)
         if is_transient(cause):
             raise StorageUnavailable(
                 f"--snapshot-dir={safe!r} did not answer within the storage timeout ({reason}): "
@@ -267,19 +276,20 @@ class Supervisor:
         from elastic_trainer.supervisor.processes import procs
 
         emit("supervisor.started", **self.cfg.summary())
-        status, code, restarts, goodput, error = self._run_agent(stop, metrics)
+        outcome = self._run_agent(stop, metrics)
         procs.reap_strays(keep=set())
+        code, error, goodput = outcome.exit_code, outcome.error, outcome.goodput
         if error and resolve_format(self.cfg.worker.log_format) == "console":  # type: ignore[arg-type]
             # why this node cannot go on, for a person; JSON mode has it in job.finished.error
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
-        if status == JobStatus.SUCCEEDED:
+        if outcome.status == JobStatus.SUCCEEDED:
             self._record_finished()
         emit(
             "job.finished",
             level="info" if code in (0, protocol.SUPERVISOR_EXIT_PREEMPTED) else "error",
-            status=status,
+            status=outcome.status,
             exit_code=code,
-            restarts=restarts,
+            restarts=outcome.restarts,
             wall_s=round(time.monotonic() - started, 3),
             goodput=None if goodput is None else round(goodput, 4),
             goodput_estimated=goodput is not None and self.goodput_estimated,
@@ -300,9 +310,8 @@ class Supervisor:
         with contextlib.suppress(Exception):
             open_storage(cfg.worker.snapshot_dir).write(finished.FINISHED_NAME, body)
 
-    def _run_agent(
-        self, stop: object, metrics: object = None
-    ) -> tuple[str, int, int, float | None, str | None]:
+    def _run_agent(self, stop: object, metrics: object = None) -> AgentOutcome:
+        from torch.distributed import DistNetworkError, DistStoreError
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.rendezvous.api import (
             RendezvousClosedError,
@@ -333,15 +342,15 @@ class Supervisor:
                     cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
                 )
         except StopRequested:
-            return agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED, 0, None, None
+            return _ended(agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED)
         except EndpointError as exc:  # bad input found only now (the port was taken, ...)
             line = str(exc) + _static_host_hint(cfg)
-            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, line
+            return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, line)
         except StoreUnreachable as exc:  # waited the join timeout (one warning said so)
-            return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, str(exc)
+            return _ended(_RENDEZVOUS_TIMEOUT, protocol.SUPERVISOR_EXIT_FAILED, str(exc))
         except Exception as exc:
             self._store_unreachable(exc)
-            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
+            return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
         finally:
             stop.interruptible = False  # type: ignore[attr-defined]
         workerenv.point_gloo_at(cfg.local_addr, os.environ)  # the workers inherit it
@@ -371,15 +380,17 @@ class Supervisor:
             outcome = agent.supervise()
             self.goodput_estimated = agent.ledger.goodput_estimated
         except RendezvousClosedError:
-            return agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, 0, None, None
+            return _ended(agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK)
         except ConfigError as exc:  # found once the round closed (static: a node rank twice)
-            return agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, 0, None, str(exc)
+            return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, str(exc))
         except RendezvousTimeoutError:
             # too few nodes within --rdzv-conf join_timeout
-            return "rendezvous_timeout", protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
-        except (RendezvousError, RuntimeError) as exc:  # connection/state errors: store lost
+            return _ended(_RENDEZVOUS_TIMEOUT, protocol.SUPERVISOR_EXIT_FAILED)
+        # The store is gone: the rendezvous' own connection/state errors, or c10d's store
+        # errors from a direct read or write. Any other RuntimeError is a bug and propagates.
+        except (RendezvousError, DistNetworkError, DistStoreError) as exc:
             self._store_unreachable(exc)
-            return agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, 0, None, None
+            return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
         finally:
             if probe is not None:
                 probe.stop()
@@ -390,7 +401,7 @@ class Supervisor:
             # close the rendezvous so that a node arriving now exits instead of waiting
             with contextlib.suppress(Exception):
                 handler.shutdown()
-        return outcome.status, outcome.exit_code, outcome.restarts, outcome.goodput, outcome.error
+        return outcome
 
     def _store_unreachable(self, exc: BaseException) -> None:
         cause = exc.__cause__ or exc
@@ -398,6 +409,14 @@ class Supervisor:
             "store.unreachable",
             level="error",
             endpoint=self.cfg.rdzv_endpoint,
-            error=redact(str(cause).splitlines()[0] if str(cause) else type(cause).__name__),
+            error=redact(first_line(str(cause)) or type(cause).__name__),
             consequence="this node stops; restart the job (it resumes from the last snapshot)",
         )
+
+
+def _ended(status: str, exit_code: int, error: str | None = None) -> AgentOutcome:
+    """The outcome of a run the agent could not report on itself (it never started, or its
+    rendezvous ended it): no restarts counted, no goodput."""
+    from elastic_trainer.supervisor.agent import AgentOutcome
+
+    return AgentOutcome(status=status, exit_code=exit_code, restarts=0, goodput=None, error=error)

@@ -124,23 +124,6 @@ def all_reduce_ints(values: list[int], op: Any = None) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
-def broadcast_int(value: int, src: int = 0) -> int:
-    if world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    dist.broadcast(tensor, src=src)
-    return int(tensor.item())
-
-
-def gather_to_rank0(obj: Any) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

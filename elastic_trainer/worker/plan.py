@@ -195,15 +195,6 @@ def step_share(cursor: int, *, end: int, plan: BatchPlan, rank: int) -> StepShar
     )
 
 
-def rank_positions(cursor: int, *, end: int, plan: BatchPlan, rank: int) -> list[range]:
-    """Every position rank ``rank`` reads from ``cursor`` to the epoch end, step by step."""
-    shares = []
-    while cursor < end:
-        shares.append(step_share(cursor, end=end, plan=plan, rank=rank).positions)
-        cursor += plan.global_batch_size
-    return shares
-
-
 def steps_per_epoch(num_samples: int, global_batch_size: int, drop_last: bool) -> int:
     end = epoch_end(num_samples, global_batch_size, drop_last)
     return -(-end // global_batch_size)

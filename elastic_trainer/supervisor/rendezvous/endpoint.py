@@ -34,7 +34,7 @@ import psutil
 import tenacity
 
 from elastic_trainer.contract.events import emit
-from elastic_trainer.errors import ConfigError, ElasticTrainError
+from elastic_trainer.errors import ConfigError, ElasticTrainError, first_line
 
 # A c10d store answers its handshake in milliseconds; anything slower is not one.
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -417,5 +417,4 @@ def check(host: str, port: int, *, read_timeout_s: float) -> None:
 def _first_line(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown"
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    return first_line(str(exc), limit=300) or type(exc).__name__

@@ -28,9 +28,6 @@ class Source(str, enum.Enum):  # snapshot.restored.source
     STORAGE = "storage"  # the storage snapshot (snapshot_dir)
 
 
-SOURCES = tuple(s.value for s in Source)
-
-
 def part_marker(slot: str, part: int) -> str:
     return PART_MARKER.format(slot=slot, part=part)
 
