@@ -53,7 +53,13 @@ from snapshots.ownership import Owner
 from snapshots.read import catalog as _catalog
 from snapshots.read.store_reading import StoreReading
 from snapshots.read.store_reading import restore_into as restore_into  # re-exported
-from snapshots.storage import RetryingStorage, check_reachable, open_storage, redact_url
+from snapshots.storage import (
+    RetryingStorage,
+    Storage,
+    check_reachable,
+    open_storage,
+    redact_url,
+)
 from snapshots.storage import deadline as _deadline
 from snapshots.storage.retry import RetryPolicy
 from snapshots.write import capture as _capture
@@ -83,6 +89,7 @@ class SnapshotStore(StoreReading):
         verify_after_write: _commit.VerifyMode = "auto",
         storage_timeout: float | None = None,
         owner: Owner | None = None,
+        storage: Storage | None = None,
     ) -> None:
         """``create=False``: a missing local folder is an error instead of being created.
 
@@ -100,6 +107,11 @@ class SnapshotStore(StoreReading):
         them) unless ``keep=1`` (nothing older would be left to fall back on), ``"full"``
         (read everything back, check every checksum) elsewhere and on request. The
         ``snapshots.write.commit`` docstring says exactly what each one proves.
+
+        ``storage``: the backend to use instead of the one ``url`` names (a test's
+        fault-injecting wrapper, a backend of your own), rooted where ``url`` points; its
+        ``url`` names the store in messages. Retries, the deadline and health tracking are
+        added on top as for any backend; ``storage_options`` do not apply to it.
         """
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
@@ -111,10 +123,8 @@ class SnapshotStore(StoreReading):
         self.async_save, self.when_busy = async_save, when_busy
         self.owner = owner
         self._owner_checked = False  # this store wrote under the owner check: it ends the run
-        self._storage: RetryingStorage = open_storage(
-            url,
-            storage_options=storage_options,
-            retry=(retry or RetryPolicy()).with_timeout(storage_timeout),
+        self._storage = _open(
+            url, storage, storage_options, (retry or RetryPolicy()).with_timeout(storage_timeout)
         )
         self.url = self._storage.url
         check_reachable(self._storage, url, create)
@@ -137,6 +147,12 @@ class SnapshotStore(StoreReading):
         self._closed = False
         self.last_committed: SnapshotInfo | None = None  # newest save committed by this store
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    @property
+    def storage(self) -> RetryingStorage:
+        """The storage this store reads and writes through: the backend (``inner``) with
+        retries (``policy``) and the outage record (``health``) on top. Read-only."""
+        return self._storage
 
     @property
     def last_hook_wait_ms(self) -> float:
@@ -410,3 +426,20 @@ def _close_at_exit(ref: weakref.ReferenceType[SnapshotStore]) -> None:
     # A failure here was already reported as snapshot.failed when it happened.
     with contextlib.suppress(SnapshotError):
         store.close()
+
+
+def _open(
+    url: str,
+    storage: Storage | None,
+    storage_options: Mapping[str, Any] | None,
+    policy: RetryPolicy,
+) -> RetryingStorage:
+    """The backend ``url`` names, or the one the caller passed, with retries on top."""
+    if storage is None:
+        return open_storage(url, storage_options=storage_options, retry=policy)
+    if storage_options:
+        raise ValueError(
+            "storage_options apply only to the backend opened from the URL: "
+            "pass them to the storage you construct instead"
+        )
+    return RetryingStorage(storage, policy)

@@ -65,6 +65,10 @@ COPY_WAIT_S = 10.0
 COPY_POLL_S = 0.01
 
 
+# (config, the tracker to spare its process from reaping) -> the warm pool, or None
+StartPool = Callable[[RunConfig, ProcessTracker], warm_workers.WarmPool | None]
+
+
 def _listed(control_dir: str, name_of: Callable[[int], str]) -> set[int]:
     """The local ranks whose file ``name_of(rank)`` is in the control folder."""
     prefix = name_of(0)[:-1]
@@ -87,7 +91,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         stop: StopRequest,
         control_root: str,
         metrics: Any = None,  # metrics_server.SupervisorMetrics with --metrics-port
+        procs: ProcessTracker | None = None,
+        membership: MembershipWatch | None = None,
+        start_pool: StartPool | None = None,
     ) -> None:
+        """``procs`` and ``membership``: the worker processes and the peers are watched
+        through these instead of ones built here; ``start_pool`` starts the warm pool instead
+        of ``warm_workers.start_pool`` (tests script what the agent observes)."""
         super().__init__(
             spec,
             logs_specs,
@@ -101,7 +111,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._control_root = control_root
         self._policy = RestartPolicy(max_restarts=cfg.max_restarts, tuning=cfg.restart)
         self._state = SupervisorState()
-        self._procs = ProcessTracker()
+        self._procs = ProcessTracker() if procs is None else procs
         self._observer = GroupObserver(
             procs=self._procs,
             hang_timeout=cfg.hang_timeout,
@@ -112,12 +122,14 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._attempt = 0
         self._started_at = time.monotonic()
         self._attempt_started = self._started_at
-        self._membership = MembershipWatch(
-            spec.rdzv_handler,
-            endpoint=cfg.rdzv_endpoint,
-            check_every_s=cfg.rdzv.keep_alive_interval,
-            dead_after_s=cfg.rdzv.dead_after_s,
-        )
+        if membership is None:
+            membership = MembershipWatch(
+                spec.rdzv_handler,
+                endpoint=cfg.rdzv_endpoint,
+                check_every_s=cfg.rdzv.keep_alive_interval,
+                dead_after_s=cfg.rdzv.dead_after_s,
+            )
+        self._membership = membership
         self._peer_stop_seen: float | None = None
         self._oom_kills_at_start: int | None = None
         self._error: str | None = None
@@ -126,7 +138,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         timeout = cfg.torchrun.shutdown_timeout
         self._kill_grace_s = 2.0 if timeout is None else timeout
         # imports torch while the first rendezvous runs; None: workers start the old way
-        self._pool = warm_workers.start_pool(cfg, self._procs)
+        if start_pool is None:
+            start_pool = warm_workers.start_pool
+        self._pool = start_pool(cfg, self._procs)
         self._joined_once = False  # a first join into a running job waits for the pool
 
     # ---- the loop ------------------------------------------------------------------------

@@ -82,13 +82,13 @@ def test_saves_fail_within_the_deadline_once_the_endpoint_goes(moto_endpoint: st
         store.save(2, {"w": torch.zeros(4)})
     assert time.monotonic() - began < 20
     assert _retries(logs) <= 5
-    assert store._storage.health.down
+    assert store.storage.health.down
 
 
 def test_storage_timeout_reaches_s3fs_and_botocore(moto_endpoint: str) -> None:
     store = _s3_store(moto_endpoint, make_bucket(moto_endpoint), storage_timeout=6)
-    fs = store._storage.inner.fs  # type: ignore[attr-defined]
+    fs = store.storage.inner.fs  # type: ignore[attr-defined]
     assert fs.retries == 1
     assert fs.config_kwargs["read_timeout"] == 2.0
     assert fs.config_kwargs["retries"]["total_max_attempts"] == 1
-    assert store._storage.policy.deadline_s == 6.0
+    assert store.storage.policy.deadline_s == 6.0

@@ -60,9 +60,8 @@ class Faulty:
 
 
 def _faulty_store(b: Backend, **kwargs: Any) -> tuple[SnapshotStore, Faulty]:
-    store = SnapshotStore(b.url, storage_options=b.storage_options, async_save=False, **kwargs)
-    faulty = Faulty(store._storage.inner)
-    store._storage.inner = faulty
+    faulty = Faulty(open_storage(b.url, storage_options=b.storage_options).inner)
+    store = SnapshotStore(b.url, async_save=False, storage=faulty, **kwargs)
     return store, faulty
 
 
@@ -96,9 +95,8 @@ def test_local_damage_unseen_at_save_is_caught_at_load_and_an_older_one_serves(
     tmp_path: Any,
 ) -> None:
     # keep=2 on local disk: no read-back ("written"); the damage is the load's to find.
-    store = SnapshotStore(str(tmp_path), async_save=False, keep=2)
-    faulty = Faulty(store._storage.inner)
-    store._storage.inner = faulty  # type: ignore[assignment]
+    faulty = Faulty(open_storage(str(tmp_path)).inner)
+    store = SnapshotStore(str(tmp_path), async_save=False, keep=2, storage=faulty)
     store.save(1, _state(1))
     faulty.damage = "flip"
     with capture_logs() as logs:

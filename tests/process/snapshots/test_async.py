@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from snapshots import RetryPolicy, SnapshotSaveError, SnapshotStore, StorageError
 from snapshots.format import layout
-from snapshots.storage import Entry, Storage
+from snapshots.storage import Entry, LocalStorage, Storage
 
 TIMEOUT = 30
 
@@ -52,11 +52,13 @@ class Gated:
 
 
 def _gated_store(root: Path, **kwargs: object) -> tuple[SnapshotStore, Gated]:
+    gated = Gated(LocalStorage(str(root)))
     store = SnapshotStore(
-        str(root), retry=RetryPolicy(attempts=3, initial_s=0.001, max_s=0.002), **kwargs
-    )  # type: ignore[arg-type]
-    gated = Gated(store._storage.inner)
-    store._storage.inner = gated
+        str(root),
+        retry=RetryPolicy(attempts=3, initial_s=0.001, max_s=0.002),
+        storage=gated,
+        **kwargs,  # type: ignore[arg-type]
+    )
     return store, gated
 
 

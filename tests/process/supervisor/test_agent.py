@@ -19,9 +19,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessF
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RestartTuning, RunConfig
-from elastic_trainer.supervisor.agent import ElasticTrainAgent
+from elastic_trainer.supervisor.agent import ElasticTrainAgent, StartPool
 from elastic_trainer.supervisor.core.watchdog import HangVerdict
+from elastic_trainer.supervisor.processes.procs import ProcessTracker
+from elastic_trainer.supervisor.processes.signals import StopRequest
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+from elastic_trainer.supervisor.rendezvous.presence import PeerWatch
+from elastic_trainer.supervisor.warm.client import WarmPool
 
 OK, RUNNING = 0, None
 
@@ -83,30 +87,31 @@ class FakeHandler:
         return True
 
 
-class FakeStop:
-    """StopRequest without signals: ``wait`` never sleeps, it records and answers."""
+class FakeStop(StopRequest):
+    """StopRequest without signals: ``wait`` never sleeps, it records and answers.
+    ``on_wait(timeout)`` runs first: a test requests the stop or moves the clock there."""
+
+    requested = False  # set by the test, not by a signal
 
     def __init__(self) -> None:
-        self.requested = False
-        self.interruptible = False
-        self.control_dir: str | None = None
-        self.signal_name: str | None = None
-        self.received_at: float | None = None
-        self.count = 0
+        super().__init__()
         self.waits: list[float] = []
+        self.on_wait: Callable[[float], None] = lambda timeout: None
 
-    def wait(self, timeout: float) -> bool:
-        self.waits.append(timeout)
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.on_wait(seconds)
         return self.requested
 
     def write_stop_file(self) -> None:
         pass
 
 
-class FakePeers:
+class FakePeers(PeerWatch):
     """presence.PeerWatch, scripted: which peers' connections closed, from which tick."""
 
     def __init__(self, script: Script) -> None:
+        super().__init__()
         self.script = script
 
     def watch(self, peers: Any) -> None:
@@ -124,9 +129,11 @@ class FakePeers:
         pass
 
 
-class FakeProcs:
+class FakeProcs(ProcessTracker):
+    """ProcessTracker without processes: records what it was asked to signal."""
+
     def __init__(self) -> None:
-        self.killed_pids: set[int] = set()
+        super().__init__()
         self.terminated: list[int] = []
 
     def terminate(self, local_ranks: Any) -> list[int]:
@@ -175,8 +182,26 @@ class Script:
         return self.rounds[self.index]
 
 
+class ScriptedMembership(MembershipWatch):
+    """MembershipWatch whose presence connections are scripted: no server, no sockets."""
+
+    def __init__(self, handler: Any, peers: PeerWatch, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.scripted_peers = peers
+
+    def open_presence(self, bind_host: str) -> None:
+        self.peers = self.scripted_peers
+
+
 class ScriptedAgent(ElasticTrainAgent):
-    def __init__(self, script: Script, cfg: RunConfig, tmp_path: Any, nproc: int = 1) -> None:
+    def __init__(
+        self,
+        script: Script,
+        cfg: RunConfig,
+        tmp_path: Any,
+        nproc: int = 1,
+        start_pool: StartPool | None = None,
+    ) -> None:
         self.script = script
         self.error_file = "/nonexistent"  # torch's: what the worker wrote under @record
         spec = WorkerSpec(
@@ -189,25 +214,26 @@ class ScriptedAgent(ElasticTrainAgent):
             monitor_interval=cfg.monitor_interval,
         )
         self.stop = FakeStop()
-        super().__init__(
-            spec=spec,
-            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
-            cfg=cfg,
-            stop=self.stop,  # type: ignore[arg-type]
-            control_root=str(tmp_path),
-        )
-        self._procs = FakeProcs()  # type: ignore[assignment]
-        self._observer._procs = self._procs  # type: ignore[assignment]
+        self.procs = FakeProcs()
         self.clock = 0.0  # one second per monitor tick, for the silent-peer checks
-        self._membership = MembershipWatch(
+        membership = ScriptedMembership(
             spec.rdzv_handler,
+            FakePeers(script),
             endpoint="127.0.0.1:1",
             check_every_s=1.0,
             dead_after_s=3.0,
             clock=lambda: self.clock,
         )
-        self._membership.peers = FakePeers(script)  # type: ignore[assignment]
-        self._membership.open_presence = lambda bind_host: None  # type: ignore[method-assign]
+        super().__init__(
+            spec=spec,
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+            cfg=cfg,
+            stop=self.stop,
+            control_root=str(tmp_path),
+            procs=self.procs,
+            membership=membership,
+            start_pool=start_pool,
+        )
 
     def _join_round(self, worker_group: Any) -> None:
         self.script.index += 1
@@ -457,17 +483,14 @@ def test_a_stop_request_preempts_and_leaves_the_rendezvous(
     tmp_path, requested_at_tick, in_session
 ) -> None:
     def stop_soon(agent: ScriptedAgent) -> None:
-        original = agent.stop.wait
-
-        def wait(timeout: float) -> bool:
+        def request(timeout: float) -> None:
             if agent.script.tick >= requested_at_tick:
                 agent.stop.requested, agent.stop.signal_name = True, "SIGTERM"
                 if in_session:  # what a TrainingSession publishes when it starts
                     progress = Path(agent.stop.control_dir) / protocol.progress_file(0)
                     progress.write_text('{"step": 0, "epoch": 0, "restored_step": null}')
-            return original(timeout)
 
-        agent.stop.wait = wait  # type: ignore[method-assign]
+        agent.stop.on_wait = request
 
     rounds = [Round(nodes=1, ticks=[{0: RUNNING}] * 3)]
     outcome, logs, agent = run(rounds, tmp_path, prepare=stop_soon)
@@ -476,7 +499,7 @@ def test_a_stop_request_preempts_and_leaves_the_rendezvous(
     assert received["signal"] == "SIGTERM"
     assert agent._worker_group.spec.rdzv_handler.left
     # a session reads the stop file; an unmodified script gets SIGTERM at once, as torchrun's
-    assert received["signalled_ranks"] == agent._procs.terminated == ([] if in_session else [0])
+    assert received["signalled_ranks"] == agent.procs.terminated == ([] if in_session else [0])
 
 
 def test_a_silent_peer_is_dropped_once_confirmed_without_waiting_for_a_timeout(tmp_path) -> None:
@@ -516,12 +539,10 @@ def test_a_failure_with_the_budget_spent_and_a_closed_peer_needs_no_heartbeat_wa
     rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
 
     def clock_moves_with_waits(agent: ScriptedAgent) -> None:
-        def wait(timeout: float) -> bool:
-            agent.stop.waits.append(timeout)
+        def advance(timeout: float) -> None:
             agent.clock += timeout
-            return False
 
-        agent.stop.wait = wait  # type: ignore[method-assign]
+        agent.stop.on_wait = advance
 
     outcome, logs, agent = run(
         rounds, tmp_path, max_restarts=0, closed=("node1",), prepare=clock_moves_with_waits
@@ -556,19 +577,19 @@ def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     assert seen == [set(), set(), set(), {"node1"}]
 
 
-class _Pool:
-    ready = False
+class _Pool(WarmPool):
+    """A warm pool without a process: counts the waits for it to be ready."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # no process, no socket: nothing of WarmPool's own state
         self.waits = 0
 
-    def wait_ready(self, timeout: float, cancelled: Callable[[], bool]) -> bool:
+    @property
+    def ready(self) -> bool:
+        return False
+
+    def wait_ready(self, timeout: float, cancelled: Callable[[], bool] = lambda: False) -> bool:
         self.waits += 1
         return True
-
-
-class _Stop:
-    requested = False
 
 
 class _Holder:
@@ -588,23 +609,24 @@ class _Rdzv:
         self._state_holder = _Holder(state)
 
 
-def _first_join(state: Any) -> int:
+def _first_join(state: Any, tmp_path: Path) -> int:
     pool = _Pool()
-    agent = SimpleNamespace(_pool=pool, _joined_once=False, _stop=_Stop())
-    ElasticTrainAgent._warm_up_before_joining(agent, _Rdzv(state))  # type: ignore[arg-type]
-    ElasticTrainAgent._warm_up_before_joining(agent, _Rdzv(state))  # type: ignore[arg-type]
+    script = Script([Round(nodes=1, ticks=[{0: OK}])])
+    agent = ScriptedAgent(script, RunConfig(), tmp_path, start_pool=lambda cfg, procs: pool)
+    agent._warm_up_before_joining(_Rdzv(state))
+    agent._warm_up_before_joining(_Rdzv(state))
     return pool.waits
 
 
-def test_a_first_join_into_a_running_job_waits_for_the_pool_once():
+def test_a_first_join_into_a_running_job_waits_for_the_pool_once(tmp_path):
     running = SimpleNamespace(complete=True, participants={"other": 0})
     starting = SimpleNamespace(complete=False, participants={})
-    assert _first_join(running) == 1  # the second join is a re-formation: no wait
-    assert _first_join(starting) == 0
+    assert _first_join(running, tmp_path / "running") == 1  # a second join re-forms: no wait
+    assert _first_join(starting, tmp_path / "starting") == 0
 
 
-def test_a_store_that_does_not_answer_yet_is_joined_at_once_as_before():
-    assert _first_join(ConnectionError("store not up yet")) == 0
+def test_a_store_that_does_not_answer_yet_is_joined_at_once_as_before(tmp_path):
+    assert _first_join(ConnectionError("store not up yet"), tmp_path) == 0
 
 
 @pytest.mark.parametrize(("nodes", "announced"), [(("1", "4"), True), (("2", "2"), False)])

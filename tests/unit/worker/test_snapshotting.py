@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
+from typing import BinaryIO, TypeVar
 
 import pytest
 import torch
 
+from elastic_trainer.worker import snapshotting
 from elastic_trainer.worker.snapshotting import SessionSnapshots, sole_optimizer
 from snapshots import Owner, SnapshotOwnerError, SnapshotSaveError, SnapshotStore
+from snapshots.storage import LocalStorage
+
+T = TypeVar("T")
+
+
+class Stalled(LocalStorage):
+    """Local disk whose data files (written streamed) wait for ``release``."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def write_streamed(
+        self, path: str, fill: Callable[[BinaryIO], T], *, exclusive: bool = False
+    ) -> T:
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().write_streamed(path, fill, exclusive=exclusive)
 
 
 def _model_and_optimizer():
@@ -50,22 +72,19 @@ def test_periodic_saves_overlap_and_final_saves_do_not(tmp_path, monkeypatch) ->
     assert not torch.equal(saved["weight"], model.weight.detach())  # the step did change them
 
 
-def test_a_final_save_past_its_deadline_raises_and_commits_nothing(tmp_path) -> None:
+def test_a_final_save_past_its_deadline_raises_and_commits_nothing(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stalled = Stalled(str(tmp_path))
+    # SessionSnapshots builds its own store: hand it the stalling disk through the constructor
+    seams = functools.partial(SnapshotStore, storage=stalled)
+    monkeypatch.setattr(snapshotting, "SnapshotStore", seams)
     snaps = SessionSnapshots(str(tmp_path), keep=3, storage_timeout=5)
-    assert snaps.store._storage.policy.deadline_s == 5
-    entered, release = threading.Event(), threading.Event()
-    write = snaps.store._storage.inner.write_streamed  # the data files' path on local disk
-
-    def stalled(path, fill, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return write(path, fill, **kwargs)
-
-    snaps.store._storage.inner.write_streamed = stalled  # type: ignore[method-assign]
+    assert snaps.store.storage.policy.deadline_s == 5
     with pytest.raises(SnapshotSaveError, match=r"deadline_s=0\.1 s"):
         snaps.save(4, {"w": torch.ones(2)}, epoch=0, blocking=True, deadline_s=0.1)
-    assert entered.is_set() and snaps.last_saved_step is None
-    release.set()
+    assert stalled.entered.is_set() and snaps.last_saved_step is None
+    stalled.release.set()
     snaps.close_local()
     assert SnapshotStore(str(tmp_path)).latest() is None  # cancelled before its manifest
 
@@ -85,7 +104,7 @@ def test_a_skipped_periodic_save_does_not_skip_the_final_one(tmp_path) -> None:
 
     snaps = SessionSnapshots(str(tmp_path / "s"), keep=3)
     state = {"model": torch.nn.Linear(2, 2)}
-    snaps.store._storage.health.failed("down for the test")
+    snaps.store.storage.health.failed("down for the test")
     snaps.save(5, state, epoch=0, blocking=False)  # skipped: storage is down
     assert snaps.last_saved_step is None
     snaps.save(5, state, epoch=0, blocking=True, deadline_s=30)

@@ -16,6 +16,7 @@ from snapshots.distributed import DistributedSnapshotter
 from snapshots.format import layout, sharding
 from snapshots.format.serialization import Stager
 from snapshots.sharded import shards as _shards
+from snapshots.storage import LocalStorage
 
 
 class Recording:
@@ -109,9 +110,8 @@ def test_a_load_reads_consecutive_chunks_in_one_request(
 ) -> None:
     monkeypatch.setattr(_shards, "CHUNK_BYTES", 256)  # dozens of chunks, one shard file
     _save(SnapshotStore(str(tmp_path), keep=None))
-    store = SnapshotStore(str(tmp_path), create=False)
-    recording = Recording(store._storage.inner)
-    store._storage.inner = recording
+    recording = Recording(LocalStorage(str(tmp_path)))
+    store = SnapshotStore(str(tmp_path), create=False, storage=recording)
     calls = []
     read_range = recording.read_range
 
@@ -127,9 +127,8 @@ def test_a_load_reads_consecutive_chunks_in_one_request(
 
 
 def test_a_sharded_save_reads_no_shard_file_back(tmp_path: Path) -> None:
-    store = SnapshotStore(str(tmp_path), keep=None)
-    recording = Recording(store._storage.inner)
-    store._storage.inner = recording
+    recording = Recording(LocalStorage(str(tmp_path)))
+    store = SnapshotStore(str(tmp_path), keep=None, storage=recording)
     _save(store)
     assert recording.whole_reads == [] and recording.range_bytes == 0
     assert SnapshotStore(str(tmp_path), create=False).verify(1).ok
@@ -139,8 +138,8 @@ def test_a_shard_file_stored_damaged_is_caught_at_load_and_by_verify(tmp_path: P
     """The save no longer reads its shard file back (its chunks were hashed from the buffer
     it wrote): damage on the way to storage commits, and every reader catches it."""
     _save(SnapshotStore(str(tmp_path), keep=None))
-    store = SnapshotStore(str(tmp_path), keep=None)
-    store._storage.inner = Recording(store._storage.inner, damage_shards=True)
+    damaging = Recording(LocalStorage(str(tmp_path)), damage_shards=True)
+    store = SnapshotStore(str(tmp_path), keep=None, storage=damaging)
     model, optimizer = _model()
     snap = DistributedSnapshotter(store, sharded=True)
     snap.save(2, {"model": model, "optimizer": optimizer}, blocking=True)
@@ -156,8 +155,6 @@ def test_a_shard_file_stored_damaged_is_caught_at_load_and_by_verify(tmp_path: P
 
 
 def test_a_rank_whose_shard_write_fails_commits_nothing(tmp_path: Path) -> None:
-    store = SnapshotStore(str(tmp_path), keep=None)
-    inner = store._storage.inner
 
     class Failing(Recording):
         def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
@@ -165,7 +162,8 @@ def test_a_rank_whose_shard_write_fails_commits_nothing(tmp_path: Path) -> None:
                 raise OSError(28, "No space left on device")
             super().write(path, data, exclusive=exclusive)
 
-    store._storage.inner = Failing(inner)
+    failing = Failing(LocalStorage(str(tmp_path)))
+    store = SnapshotStore(str(tmp_path), keep=None, storage=failing)
     with pytest.raises(SnapshotSaveError, match="No space left"):
         _save(store)
     assert SnapshotStore(str(tmp_path), create=False).committed_steps() == []

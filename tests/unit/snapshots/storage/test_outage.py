@@ -8,6 +8,7 @@ training-side call here runs in a watchdog thread: not returning in time is the 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,10 +18,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from elastic_trainer.worker import snapshotting
 from elastic_trainer.worker.snapshotting import SessionSnapshots
 from snapshots import RetryPolicy, SnapshotSaveError, SnapshotStore
 from snapshots.format import layout
-from snapshots.storage import Entry, Storage
+from snapshots.storage import Entry, LocalStorage, Storage
 
 TIMEOUT = 30
 PROMPT = 10  # generous: returning at all, not speed, is what these tests check
@@ -72,9 +74,8 @@ class Outage:
 
 def _store(root: Path, **kwargs: Any) -> tuple[SnapshotStore, Outage]:
     policy = RetryPolicy(attempts=3, initial_s=0.001, max_s=0.002)
-    store = SnapshotStore(str(root), retry=policy, **kwargs)
-    outage = Outage(store._storage.inner)
-    store._storage.inner = outage
+    outage = Outage(LocalStorage(str(root)))
+    store = SnapshotStore(str(root), retry=policy, storage=outage, **kwargs)
     return store, outage
 
 
@@ -118,7 +119,7 @@ def test_periodic_save_skips_while_the_save_in_flight_is_retrying(tmp_path: Path
     store, outage = _store(tmp_path)  # when_busy="wait": before, this waited for the outage
     _hang_after_one_refusal(outage)
     first = store.save(1, _x(1))
-    assert outage.hanging.wait(TIMEOUT) and store._storage.health.down
+    assert outage.hanging.wait(TIMEOUT) and store.storage.health.down
     with capture_logs() as logs:
         second = _promptly(lambda: store.save(2, _x(2)))
     assert second.skipped and "storage is down" in (second.skipped_reason or "")
@@ -139,11 +140,11 @@ def test_after_a_failed_save_periodic_saves_skip_until_storage_answers(tmp_path:
         skipped = _promptly(lambda: store.save(2, _x(2)))
     assert skipped.skipped and [e["event"] for e in logs] == ["snapshot.skipped"]
     store._writer._probe.result(timeout=TIMEOUT)  # type: ignore[union-attr]  # refused too
-    assert store._storage.health.down
+    assert store.storage.health.down
     outage.refuse = False  # storage is back: the probe started by the next skip notices
     assert _promptly(lambda: store.save(3, _x(3))).skipped
     store._writer._probe.result(timeout=TIMEOUT)  # type: ignore[union-attr]
-    assert not store._storage.health.down
+    assert not store.storage.health.down
     saved = store.save(4, _x(4))
     assert saved.result(timeout=TIMEOUT).step == 4  # type: ignore[union-attr]
     assert [i.step for i in store.list()] == [4]
@@ -191,11 +192,15 @@ def test_a_failed_saves_clean_up_is_off_the_training_path_and_single_attempt(
     assert [i.step for i in store.list()] == [1]
 
 
-def test_session_snapshots_skip_while_storage_is_down(tmp_path: Path) -> None:
+def test_session_snapshots_skip_while_storage_is_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outage = Outage(LocalStorage(str(tmp_path)))
+    policy = RetryPolicy(attempts=3, initial_s=0.001, max_s=0.002)
+    # SessionSnapshots builds its own store: hand it the outage through the constructor
+    seams = functools.partial(SnapshotStore, storage=outage, retry=policy)
+    monkeypatch.setattr(snapshotting, "SnapshotStore", seams)
     snaps = SessionSnapshots(str(tmp_path), keep=3)
-    outage = Outage(snaps.store._storage.inner)
-    snaps.store._storage.inner = outage
-    snaps.store._storage.policy = RetryPolicy(attempts=3, initial_s=0.001, max_s=0.002)
     _hang_after_one_refusal(outage)
     snaps.save(1, _x(1), epoch=0, blocking=False)
     assert outage.hanging.wait(TIMEOUT)

@@ -11,7 +11,7 @@ import torch
 
 from snapshots import SnapshotSaveError, SnapshotStore
 from snapshots.format import layout
-from snapshots.storage import Entry, Storage
+from snapshots.storage import Entry, LocalStorage, Storage
 
 
 class Full:
@@ -49,9 +49,8 @@ def _state(step: int) -> dict[str, object]:
 
 
 def _store(root: Path, **kwargs: object) -> tuple[SnapshotStore, Full]:
-    store = SnapshotStore(str(root), keep=3, **kwargs)  # type: ignore[arg-type]
-    full = Full(store._storage.inner)
-    store._storage.inner = full
+    full = Full(LocalStorage(str(root)))
+    store = SnapshotStore(str(root), keep=3, storage=full, **kwargs)  # type: ignore[arg-type]
     return store, full
 
 
