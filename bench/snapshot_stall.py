@@ -5,7 +5,7 @@ torch.save, DCP save, DCP async_save (on its own gloo group), and this package's
 SnapshotStore (blocking, asynchronous copy, and the opt-in overlapped capture). For each:
 median stall per save (ms), stall as a fraction of a training step, time until the snapshot
 is persisted and the resulting MB/s, and the median time of the training step that runs
-while the save persists in the background (a writer thread competes for 2 cores).
+while the save persists in the background (a writer thread competes with it for the cores).
 
 Then whole jobs, each in a fresh process, interleaved: the same ResNet-18 loop for
 ``--steps`` steps with no snapshots, with a snapshot every ``--every`` steps through
@@ -311,7 +311,7 @@ def memory_tier(folder: str) -> Any:
 
 def minor_faults() -> int:
     """The calling thread's minor page faults so far (0 where /proc has no per-thread stat):
-    a training step that faults fresh pages runs ~10% slower, snapshots or not."""
+    a training step that faults fresh pages runs measurably slower, snapshots or not."""
     try:
         with open("/proc/thread-self/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[7])

@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-process tests set OMP_NUM_THREADS=1: 2 cores, many processes."""
+"""Shared fixtures. Multi-process tests set OMP_NUM_THREADS=1: many processes share few cores."""
 
 from __future__ import annotations
 

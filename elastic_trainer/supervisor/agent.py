@@ -59,8 +59,8 @@ class AgentOutcome:
     error: str | None = None  # one line for the operator (a worker's configuration error)
 
 
-# How long the workers' just-in-time copies may delay a re-form (a copy of a ResNet-18's
-# state takes ~0.1 s; only a worker that cannot answer, hung or frozen, costs all of it).
+# How long the workers' just-in-time copies may delay a re-form (a copy is one pass over the
+# state's bytes in memory; only a worker that cannot answer, hung or frozen, costs all of it).
 COPY_WAIT_S = 10.0
 COPY_POLL_S = 0.01
 
@@ -137,7 +137,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         # --shutdown-timeout); short by default: every second here is downtime
         timeout = cfg.torchrun.shutdown_timeout
         self._kill_grace_s = 2.0 if timeout is None else timeout
-        # imports torch while the first rendezvous runs; None: workers start the old way
+        # imports torch while the first rendezvous runs; None: workers start as fresh processes
         if start_pool is None:
             start_pool = warm_workers.start_pool
         self._pool = start_pool(cfg, self._procs)

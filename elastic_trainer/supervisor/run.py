@@ -255,7 +255,9 @@ class Supervisor:
         cfg = self.cfg
         started = time.monotonic()
         # Workers must not reuse the agent's store across rounds: a restarted rank would read
-        # the dead rank 0's address, and scale-up deadlocks (shared/BASELINES.md).
+        # the dead rank 0's address and dial it, and scale-up deadlocks (torchrun shares it,
+        # and its worker-crash and node-join recoveries never finish: docs/command-line.md,
+        # "Recovery defaults").
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         os.environ.setdefault("OMP_NUM_THREADS", "1" if cfg.nproc_per_node > 1 else "")
         if not os.environ["OMP_NUM_THREADS"]:

@@ -3,7 +3,8 @@
 Every worker runs its script through this module. It behaves like ``python SCRIPT`` (same
 ``sys.argv``, ``sys.path[0]``, ``__main__``, exit status), except at the very end.
 
-Why (measured here, shared/BASELINES.md "Restart reliability"): gloo's worker threads drop
+Why (docs/how-it-works.md, "Workers and the bootstrap": without it about one successful
+plain-DDP run in four looked failed under load): gloo's worker threads drop
 their last reference to a finished collective (``AsyncWork``, whose saved thread-local state
 holds Python objects) *after* marking it complete, and that drop takes the GIL. If the main
 thread has meanwhile finished the script and the interpreter is finalizing, CPython (<= 3.13)

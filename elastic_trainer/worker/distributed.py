@@ -80,9 +80,10 @@ def wait_for_store(host: str, port: int, *, within_s: float) -> bool:
 
     Why: the workers' store is hosted by the rank-0 worker itself (the supervisor sets
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and a TCPStore client that finds the port still
-    closed retries only after its connect backoff, 0.45-0.72 s measured here; workers forked
-    from the warm pool start within milliseconds of each other, so a rank that came first lost
-    that backoff on about one restart in four. Polling the port every 10 ms instead lets it
+    closed retries only after its connect backoff (about half a second); workers forked from
+    the warm pool start within milliseconds of each other, so a rank that comes first often
+    loses that backoff (docs/benchmarks.md, "Recovery, phase by phase": the worker-crash
+    rows). Polling the port every 10 ms instead lets it
     connect as soon as the store listens. The probe connection is closed without a word, which
     the store server treats as a client that left.
     """

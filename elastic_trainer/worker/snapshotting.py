@@ -146,7 +146,7 @@ class SessionSnapshots:
 
     def _closing_broadcast(self, step: int, error: SnapshotError | None) -> SnapshotError | None:
         """Every rank takes part in the broadcast, even when rank 0's save already failed
-        (before, rank 0 raised first and the other ranks waited in it until the collective
+        (if rank 0 raised first, the other ranks would wait in it until the collective
         timeout). A rank learns of a failure when the committed step is not the one saved."""
         try:
             committed = self._snapshotter.wait()

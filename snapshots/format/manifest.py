@@ -24,10 +24,10 @@ FORMAT_VERSION = 1
 # entry (skeleton) and per-rank files. Format 1 snapshots keep loading.
 SHARDED_VERSION = 2
 SUPPORTED_VERSIONS = frozenset({1, 2})
-# New snapshots: BLAKE3, a cryptographic hash at ~6.7 GB/s on one core here against sha256's
-# ~1.75 (SHA-NI); both release the GIL on large buffers. On 2 cores the hashing competes with
-# training for CPU, so a 3.8x cheaper hash is wall time saved. Snapshots written with sha256
-# (every snapshot before this change) keep verifying: readers take any algorithm below.
+# New snapshots: BLAKE3, a cryptographic hash several times faster than sha256 on one core,
+# SHA-NI or not (docs/snapshots.md, "Sharded snapshots"); both release the GIL on large
+# buffers. The hashing competes with training for CPU, so a cheaper hash is wall time saved.
+# Snapshots written with sha256 keep verifying: readers take any algorithm below.
 CHECKSUM_ALGORITHM = "blake3"
 # Readers accept only these: a manifest naming a weak (md5) or a variable-length (shake_128)
 # hash would let damage pass or make checksumming itself fail. sha256 and stronger; blake3

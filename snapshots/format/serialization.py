@@ -1,9 +1,9 @@
 """Capture state into reused staging buffers; bytes in and out without executing code.
 
 ``Stager.capture`` walks a state tree, copies every tensor into a preallocated buffer that it
-keeps for the next save (copying into touched memory runs at ~9 GB/s; fresh memory page-faults
-at ~0.3 GB/s), and rejects values that ``torch.load(weights_only=True)`` could not read back,
-at the call rather than at restore time.
+keeps for the next save (copying into memory already touched is many times faster than into
+fresh memory, which page-faults on every page), and rejects values that
+``torch.load(weights_only=True)`` could not read back, at the call rather than at restore time.
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ class Stager:
 # Staging buffers from this size up get pages of their own (an anonymous mapping; on shared
 # staging memory, ``_shared_staging``, every buffer does), outside the malloc heap the
 # training loop allocates its activations and gradients from. In that
-# heap, ~100 MB of long-lived buffers placed by the first save changed how glibc reuses and
-# trims it: in our traces every later training step faulted ~18 MB of fresh pages.
+# heap, the long-lived buffers placed by the first save change how glibc reuses and trims
+# it, so that every later training step faults in fresh pages.
 OWN_PAGES_BYTES = 1 << 16
 
 
@@ -235,7 +235,8 @@ class _Hashing:
     tensor's storage as one memoryview (no copy). A large one is hashed on ``pool``'s
     thread while the sink writes it: both only read the staging buffer, the hash and the
     write (an O_DIRECT one mostly waits for the disk) release the GIL, so the save takes
-    the longer of the two instead of their sum (~15 ms per 90 MB here, on the job's tail)."""
+    the longer of the two instead of their sum (it counts most on the job's tail, which
+    waits for the last save)."""
 
     def __init__(self, sink: Any, algorithm: str, pool: cf.Executor | None = None) -> None:
         self._sink = sink

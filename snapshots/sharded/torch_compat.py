@@ -87,8 +87,8 @@ def save_without_crc32(obj: Any, sink: Any, *, alignment: int) -> None:
 
     Why: every byte of a snapshot file is hashed (BLAKE3 or sha256) on its way to storage
     and checked before anything is unpickled, so the CRC adds no protection, and torch
-    computes it holding the GIL (~17 ms per 90 MB here, a pause for the training thread's
-    Python code). ``torch.load`` does not check it (torch documents as much for
+    computes it holding the GIL (a pause for the training thread's Python code, in
+    proportion to the bytes). ``torch.load`` does not check it (torch documents as much for
     ``set_crc32_options``); only a zip tool's own test would complain. The alignment lets
     the local writer hand large tensors to the disk past the page cache (``O_DIRECT`` needs
     aligned file offsets; torch's default is 64 bytes).

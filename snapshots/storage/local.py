@@ -360,21 +360,22 @@ class _Sink:
 # Large writes bypass the page cache (O_DIRECT) where the file offset, the memory and the
 # length allow it (multiples of DIRECT_ALIGN, which covers 512- and 4096-byte sectors): a
 # snapshot is read again only at a restart, and copying it into fresh page-cache pages costs
-# a core ~0.1-0.5 s per 150 MB here (first-touch page faults; in a VM, often host faults
-# too), while the disk takes the buffer by DMA. Staging buffers on their own pages
+# a core a first-touch page fault per page (in a VM, often a host fault too), while the disk
+# takes the buffer by DMA. Staging buffers on their own pages
 # (``serialization.staging_buffer``) qualify: shard files, and the tensors of a torch.save
 # file, whose records start at multiples of DIRECT_ALIGN (``serialization.serialize_into``).
 # fsync still makes the file and the disk's cache durable. A file system that refuses
-# O_DIRECT (tmpfs) gets buffered writes. From 1 MB up (92 % of ResNet-18's bytes): each
+# O_DIRECT (tmpfs) gets buffered writes. From 1 MB up (most of a model's bytes): each
 # direct write waits for the disk, so small ones stay buffered.
 DIRECT_ALIGN = 4096
 DIRECT_MIN = CHUNK
 
 # A deleted snapshot's data files from this size up are not unlinked but set aside
 # (``layout.REUSE_DIR``, one per entry, rank or shard: ``layout.reuse_key``), and the next
-# save of the same key writes over that file. Freeing a file's blocks costs ext4 ~23 ms of
-# kernel time per 90 MB here (seconds for a multi-GB file), which slowed the training step it
-# overlapped by ~9 ms, and sat on the job's tail; allocating them again costs the write too.
+# save of the same key writes over that file. Freeing a file's blocks costs the file system
+# kernel time in proportion to the file's size (seconds for a multi-GB file on ext4), taken
+# from the training step it overlaps and added to the job's tail; allocating them again costs
+# the write too.
 # The price: about one snapshot's disk space stays reserved for the next save.
 REUSE_MIN = CHUNK
 _DIRECT_FLAG = getattr(os, "O_DIRECT", 0)

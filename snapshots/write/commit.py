@@ -15,7 +15,7 @@ else):
   and one listing shows every file at the manifest's size; nothing else is read back. Each
   checksum is of the very buffer handed to the kernel, which nothing changed during the
   save, and the large tensors go to the disk past the page cache, so a read-back would come
-  from the disk (~60 ms and a second hash per 90 MB here, on the training's 2 cores) to
+  from the disk (a read and a second hash of every byte, CPU taken from training) to
   prove only that the kernel kept its copy. Damage after that is caught where it matters:
   every load checks every checksum before unpickling, and falls back to an older snapshot.
 - ``"full"`` (``memory://``, any other non-object-store backend, and on request): the

@@ -80,7 +80,7 @@ def _write_own(committer: Committer, job: SaveJob, part: ShardPart) -> _Report:
             entry, records = hashed.result()
         # No read-back: the checksums are of the very buffer handed to storage, which nothing
         # changes during the save. Reading a local file back (from the page cache, or the disk
-        # after an O_DIRECT write: half a second per 150 MB here) proves only that the kernel
+        # after an O_DIRECT write, a second pass over every byte) proves only that the kernel
         # kept its own copy; an object store's PUT is whole. Rank 0 commits only once every
         # rank reported its file (size, checksums) and a listing shows each at that size
         # (``_verify_commit``); damage after that is caught at load, where every chunk is

@@ -1,28 +1,29 @@
 """The writer process: a save's files serialised in another process, off this one's GIL.
 
 Why: serialising a save on this process's writer thread (torch's pickler walks every
-tensor, the zip writer calls back into Python for every record) holds the GIL ~10 ms per
-ResNet-18 save; the training thread needs it between its operators, and on 2 cores it
-waited ~8 ms of each step that overlapped a save (schedstat: blocked, not running). The same
-work in another process cost that step ~3 ms (``bench/snapshot_stall.py``).
+tensor, the zip writer calls back into Python for every record) holds the GIL for a while on
+every save; the training thread needs it between its operators, so a step that overlaps a
+save spends part of it waiting (blocked, not running). The same work in another process
+leaves this one's GIL to training (``bench/snapshot_stall.py``; docs/snapshots.md, "A writer
+process for large local saves").
 
 How: the staged tensors are already on shared memory (``_shared_staging``). The writer
 thread pickles the state *tree* with each tensor replaced by where its bytes lie (a block
-and an offset, plus dtype and shape: ~1 ms, no tensor data), and passes it with the open
+and an offset, plus dtype and shape: small, no tensor data), and passes it with the open
 temp file's descriptor over a socket pair. The child maps the blocks once, rebuilds each
 tensor on the very same bytes, runs the same ``serialization.serialize_into`` into the
 descriptor (``O_DIRECT`` for large records, hashing on the way) and answers with the size
 and digest. The parent then does everything else as before: fsync, rename, manifest.
 The file is byte for byte the one the thread would have written (a test checks).
 
-When: opted in (``storage_options={"writer_process": True}``; it costs a process of ~300 MB
-per worker and ~2 s of CPU at its start, which pays where saves are frequent and the training
-thread is GIL-bound, as a GPU job's launching thread is), local files only (the sink must be
-a file descriptor), a save from ``PROCESS_MIN_BYTES`` up, and never while a crash test's kill
-point is armed (the kill must hit the training process). The process is started at the
-first such save, which is still written on the thread, as is every save until it answered
-that it is ready (it imports torch: ~2 s, once per process). One writer process serves every
-store of this process.
+When: opted in (``storage_options={"writer_process": True}``; it costs a process per worker
+that imports torch, its memory and the CPU of that import at its start, which pays where saves
+are frequent and the training thread is GIL-bound, as a GPU job's launching thread is), local
+files only (the sink must be a file descriptor), a save from ``PROCESS_MIN_BYTES`` up, and
+never while a crash test's kill point is armed (the kill must hit the training process). The
+process is started at the first such save, which is still written on the thread, as is every
+save until it answered that it is ready (it imports torch, once per process). One writer
+process serves every store of this process.
 
 If it is lost (killed, a broken pipe, a save cancelled at its deadline while it ran), the
 file is written again from its start on the thread, ``snapshot.writer_process_lost`` says
@@ -53,7 +54,7 @@ from snapshots.storage import faults as _faults
 from snapshots.write import shared_staging as _shared_staging
 
 # A save smaller than this stays on the thread: its pickling is short, and a process that
-# imports torch (~2 s of CPU, ~300 MB) would not pay for itself.
+# imports torch (seconds of CPU, hundreds of MB) would not pay for itself.
 PROCESS_MIN_BYTES = 32 << 20
 # How often a wait for the child looks at its caller's deadline and the child's liveness.
 POLL_S = 0.25

@@ -115,8 +115,8 @@ def test_sigkill_of_one_rank_mid_save_commits_nothing(
 def test_blocking_save_past_its_deadline_is_given_up_on_every_rank_together(
     tmp_path: Path,
 ) -> None:
-    # Before: rank 0 gave up before copying while rank 1 started; rank 1's writer then waited
-    # in the commit's gather until commit_timeout_s (30 s here; 900 s by default).
+    # The hazard: rank 0 gives up before copying while rank 1 starts; rank 1's writer then
+    # waits in the commit's gather until commit_timeout_s (30 s here; 900 s by default).
     ranks = run_phase(tmp_path, "fsdp_deadline", 2, deadline_s=1.0, commit_timeout_s=30.0)
     assert all(r["raised"] for r in ranks), ranks
     assert all(r["seconds"] < 20 for r in ranks), ranks  # did not hang

@@ -272,7 +272,8 @@ def test_killing_the_first_agent_leaves_the_job_running(
     env = dict(worker_env)
     if launcher == "torchrun":
         # torch 2.14 reuses the first round's worker store across rounds by default, so the
-        # survivors of a dead rank 0 would dial its dead port (see shared/BASELINES.md).
+        # survivors of a dead rank 0 would dial its dead port (docs/command-line.md,
+        # "Recovery defaults").
         # elastic-train must cope without being told.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents: dict[str, subprocess.Popen] = {}

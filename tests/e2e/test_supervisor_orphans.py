@@ -28,7 +28,7 @@ from tests.e2e.workers.harness import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-# Generous: measured well under a second here; a hang, not slowness, is the bug.
+# Generous, far above what the clean-up takes; a hang, not slowness, is the bug.
 GONE_WITHIN_S = 15.0
 
 

@@ -24,15 +24,16 @@ BOOTSTRAP_MODULE = "elastic_trainer.worker.bootstrap"
 
 # glibc's malloc for the workers. A training step allocates and frees the same MB-sized
 # tensors (activations, gradients) every step. With glibc's defaults a process falls, by the
-# luck of its heap's layout, into one of several regimes: in one, every ResNet-18 step here
-# gave ~9-27 MB back to the kernel (heap trimming, or mmap'd chunks) and faulted it in again,
-# 4.6-6.9k page faults and ~10% slower steps; in another, none. Which one a run got varied
-# from process to process (a snapshot job's extra allocations made the slow ones likelier),
-# adding ~5% noise to any comparison of two jobs. Fixed thresholds end the lottery: chunks up
-# to 32 MiB (glibc's own dynamic maximum on 64-bit, accepted by every version) come from the
-# heap, and up to 1 GiB free at its top is kept: ~0 faults per step, every run. Both are
-# needed: setting either alone turns off glibc's dynamic threshold, and trim_threshold alone
-# mmap'd every chunk over 128 KiB (48k faults, 2x slower steps). An operator's own
+# luck of its heap's layout, into one of several regimes: in one, every step gives MBs back
+# to the kernel (heap trimming, or mmap'd chunks) and faults them in again, thousands of page
+# faults and slower steps; in another, none. Which one a run gets varies from process to
+# process (a snapshot job's extra allocations make the slow ones likelier), which adds noise
+# to any comparison of two jobs. Fixed thresholds end the lottery: chunks up to 32 MiB
+# (glibc's own dynamic maximum on 64-bit, accepted by every version) come from the heap, and
+# up to 1 GiB free at its top is kept: no faults per step, every run. Both are needed:
+# setting either alone turns off glibc's dynamic threshold, and trim_threshold alone maps
+# every chunk over 128 KiB afresh (far more faults and slower steps than the defaults). The
+# figures: docs/how-it-works.md, "Workers' malloc is tuned for training steps". An operator's own
 # GLIBC_TUNABLES (even empty) is left as it is. Other C libraries ignore the variable.
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 

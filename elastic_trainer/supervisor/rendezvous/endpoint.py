@@ -11,7 +11,7 @@ Three kinds of trouble, three answers:
 - a store that answers: the connected ``TCPStore``.
 
 Every step is bounded. torch's ``TCPStore`` client blocks in C++ without a timeout while it
-waits for the handshake's answer (measured with torch 2.15: an HTTP server or a silent
+waits for the handshake's answer (torch 2.15: an HTTP server or a silent
 listener keeps it there for good, and no signal handler runs meanwhile). So the TCP connect
 is done in Python (interruptible), and the c10d handshake runs in a thread that the main
 thread waits for interruptibly; past ``HANDSHAKE_TIMEOUT_S``, or on a stop signal, the

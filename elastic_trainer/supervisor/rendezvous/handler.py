@@ -1,7 +1,9 @@
 """torch's c10d dynamic rendezvous, with the knobs fast recovery needs.
 
 We use torch's own ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler``; the subclass
-changes three things, each for a measured reason (shared/BASELINES.md):
+changes the following, each for the reason stated with it (what they add up to:
+docs/how-it-works.md, "A dead node is known at once" and "No idle waits"; the defaults:
+docs/command-line.md, "Recovery defaults"):
 
 - the last-call wait is patient on the first round (nodes start seconds apart: a short wait
   splits the job in two) and short on later rounds (a failure or a membership change: every

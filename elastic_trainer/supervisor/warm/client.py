@@ -8,7 +8,7 @@ processes come from the pool instead of ``Popen``. Each is a ``WarmProcess``, a 
 handle on a child of ours (see ``warm_pool``: workers are re-parented to the supervisor), so
 the agent, ``ProcessTracker`` and torch's monitoring treat both kinds alike.
 
-The old way stays the fallback, per worker: no pool (``--no-warm-workers``, not Linux, not a
+A fresh process stays the fallback, per worker: no pool (``--no-warm-workers``, not Linux, not a
 subreaper, ``--no-python``, NUMA binding), a pool that died or refused, or an environment whose
 import-time settings differ from the pool's (``warm_decisions.import_env_mismatch``).
 """
@@ -43,8 +43,9 @@ from elastic_trainer.supervisor.warm.decisions import (
 )
 
 POOL_MODULE = "elastic_trainer.supervisor.warm.pool"
-# The pool imports torch while the first rendezvous runs; on a loaded 2-core machine that
-# took up to ~10 s. Past this the first workers start the old way.
+# The pool imports torch while the first rendezvous runs, which on a loaded machine can take
+# many seconds (``import_s`` of ``warm_pool.ready``): the bound is generous. Past it the first
+# workers start as fresh processes.
 READY_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 30.0  # one fork; a pool that does not answer is treated as dead
 FALLBACK = "workers start as fresh processes"
@@ -55,11 +56,11 @@ STATUS_LOST = 255
 
 
 class WarmPoolUnavailable(ElasticTrainError):
-    """The warm pool cannot start this worker; the caller starts it the old way."""
+    """The warm pool cannot start this worker; the caller starts it as a fresh process."""
 
 
 def start_pool(cfg: RunConfig, tracker: ProcessTracker) -> WarmPool | None:
-    """Start the warm pool for this job, or None where workers start the old way."""
+    """Start the warm pool for this job, or None where workers start as fresh processes."""
     if pool_refusal(cfg, subreaper=is_subreaper()) is not None:
         return None
     try:
@@ -151,7 +152,8 @@ def all_warm(popens: Mapping[int, Any]) -> bool:
 # ---- the pool, from the supervisor -------------------------------------------------------
 class WarmPool:
     """One warm pool process and our end of its socket. Once it fails it stays failed
-    (``failure`` says why); every worker after that starts the old way."""
+    (``failure`` says why); every worker after that starts as a fresh
+    process."""
 
     def __init__(self, proc: subprocess.Popen, sock: socket.socket, env: Mapping[str, str]):
         self.proc = proc

@@ -18,7 +18,8 @@ BASE_MODULES = ("torch", "torch.distributed", "torch.distributed.elastic.multipr
 OWN_PACKAGES = frozenset({"elastic_trainer", "snapshots"})
 # What a job that imports elastic_trainer reaches through its lazy attributes
 # (``elastic_trainer.TrainingSession``): the session imports the snapshot store and with it
-# torch.distributed.checkpoint (1-3 s here), which ``import elastic_trainer`` alone does not.
+# torch.distributed.checkpoint (seconds of imports per worker: ``bench/worker_start.py``),
+# which ``import elastic_trainer`` alone does not.
 SESSION_MODULES = ("elastic_trainer.worker.session",)
 SAFE_ROOTS = frozenset({"torch", "torchvision", "numpy", *OWN_PACKAGES})
 # Variables read when the interpreter or torch's native libraries load: a worker whose value

@@ -7,7 +7,7 @@ line; a worker forked from here pays a ``fork``. The pool imports the MODULEs it
 (torch, and the job's own known-safe imports), warms torch up (``warm_up``), says ``ready``,
 then serves one request at a time: ``spawn`` (argv, env, cwd, with the worker's
 stdin/stdout/stderr passed as fds) -> the worker's pid, or an ``error`` the supervisor answers
-by starting that worker the old way.
+by starting that worker as a fresh process.
 
 Why this is safe to fork: the pool never starts a thread and never initialises CUDA (both are
 checked before every fork, see ``fork_refusal``), and OMP/MKL/OpenBLAS read their thread
@@ -86,7 +86,8 @@ def preload(modules: list[str]) -> list[str]:
 def warm_up() -> float:
     """Run once what every training step runs, so that torch's lazy imports happen here and
     not in each worker: the first ``Optimizer.step`` of a process imports ``torch._dynamo``
-    (and sympy with it), 1-3 s on a loaded 2-core machine. On a throwaway one-element CPU
+    (and sympy with it), seconds of CPU (``warm_pool.ready`` reports them as ``warm_up_s``)
+    that every worker would otherwise pay. On a throwaway one-element CPU
     tensor, through public API only: no CUDA, no thread (``fork_refusal`` checks both before
     every fork all the same). No backward either: the autograd engine's first run counts the
     CUDA devices (initialising the driver, which a forked child could not use) and starts a
@@ -167,8 +168,9 @@ def serve(sock: socket.socket, modules: list[str]) -> int:
     stop_blas_threads()
     # Everything imported so far is the workers' too: move it out of the collector's sight.
     # A worker's collections (and the one of its exit, bootstrap.exit_without_finalizing) then
-    # walk its own objects, not the ~300k of torch and its lazy imports: 0.5-1.3 s less per
-    # worker exit here, and no copy-on-write of pages the collector would touch.
+    # walk its own objects, not the hundreds of thousands of torch and its lazy imports,
+    # whose walk would slow every worker's exit; and no copy-on-write of pages the collector
+    # would touch.
     gc.collect()
     gc.freeze()
     ready = {"ready": True, "pid": os.getpid(), "loaded": loaded, "warm_up_s": warm_s}

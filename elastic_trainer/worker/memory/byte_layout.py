@@ -2,7 +2,8 @@
 dense tensors, then a small ``torch.save`` of its skeleton.
 
 Why not ``torch.save`` of the whole tree: its zip writer computes a CRC32 of every byte,
-half its cost here, for a file that lives in memory and never crosses a disk or a network.
+a large share of its cost, for a file that lives in memory and never crosses a disk or a
+network.
 The skeleton is read back with ``weights_only=True`` after the whole copy's checksum (kept in
 the commit marker) is verified, so loading a copy executes no code and damage is never used.
 
@@ -10,7 +11,7 @@ Checksum: xxh3_128 (python-xxhash), not the BLAKE3 of storage snapshots. The dig
 the commit marker beside the data, in the supervisor's private tmpfs folder: whoever could
 forge a copy could forge its marker too (one trust domain), so the checksum guards against
 torn and damaged copies, not a forger, and a cryptographic hash buys nothing here while
-costing ~4.6x as much per byte (14.3 ms against 3.1 ms for 90 MB on our machine). A copy
+costing several times as much per byte, on every copy. A copy
 names its algorithm (the marker's key); one with another or none is not used.
 
 Layout: a 16-byte header (little-endian offset and length of the skeleton), every tensor's
@@ -40,7 +41,7 @@ _KEEP = object()
 # is still in the cache from its copy (a 9 MB tensor would have left it).
 CHUNK_BYTES = 1 << 20
 
-CHECKSUM_ALGORITHM = "xxh3_128"  # ~3 ms / 90 MB; the marker's key for the digest
+CHECKSUM_ALGORITHM = "xxh3_128"  # fast, non-cryptographic (see above); the marker's key
 
 
 def hasher() -> Any:

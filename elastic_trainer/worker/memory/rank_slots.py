@@ -4,7 +4,8 @@ the byte layout of ``byte_layout``; and the thread that sends them to their mirr
 
 A copy goes the replicated tier's way (``slots``): one copy per tensor straight into
 the slot's mapping, kept from copy to copy, checksummed while cache-hot (no staging buffer,
-no ``write()``, which on tmpfs costs ~3x the copy into mapped pages); a mirror's copy is
+no ``write()``, which on tmpfs costs several times the copy into mapped pages); a mirror's
+copy is
 received straight into its slot's mapping. A slot file is rounded up to its mapping's size
 (``slots.capacity``): the marker says how many of its bytes are the copy."""
 

@@ -2,7 +2,8 @@
 mapped across copies, and the markers that commit their parts.
 
 A copy is written with one memory copy straight into the slot's shared mapping: no staging
-buffer, no ``write()`` (on tmpfs that costs ~3x the copy into mapped pages), no writer thread
+buffer, no ``write()`` (on tmpfs that costs several times the copy into mapped pages), no
+writer thread
 competing with training. The mapping is made once and reused while the file is the same file
 (same inode) and big enough; it is re-made only when the copy's size changes that much, or
 the file was removed (its folder cleared, the copy forgotten).
@@ -134,7 +135,8 @@ class MappedFile:
 class NodeCopies:
     """One node's copies in a node-local folder, as rank ``part`` of the node's ``parts``
     ranks sees them: two slot files overwritten in place through mappings kept from copy to
-    copy (a fresh tmpfs file per copy costs its page allocation: ~4x the copy here), and per
+    copy (a fresh tmpfs file per copy pays its page allocation again, more than the copy
+    itself), and per
     slot one marker per part, replaced atomically."""
 
     def __init__(self, directory: str, *, part: int = 0, parts: int = 1) -> None:

@@ -9,8 +9,8 @@ stays mapped from step to step (``slots``): one memory copy per tensor, checksum
 while it is still in the cache (``byte_layout.write_into``); no staging buffer. The
 optimizer's parameters and state are copied by a background thread during the next
 forward/backward, and its step waits for that (``MemoryTier.save``); the rest at the call.
-(An earlier design copied into staging buffers on the training thread, then wrote and hashed
-them on a writer thread, competing with training for the 2 cores: the job took ~1.27x.)
+(Staging buffers and a writer thread would add a second copy of every byte, and a thread
+competing with training for the CPU.)
 A node has two slot files: a copy overwrites the slot that does not
 hold the newest whole copy, and each rank commits its part by atomically replacing a small
 marker (step, byte range, checksum), without a collective; a copy is whole once every part
@@ -54,7 +54,7 @@ MAX_STREAMS_BYTES = 64 * 2**20
 class RankStreams:
     """One rank's own per-rank state (its RNG streams), one small file per step in its node's
     folder, written by the rank itself: no collective per copy (an all-gather to the node's
-    writer cost more than the whole copy here, and grows with the world size). A rank whose
+    writer would cost more than the whole copy, and grows with the world size). A rank whose
     node lost its folder keeps its own streams, as a rank new to the world size does."""
 
     def __init__(self, directory: str, rank: int) -> None:
@@ -187,9 +187,9 @@ class MemoryTier:
         other tensors (BatchNorm's statistics change in the next forward) are copied here;
         the optimizer's parameters and state (the bulk), the checksum and the commit follow
         on a background thread during the next forward/backward, and ``optimizer.step()``
-        waits until they are done (a step pre-hook). On 2 cores the copy on the training
-        thread cost ~11 ms of each ~85 ms ResNet-18 step; a 60-step job with a copy every step
-        went from 1.187x to 1.129x the job without (``bench/snapshot_stall.py``)."""
+        waits until they are done (a step pre-hook): the bulk of the copy overlaps the
+        step's compute instead of adding to it. ``bench/snapshot_stall.py --kinds memory``
+        measures what a copy every step costs (docs/benchmarks.md, "In-memory tier")."""
         self.flush()  # the previous copy's slot is committed (or failed) before this one
         self._streams.write(step, _plain(per_rank), self.copies.newest())
         payload = {

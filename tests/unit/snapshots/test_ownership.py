@@ -1,7 +1,7 @@
 """A snapshot folder belongs to one job (owner.json); a resumed job adopts it; a concurrent
 second run of the same job takes it over and the older run can no longer save or prune.
 
-Before: two jobs sharing a folder pruned each other's snapshots, and a job would resume
+Without it, two jobs sharing a folder prune each other's snapshots, and a job resumes
 silently from another job's state.
 """
 

@@ -86,7 +86,7 @@ def test_asynchronous_saves_are_written_at_a_lower_cpu_priority(tmp_path: Path) 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 def test_large_staging_buffers_have_pages_of_their_own() -> None:
     """Outside the malloc heap the training loop allocates from: long-lived buffers placed
-    there by the first save made every later step fault ~18 MB of fresh pages."""
+    there by the first save make every later step fault in fresh pages."""
     stager = Stager()
     big = torch.randn(OWN_PAGES_BYTES)  # 4x the threshold, in float32
     staged = stager.capture({"w": {"big": big, "small": torch.ones(3)}})["w"]
@@ -269,8 +269,8 @@ def _data_file(root: Path, step: int) -> Path:
 
 
 def test_a_pruned_snapshot_s_large_file_is_written_over_by_the_next_save(tmp_path: Path) -> None:
-    # Freeing and reallocating ~a snapshot's blocks every save cost the training step it
-    # overlapped (ext4: ~23 ms of kernel time per 90 MB); the next save reuses them instead.
+    # Freeing and reallocating a snapshot's blocks every save costs the training step it
+    # overlaps kernel time (snapshots/storage/local.py, REUSE_MIN); the next save reuses them.
     big = torch.randn(CHUNK)  # 4 MiB
     with SnapshotStore(str(tmp_path), keep=2, async_save=False) as store:
         store.save(1, {"w": big})

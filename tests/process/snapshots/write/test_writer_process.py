@@ -1,6 +1,6 @@
 """The writer process (``snapshots.write.writer_process``) and its shared staging memory.
 
-Every test here starts its own child (a Python that imports torch, ~2-3 s) with the size
+Every test here starts its own child (a Python that imports torch: seconds) with the size
 threshold lowered to zero, so a small state goes through it; and stops it afterwards.
 Stores opt in with ``storage_options={"writer_process": True}`` (``ON``).
 """

@@ -240,7 +240,7 @@ def test_a_pool_with_a_thread_refuses_to_fork_and_is_given_up(subreaper, tmp_pat
         assert [e["event"] for e in logs] == ["warm_pool.unavailable"]
         assert logs[0]["log_level"] == "warning"
         assert "pays python and its imports again" in logs[0]["cost"]
-        with pytest.raises(WarmPoolUnavailable):  # for good: the next worker goes the old way
+        with pytest.raises(WarmPoolUnavailable):  # for good: the next worker starts fresh
             _spawn(pool, tmp_path, [_script(tmp_path, REPORT)])
     finally:
         pool.close()

@@ -135,7 +135,7 @@ def test_a_sharded_save_reads_no_shard_file_back(tmp_path: Path) -> None:
 
 
 def test_a_shard_file_stored_damaged_is_caught_at_load_and_by_verify(tmp_path: Path) -> None:
-    """The save no longer reads its shard file back (its chunks were hashed from the buffer
+    """The save does not read its shard file back (its chunks are hashed from the buffer
     it wrote): damage on the way to storage commits, and every reader catches it."""
     _save(SnapshotStore(str(tmp_path), keep=None))
     damaging = Recording(LocalStorage(str(tmp_path)), damage_shards=True)
@@ -173,8 +173,8 @@ def test_an_overlapped_sharded_save_copies_step_tensors_before_the_step_changes_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The writer thread is held before its deferred copy: optimizer.step()'s hook copies the
-    shards' tensors itself (it used to copy only format-1 tensors, and the step changed the
-    weights before the writer copied them)."""
+    shards' tensors itself (a hook that copied only format-1 tensors would let the step change
+    the weights before the writer copied them)."""
     held, gate = threading.Event(), threading.Event()
     copy_deferred = Stager.copy_deferred
 

@@ -1,8 +1,9 @@
 """A storage outage never stalls training: periodic saves are skipped, blocking saves keep
 their deadline, the clean-up of a failed save runs off the training path without retries.
 
-Before: with storage down, the training loop's save() waited for the failing save (minutes),
-and a failed save's clean-up re-read and re-listed with a full retry chain each. Every
+What this guards against: with storage down, the training loop's save() waiting for the
+failing save (minutes), and a failed save's clean-up re-reading and re-listing with a full
+retry chain each. Every
 training-side call here runs in a watchdog thread: not returning in time is the failure.
 """
 

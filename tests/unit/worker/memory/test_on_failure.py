@@ -226,9 +226,9 @@ def _run_held_back() -> threading.Thread:
 
 
 def test_a_close_before_the_watcher_runs_still_ends_it(tmp_path, monkeypatch):
-    """The watcher used to sleep in ``open`` of the FIFO and close() woke it by opening the
-    other end: a close before the thread got there found nobody (ENXIO), and the thread then
-    slept forever."""
+    """A watcher that sleeps in ``open`` of the FIFO, woken by close() opening the other end,
+    would miss a close that comes before the thread gets there (nobody there: ENXIO) and sleep
+    forever; this close still ends it."""
     _HeldBack.held.clear()
     monkeypatch.setattr(on_failure.threading, "Thread", _HeldBack)
     written = []
