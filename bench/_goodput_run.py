@@ -136,10 +136,12 @@ class Job:
             self.relaunches.append(time.time())
             print(f"    the job died: launched again ({len(self.relaunches)})", file=sys.stderr)
             self.launch()
-        elif self.procs["b"].poll() is not None and not self.node_lost:
-            # its launcher gave up while node a goes on: a scheduler would replace the node
-            print("    node b's launcher exited: started again", file=sys.stderr)
-            self.start("b")
+            return False
+        for node, proc in list(self.procs.items()):
+            if proc.poll() is not None and not (node == "b" and self.node_lost):
+                # its launcher gave up while the other goes on: a scheduler replaces the node
+                print(f"    node {node}'s launcher exited: started again", file=sys.stderr)
+                self.start(node)
         return False
 
     def trains_at(self, world: int, since: float) -> bool:

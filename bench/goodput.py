@@ -19,8 +19,8 @@ run failure-free first (its step time and wall time) then with failures:
 Both launchers get ``--max-restarts 1000`` (more failures than the schedule injects); nothing
 else is tuned, and thread-tuning variables such as ``OMP_NUM_THREADS`` are dropped from the
 environment the jobs get. A job whose launchers all exit before its last step is launched
-again from its snapshots, as a user's retry would be (``relaunches``); a launcher of node b
-that exits alone is started again, as a scheduler would replace the node. Wall time: the
+again from its snapshots, as a user's retry would be (``relaunches``); a node whose launcher
+exits alone is started again, as a scheduler would replace the node. Wall time: the
 first launcher's start to the last step's completion. Steps lost: at each restart, the last
 step the old worker group completed minus the step the new group resumed from (the audit
 rows, split into groups by the workers' ``restored`` markers); time lost per failure:
