@@ -107,7 +107,7 @@ def test_sigkill_while_workers_are_being_started_leaves_none_behind(tmp_path, wo
             "bootstrap" in _cmdline(c)
             or (
                 pools
-                and "warm_pool" in _cmdline(c)
+                and "supervisor.warm.pool" in _cmdline(c)
                 and c.pid not in pools
                 and _ppid(c) == agent.proc.pid
             )
