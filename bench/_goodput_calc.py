@@ -155,8 +155,9 @@ def _fmt(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def table(results: list[ArmResult]) -> str:
-    """The markdown table bench/goodput.py prints."""
+def table(results: list[ArmResult], unrecovered: list[tuple[str, str]] = ()) -> str:
+    """The markdown table bench/goodput.py prints; ``unrecovered``: (arm, why) of arms whose
+    launcher never brought the job back (no goodput to give)."""
     lines = [
         "| arm | failures | restarts | relaunches | wall s | failure-free wall s | goodput | "
         "failure-free goodput | × failure-free | steps lost / failure | time lost / failure s |",
@@ -169,4 +170,6 @@ def table(results: list[ArmResult]) -> str:
                  _fmt(r.goodput_failure_free, 3), _fmt(ratio, 3),
                  _fmt(r.steps_lost_per_failure, 1), _fmt(r.time_lost_per_failure, 1)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    for arm, why in unrecovered:
+        lines.append(f"| {arm}: did not recover ({why}) |" + " – |" * 10)
     return "\n".join(lines)

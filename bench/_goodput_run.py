@@ -177,6 +177,18 @@ class Job:
                 proc.wait(10)
 
 
+class NoRecovery(RuntimeError):
+    """The launcher did not bring the job back: its row says so instead of a goodput."""
+
+
+def _not_back(failures: list[tuple[str, float]], launched: float) -> str:
+    why = f"never trained at world size 2 again within {RECOVER_TIMEOUT_S:.0f} s"
+    if not failures:
+        return why
+    kind, at = failures[-1]
+    return f"{why} after the {kind.replace('_', ' ')} at +{at - launched:.0f} s"
+
+
 def schedule(job: Job, launched: float, every: float, deadline: float) -> list[tuple[str, float]]:
     """Inject failures every ``every`` seconds from ``launched`` until the job is done."""
     failures: list[tuple[str, float]] = []
@@ -188,7 +200,7 @@ def schedule(job: Job, launched: float, every: float, deadline: float) -> list[t
             break
         # only a job at full size is failed again (a node loss needs node b in the group)
         if not wait_until(lambda: job.done() or job.trains_at(2, last + 0.5), RECOVER_TIMEOUT_S):  # noqa: B023
-            raise RuntimeError(f"{job.arm.name}: never trained at world size 2 again")
+            raise NoRecovery(_not_back(failures, launched))
         if job.done():
             break
         kind = failure_kind(len(failures))
@@ -217,7 +229,7 @@ def run_job(
             job.launch()
             failures = schedule(job, launched, failure_every, deadline) if failure_every else []
             if not wait_until(job.done, deadline - time.monotonic()):
-                raise RuntimeError(f"{arm.name}: the job did not reach step {steps} in time")
+                raise NoRecovery(f"the job did not reach step {steps} in time")
             rows = job.audit.poll()
             finished = min(r[3] for r in rows if r[0] >= steps)
             job.stop()

@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _goodput_calc import ArmResult, Run, steps_for, summarize, table
-from _goodput_run import arms, run_job
+from _goodput_run import NoRecovery, arms, run_job
 
 STEP_TIME_S = 0.1  # the workers' sleep per step (bench/recovery.py's job)
 NOTES = """
@@ -99,16 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     steps = steps_for(args.duration, STEP_TIME_S)
     began = time.monotonic()
-    results, raw = [], {}
+    results, raw, unrecovered = [], {}, []
     for key in args.arms:
-        result, raw[key] = run_arm(key, args, steps)
+        try:
+            result, raw[key] = run_arm(key, args, steps)
+        except NoRecovery as exc:
+            unrecovered.append((arms(args.save_every)[key].name, str(exc)))
+            print(f"  {key}: did not recover ({exc})", file=sys.stderr)
+            continue
         results.append(result)
     print(
         f"\nGoodput: {steps} steps of {STEP_TIME_S} s, a failure every {args.failure_every:g} s "
         f"(node loss and worker crash alternating), torchrun saving every {args.save_every}"
     )
     print()
-    print(table(results))
+    print(table(results, unrecovered))
     print(NOTES)
     print(f"\n({time.monotonic() - began:.0f} s in all)")
     if args.json:

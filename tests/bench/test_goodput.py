@@ -111,3 +111,13 @@ def test_unknown_arm_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         goodput.parse(["--arms", "torchrun,slurm"])
     assert "--arms: unknown ['slurm']; choose from" in capsys.readouterr().err
+
+
+def test_an_arm_that_never_recovered_is_a_row_saying_why() -> None:
+    free = Run(steps=30, wall=6.0, rows=group(1, 30, 2, start=2.0), restored=[1.0])
+    got = summarize("elastic", free, free)
+    lines = table([got], [("torchrun", "never trained at world size 2 again")]).splitlines()
+    assert len(lines) == 4 and lines[3].startswith(
+        "| torchrun: did not recover (never trained at world size 2 again) |"
+    )
+    assert lines[3].count("|") == lines[2].count("|")  # the same columns as a measured row
