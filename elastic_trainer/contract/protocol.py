@@ -98,10 +98,10 @@ class Setting:
     def check(self, value: Any) -> str | None:
         """Why ``value`` (already typed) is not valid, or None: it must read back as itself."""
         try:
-            ok = self.parse(str(value)) == value
+            read_back = self.parse(str(value))
         except ValueError as exc:
             return str(exc)
-        return None if ok else f"expected {type(self.parse(str(value))).__name__}"
+        return None if read_back == value else f"expected {type(read_back).__name__}"
 
 
 def _setting(default: Any, **how: Any) -> Any:
