@@ -187,21 +187,32 @@ def test_sigterm_to_one_of_two_commits_a_final_snapshot_and_loses_no_step(
 ):
     snap, audit = tmp_path / "snap", tmp_path / "audit"
     port, env = free_port(), env_with(worker_env)
+    # A lone a's steps slow down while this file exists: however loaded the machine, the job
+    # cannot end before b has joined (a may form a first round alone).
+    hold = tmp_path / "hold"
+    hold.touch()
     # No periodic snapshot in this run: zero steps lost can only come from the final one.
-    argv = _argv(snap, audit, 10_000, "--grace-period", "20")
+    argv = _argv(snap, audit, 10_000, "--grace-period", "20", worker=("--hold-file", str(hold)))
     a = start_agent(tmp_path, "a", argv, env, port=port)
     agents.append(a)
     wait_for(lambda: listening(port), 60, "a to host the store")
     b = start_agent(tmp_path, "b", argv, env, port=port)
     agents.append(b)
+    a.wait_event("rendezvous.completed", 120, lambda e: e["world_size"] == 2)
+    hold.unlink()
     wait_for(lambda: len(_steps_at(audit, 2)) >= 5, 120, "steps at world size 2")
 
     earlier = len(_events([a, b], "session.stopping"))  # a scale-up also stops the workers
     b.proc.send_signal(signal.SIGTERM)
     assert b.wait(30) == 143
     assert b.events("job.finished")[-1]["status"] == "preempted"
-    stopping = sorted(_events([a, b], "session.stopping"), key=lambda e: e["timestamp"])[earlier:]
-    assert stopping, "no worker reported the coordinated stop"
+    # Rank 0 reports the stop, and rank 0 runs on a, which goes on: its line may land after b
+    # has left.
+    stopping = wait_for(
+        lambda: sorted(_events([a, b], "session.stopping"), key=lambda e: e["timestamp"])[earlier:],
+        30,
+        "a worker to report the coordinated stop",
+    )
     stop_step = stopping[0]["step"]
     assert {e["step"] for e in stopping} == {stop_step}  # every rank stopped at one step
     assert stop_step < STEPS
