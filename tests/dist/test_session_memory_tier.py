@@ -124,6 +124,26 @@ def test_a_kill_while_a_copy_is_written_never_uses_the_half_copy(
     assert_bit_identical(tmp_path, reference(*DROPOUT))
 
 
+def test_a_second_failure_during_the_just_in_time_copy_never_uses_the_half_copy(
+    tmp_path, reference, worker_env_module
+):
+    """Rank 1 crashes after step 9; rank 0, the survivor, is killed in the middle of writing
+    its just-in-time copy of that step (a second failure during the dump). No whole copy of
+    step 9 exists anywhere: the next group restores from storage (step 6, or nothing where
+    rank 0 died before its asynchronous write of step 6 committed: timing), says why, and
+    trains to the same result as the uninterrupted run."""
+    env = {**worker_env_module, KILL_MEMORY_WRITE_ENV: "9"}
+    result = run(tmp_path, env, 2, *DROPOUT, "--crash-at-step", "9", "--crash-rank", "1")
+    killed = [e for e in result.named("worker.failed") if e["rank"] == 0]
+    assert killed and killed[0]["signal"] == "SIGKILL", killed  # died in its copy, not of error
+    events = restored(result)
+    assert all(e["source"] == "storage" and e["fallback_reason"] for e in events), events
+    assert [e["step"] for e in events] in ([6, 6], [])
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] == 9 - (events[0]["step"] if events else 0)
+    assert_bit_identical(tmp_path, reference(*DROPOUT))
+
+
 def test_memory_stays_bounded_with_a_copy_every_step(tmp_path, worker_env_module):
     probe = tmp_path / "rss.json"
     run(
