@@ -301,10 +301,8 @@ class TrainingSession:
             yield
             self._on_failure.counted()
 
-    def _consistent_state(
-        self, stepped: bool
-    ) -> tuple[int, Mapping[str, Any], Mapping[str, Any]] | None:
-        """(step, state, per-rank state) as of the last counted step, or (``stepped``) of the
+    def _consistent_state(self, stepped: bool) -> tuple[int, Mapping[str, Any]] | None:
+        """(step, state) as of the last counted step, or (``stepped``) of the
         step the optimizer has just taken, which the session has not counted yet: its
         sampler state is the plan's (None without a global batch: the counts are agreed at
         the step's end). The audit then records that step for every rank: its all-reduce
@@ -323,7 +321,7 @@ class TrainingSession:
                 for rank in range(D.world_size()):
                     self._record(sampler.step_indices(rank), step=step, rank=rank)
             state[SESSION_KEY] = {"step": step, "epoch": self.epoch}
-        return step, state, {"rng": RNGState()}
+        return step, state
 
     @property
     def snapshot_every(self) -> int:

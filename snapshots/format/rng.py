@@ -18,27 +18,7 @@ except ImportError:  # numpy is optional
 
 
 def capture_rng_state() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": {
-            "version": version,
-            "state": torch.tensor(internal, dtype=torch.int64),
-            "gauss": gauss,
-        },
-    }
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return FrozenRNGState().state_dict()
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -61,3 +41,39 @@ class RNGState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         restore_rng_state(state_dict)
+
+
+class FrozenRNGState(RNGState):
+    """An ``RNGState`` whose states are those of the instant it is made (``RNGState`` reads
+    them when it is written): for a copy written after the step it describes, when the next
+    step may have drawn already. Taken raw (about 60 µs, most of it numpy's), encoded only
+    when written."""
+
+    def __init__(self) -> None:
+        self._torch = torch.get_rng_state()
+        self._python = random.getstate()
+        self._numpy = np.random.get_state(legacy=True) if np is not None else None
+        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self._python
+        state: dict[str, Any] = {
+            "torch": self._torch,
+            "python": {
+                "version": version,
+                "state": torch.tensor(internal, dtype=torch.int64),
+                "gauss": gauss,
+            },
+        }
+        if self._numpy is not None:
+            kind, keys, pos, has_gauss, cached = self._numpy
+            state["numpy"] = {
+                "kind": str(kind),
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached": float(cached),
+            }
+        if self._cuda is not None:
+            state["cuda"] = self._cuda
+        return state

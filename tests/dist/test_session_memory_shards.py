@@ -17,8 +17,9 @@ worker_env_module = tier.worker_env_module
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-# uneven shards (rank 1's of the last layer are empty); each step draws from the RNG
-FSDP = ("--fsdp", "--width", "8", "--lr", "0.01", *DROPOUT)
+# uneven shards (rank 1's of the last layer are empty); each step draws from the RNG; a
+# copy every step (the default, auto, spaces copies out by their cost against the step's)
+FSDP = ("--fsdp", "--width", "8", "--lr", "0.01", *DROPOUT, "--memory-every", "1")
 
 
 def test_fsdp_worker_crash_restores_every_rank_from_memory_bit_identical(
@@ -51,6 +52,7 @@ def test_fsdp_memory_stays_bounded_with_a_copy_every_step(tmp_path, worker_env_m
         tmp_path, worker_env_module, 2, "--fsdp", "--lr", "0.001",
         "--memory-dir-per-rank", "--width", "512", "--samples", "1200", "--epochs", "1",
         "--max-micro-batch", "12", "--snapshot-every", "100", "--rss-out", str(probe),
+        "--memory-every", "1",
     )  # fmt: skip
     figures = json.loads(probe.read_text())
     rss, tier, state = figures["rss"], figures["tier"], figures["state_bytes"]

@@ -11,7 +11,9 @@ session has counted it (``STEPPED``: the optimizer stepped with gradients every 
 all-reduced, so only the sampler and the counter lag behind, and they are advanced in a copy),
 or torn (``TORN``: inside ``optimizer.step()``), which is never copied. One lock orders the
 copy against the optimizer's step and the session's count, so a copy taken from another
-thread never sees either half done.
+thread never sees either half done. The RNG states go with the step they belong to: taken
+when the optimizer has stepped (and at the start), since by the time of a failure the next
+step's forward pass (dropout, augmentation) may have drawn from them already.
 
 The copy is made on the training thread when the script raises (the session's ``abort``,
 or ``bootstrap`` for a script without ``with``), or on a watcher thread when the supervisor
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from elastic_trainer.contract import protocol
+from snapshots.format.rng import FrozenRNGState
 
 
 class Phase(enum.Enum):
@@ -41,9 +44,10 @@ class Phase(enum.Enum):
     TORN = "torn"
 
 
-# (step, state, per-rank state) of the state now; ``stepped``: advance past the optimizer's
-# step that the session has not counted yet. None: no consistent copy can be described.
-Capture = Callable[[bool], "tuple[int, Mapping[str, Any], Mapping[str, Any]] | None"]
+# (step, state) of the state now; ``stepped``: advance past the optimizer's step that the
+# session has not counted yet. None: no consistent copy can be described. The per-rank part
+# (the RNG states of that step) is this module's.
+Capture = Callable[[bool], "tuple[int, Mapping[str, Any]] | None"]
 Write = Callable[[int, Mapping[str, Any], Mapping[str, Any]], bool]
 
 
@@ -70,6 +74,9 @@ class FailureCopy:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._writing: int | None = None  # our own write end of the FIFO (watch)
+        # the RNG states as of the last step boundary: where the state stands now (the
+        # session opens this copy once its restore is done) or the optimizer's last step
+        self._rng = FrozenRNGState()
         _open.add(self)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -84,6 +91,7 @@ class FailureCopy:
     def _stepped(self, *_: Any) -> None:
         with self.lock:
             self.phase = Phase.STEPPED
+            self._rng = FrozenRNGState()
 
     def counted(self) -> None:
         self.phase = Phase.CLEAN
@@ -97,10 +105,10 @@ class FailureCopy:
             captured = self._capture(self.phase is Phase.STEPPED)
             if captured is None:
                 return False
-            step, state, per_rank = captured
+            step, state = captured
             if self.copied == step:
                 return True
-            if self._write(step, state, per_rank):
+            if self._write(step, state, {"rng": self._rng}):
                 self.copied = step
                 return True
             return False

@@ -52,6 +52,12 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--width", type=int, default=0, help="a hidden WxW layer (bigger state)")
     parser.add_argument("--dropout", type=float, default=0.0, help="on the inputs (draws RNG)")
+    parser.add_argument(
+        "--memory-every",
+        type=int,
+        default=None,
+        help="periodic in-memory copies every N steps (default: the session's)",
+    )
     parser.add_argument("--crash-at-step", type=int, default=None, help="first attempt only")
     parser.add_argument("--crash-rank", type=int, default=1)
     parser.add_argument(
@@ -78,7 +84,9 @@ def per_rank_folder(variable: str) -> None:
     """Each rank plays a node of its own: its own sub-folder of the node's folder."""
     base = os.environ[variable]
     os.environ[variable] = os.path.join(base, f"rank{os.environ['RANK']}")
-    os.makedirs(os.environ[variable], exist_ok=True)
+    # private, as the supervisor makes the node's folder: the memory tier refuses a folder
+    # that other users may read (0755 from the umask)
+    os.makedirs(os.environ[variable], mode=0o700, exist_ok=True)
 
 
 def drop_memory(args: argparse.Namespace) -> None:
@@ -179,6 +187,7 @@ def main() -> None:
         snapshot_every=args.snapshot_every,
         audit_dir=args.audit_dir,
         max_steps=args.max_steps,
+        memory_snapshot_every=args.memory_every,
     )
     for _epoch in session.epochs(args.epochs):  # + (was range(epochs) + set_epoch)
         for x, y in loader:

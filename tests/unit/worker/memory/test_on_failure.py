@@ -173,7 +173,7 @@ def test_a_graceful_restart_resumes_from_the_copy_made_at_the_steps_end(tmp_path
 
 def test_phases_order_the_copy_against_the_step():
     written = []
-    copy = FailureCopy(lambda stepped: (5 + stepped, {}, {}), lambda *a: written.append(a[0]) or 1)
+    copy = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
     model, optimizer = _parts()
     copy.attach([optimizer])
     model(torch.ones(1, 3)).sum().backward()
@@ -187,6 +187,27 @@ def test_phases_order_the_copy_against_the_step():
     copy.close()
 
 
+def test_the_copy_carries_the_rng_states_of_its_step_not_the_next_steps_draws():
+    """Regression: the copy read the RNG states when it was written, after the next step's
+    forward pass had drawn (dropout): the restored run then drew other masks than the
+    uninterrupted one and ended elsewhere."""
+    rngs = []
+    copy = FailureCopy(lambda stepped: (1 + stepped, {}), lambda *a: rngs.append(a[2]) or True)
+    model, optimizer = _parts()
+    copy.attach([optimizer])
+    torch.manual_seed(7)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    copy.counted()
+    at_step = torch.get_rng_state()
+    torch.rand(100)  # the next step's forward pass, before the failure
+    assert copy.copy()
+    saved = rngs[0]["rng"].state_dict()
+    assert torch.equal(saved["torch"], at_step)
+    assert not torch.equal(saved["torch"], torch.get_rng_state())
+    copy.close()
+
+
 def test_a_reform_waits_only_for_live_workers_that_can_answer_and_have_not():
     codes = {0: None, 1: None, 2: 1, 3: None}  # rank 3: a plain script, never answers
     copiers = {0, 1, 2}
@@ -196,7 +217,7 @@ def test_a_reform_waits_only_for_live_workers_that_can_answer_and_have_not():
 
 def test_closing_wakes_the_watcher_without_a_copy(tmp_path):
     written = []
-    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy = FailureCopy(lambda stepped: (1, {}), lambda *a: written.append(a[0]) or True)
     copy.watch(str(tmp_path), 3)
     assert (tmp_path / protocol.copy_now_fifo(3)).exists()
     copy.close()
@@ -232,7 +253,7 @@ def test_a_close_before_the_watcher_runs_still_ends_it(tmp_path, monkeypatch):
     _HeldBack.held.clear()
     monkeypatch.setattr(on_failure.threading, "Thread", _HeldBack)
     written = []
-    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy = FailureCopy(lambda stepped: (1, {}), lambda *a: written.append(a[0]) or True)
     copy.watch(str(tmp_path), 3)
     copy.close()
     assert not _run_held_back().is_alive() and written == []
@@ -242,7 +263,7 @@ def test_a_request_before_the_watcher_runs_is_answered(tmp_path, monkeypatch):
     _HeldBack.held.clear()
     monkeypatch.setattr(on_failure.threading, "Thread", _HeldBack)
     written = []
-    copy = FailureCopy(lambda stepped: (1, {}, {}), lambda *a: written.append(a[0]) or True)
+    copy = FailureCopy(lambda stepped: (1, {}), lambda *a: written.append(a[0]) or True)
     copy.watch(str(tmp_path), 0)
     assert (tmp_path / protocol.copier_file(0)).exists()  # announced: requests may come
     assert protocol.request_copy(str(tmp_path / protocol.copy_now_fifo(0)))
