@@ -8,8 +8,10 @@ and need no extra ports.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import zlib
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -338,12 +340,43 @@ def copier_file(local_rank: int) -> str:
 
 
 def progress_file(local_rank: int) -> str:
-    """Name of the file where a worker publishes its progress (one JSON object, rewritten).
+    """Name of the file where a worker publishes its progress (``progress_record``, rewritten
+    in place after every step).
 
     Fields: ``step`` (completed optimizer steps), ``epoch``, ``restored_step`` (the snapshot
     step this attempt resumed from, or null), ``time`` (unix seconds).
     """
     return f"progress-{local_rank}.json"
+
+
+PROGRESS_RECORD_BYTES = 256
+
+
+def progress_record(body: Mapping[str, Any]) -> bytes:
+    """One progress report as the fixed-size record a worker writes over the last one (one
+    ``pwrite`` at offset 0): the JSON's CRC-32 in hex, a space, the JSON, spaces. In place, a
+    report costs about 10 µs; a new file renamed over the old one cost 100-300 µs, after every
+    step. A reader that catches a write half done sees a checksum that does not match
+    (``progress_json``)."""
+    text = json.dumps(body, separators=(",", ":"))
+    record = f"{zlib.crc32(text.encode()):08x} {text}".encode()
+    if len(record) > PROGRESS_RECORD_BYTES:
+        raise ValueError(f"a progress record of {len(record)} bytes")
+    return record.ljust(PROGRESS_RECORD_BYTES)
+
+
+def progress_json(text: str) -> str | None:
+    """The JSON of a ``progress_record``; None when its checksum does not match (read while
+    being written). Plain JSON, without a checksum, is returned as it is."""
+    text = text.strip()
+    head, _, body = text.partition(" ")
+    if len(head) != 8 or text.startswith("{"):
+        return text
+    try:
+        expected = int(head, 16)
+    except ValueError:
+        return None
+    return body if zlib.crc32(body.encode()) == expected else None
 
 
 def events_file(local_rank: int) -> str:

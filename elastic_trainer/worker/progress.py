@@ -21,20 +21,23 @@ STOP_RESTARTING = "restarting"  # the supervisor itself is stopping the workers 
 
 
 class ProgressFile:
-    """Rewrites ``progress-<local_rank>.json`` atomically (write + rename): a reader never
-    sees half a file, and the cost per step is one small write and one rename."""
+    """Writes ``progress-<local_rank>.json`` in place after every step: one fixed-size record
+    (``protocol.progress_record``) over the last one, in the supervisor's private control
+    folder (not followed if a link; created 0600). A reader that catches it half written
+    sees a checksum that does not match and reads it again at its next tick."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self._tmp = f"{path}.tmp-{os.getpid()}" if path else None
 
     def write(self, *, step: int, epoch: int, restored_step: int | None) -> None:
-        if self.path is None or self._tmp is None:
+        if self.path is None:
             return
         body = {"step": step, "epoch": epoch, "restored_step": restored_step, "time": time.time()}
-        with open(self._tmp, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(body))
-        os.replace(self._tmp, self.path)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, protocol.progress_record(body), 0)
+        finally:
+            os.close(fd)
 
 
 class EventForwarder(logging.Handler):

@@ -14,6 +14,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from elastic_trainer.contract import protocol
+
 
 @dataclass(frozen=True, kw_only=True)
 class Progress:
@@ -25,8 +27,11 @@ class Progress:
 
 def parse_progress(text: str) -> Progress | None:
     """One progress file's content -> Progress; None while it is half-written or garbage."""
+    body = protocol.progress_json(text)
+    if body is None:
+        return None
     try:
-        data = json.loads(text)
+        data = json.loads(body)
         restored = data.get("restored_step")
         return Progress(
             step=int(data["step"]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 
@@ -16,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.errors import ConfigError, SamplerStateError
+from elastic_trainer.supervisor.core.watchdog import parse_progress
 from elastic_trainer.worker.context import WorkerContext, WorkerSettings
 from elastic_trainer.worker.progress import stop_exit_code
 from elastic_trainer.worker.sampler import ElasticSampler
@@ -126,8 +126,9 @@ def test_stop_file_stops_with_a_final_snapshot_and_the_exit_code(tmp_path):
     assert job.session.should_stop and job.session.step == 1
     assert any(e["event"] == "session.stopping" and e["step"] == 1 for e in logs)
     assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-000000000001"]
-    progress = json.loads((control / protocol.progress_file(0)).read_text())
-    assert (progress["step"], progress["epoch"], progress["restored_step"]) == (1, 0, None)
+    progress = parse_progress((control / protocol.progress_file(0)).read_text())
+    assert progress is not None
+    assert (progress.step, progress.epoch, progress.restored_step) == (1, 0, None)
     with pytest.raises(SystemExit) as exited:
         job.session.finish()
     assert exited.value.code == protocol.EXIT_PREEMPTED

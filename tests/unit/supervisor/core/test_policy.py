@@ -152,6 +152,18 @@ def test_watchdog_reset_disarms_and_zero_timeout_is_off() -> None:
     assert off.observe({0: p(1)}, now=1e6) is None
 
 
+def test_a_progress_record_read_while_it_is_rewritten_is_refused_not_misread() -> None:
+    """Workers write the record in place; a read that catches the write half done mixes the
+    new record's start with the old one's end, which could parse as a step that never was."""
+    old = protocol.progress_record({"step": 199, "epoch": 0, "restored_step": None, "time": 9})
+    new = protocol.progress_record({"step": 200, "epoch": 0, "restored_step": None, "time": 9})
+    assert len(old) == len(new) == protocol.PROGRESS_RECORD_BYTES
+    assert parse_progress(new.decode()) == Progress(step=200, epoch=0, restored_step=None, time=9)
+    torn = (new[:18] + old[18:]).decode()  # 199 -> 200 half done: reads "step":299
+    assert torn != new.decode() and parse_progress(torn) is None
+    assert parse_progress(new.decode()[:40]) is None
+
+
 def test_parse_progress_tolerates_partial_files() -> None:
     assert parse_progress('{"step": 3, "epoch": 1, "restored_step": 2, "time": 5}') == Progress(
         step=3, epoch=1, restored_step=2, time=5.0
