@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.jobs.data import (
     DATASET_NAMES,
@@ -94,13 +95,8 @@ def _at_least_optional(minimum: int, **values: int | None) -> None:
     _at_least(minimum, **{k: v for k, v in values.items() if v is not None})
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog}: {message}; see --help")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="python -m elastic_trainer.jobs.default",
         description="The built-in elastic-train job: an image classifier, fault tolerant.",
     )

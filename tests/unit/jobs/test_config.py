@@ -73,3 +73,11 @@ def test_bad_values_are_one_line_config_errors(argv: list[str], flag: str) -> No
     message = str(info.value)
     assert flag in message and "\n" not in message
     assert info.value.exit_code == 2
+
+
+def test_an_abbreviated_flag_is_refused_naming_the_flag_it_may_mean() -> None:
+    """Regression: argparse took --epoch=1 as --epochs silently (abbreviations), where the
+    elastic-train command line refuses them and suggests the closest flag."""
+    for argv in (["--epoch=1"], ["--epoch", "1"]):
+        with pytest.raises(ConfigError, match="unknown option --epoch: did you mean --epochs"):
+            parse_args(argv)
