@@ -24,6 +24,8 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
     _PeriodicTimer,
     _RendezvousExitOp,
     _RendezvousJoinOp,
@@ -37,11 +39,16 @@ TESTED_TORCH = ("2.14", "2.15")
 # _PeriodicTimer: the handler's own heartbeat timer class. We restart heartbeats at half the
 #   keep-alive interval (torch ticks at the interval and skips a beat that is not yet due, so
 #   beats can be two intervals apart and a live node can expire).
+# _BackendRendezvousStateHolder, _DistributedRendezvousOpExecutor: what from_backend builds
+#   a handler from; rebuilt on another store when the store host is gone (rebind_store).
 # _RendezvousExitOp: the op torch's shutdown() runs minus the close: a preempted node leaves
 #   the round without closing the rendezvous for every other node.
 
 # Private attributes of DynamicRendezvousHandler instances that the functions below read.
 HANDLER_ATTRIBUTES = (
+    "_store",  # the c10d store each round's RendezvousInfo is built on (rebind_store)
+    "_shared_tcp_store_server",  # torch's cached workers' store, if it shares one
+    "_bootstrap_store_info",  # ... and where it is
     "_settings",  # RendezvousSettings: timeout, keep_alive_interval, keep_alive_max_attempt
     "_state_holder",  # .state (round, participants, last_heartbeats) and .sync()
     "_this_node",  # our _NodeDesc
@@ -111,6 +118,23 @@ def exit_round(handler: DynamicRendezvousHandler, deadline: float) -> None:
     handler._stop_heartbeats()
     with handler._heartbeat_lock:
         handler._op_executor.run(_RendezvousExitOp(), deadline)
+
+
+def rebind_store(handler: DynamicRendezvousHandler, store: Any, backend: Any) -> None:
+    """Point ``handler`` at another c10d store (store failover): a new state holder and op
+    executor on ``backend``, the same node descriptor and settings. torch builds those once
+    in ``from_backend`` and has no way to change the store; a new handler would draw a new
+    node descriptor (its ``local_id`` counts handlers), and the survivors would no longer
+    recognise each other as the members of their last round."""
+    handler._stop_heartbeats()  # they would go to the old store
+    holder = _BackendRendezvousStateHolder(backend, handler._settings)
+    handler._state_holder = holder
+    handler._op_executor = _DistributedRendezvousOpExecutor(
+        handler._this_node, holder, handler._settings
+    )
+    handler._store = store
+    handler._shared_tcp_store_server = None
+    handler._bootstrap_store_info = None
 
 
 # --- rendezvous ops: the join hook and dead-node expiry ------------------------------------
@@ -418,6 +442,14 @@ def checks() -> dict[str, Callable[[], bool]]:
             hasattr(_PeriodicTimer, m) for m in ("set_name", "start", "cancel")
         ),
         "_RendezvousExitOp()": lambda: callable(_RendezvousExitOp()),
+        "_BackendRendezvousStateHolder(backend, settings)": lambda: (
+            list(inspect.signature(_BackendRendezvousStateHolder).parameters)[:2]
+            == ["backend", "settings"]
+        ),
+        "_DistributedRendezvousOpExecutor(node, state_holder, settings)": lambda: (
+            list(inspect.signature(_DistributedRendezvousOpExecutor).parameters)
+            == ["node", "state_holder", "settings"]
+        ),
         "_RendezvousJoinOp()": lambda: callable(_RendezvousJoinOp()),
         **{f"_Action.{a}": _has_action(a) for a in JOIN_ACTIONS},
         "DynamicRendezvousHandler._op_executor.run(op, deadline, update_deadline)": _run_shape,

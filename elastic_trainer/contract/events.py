@@ -58,6 +58,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "snapshot_step",
     ),
     "store.unreachable": ("endpoint", "error", "consequence"),
+    # the store host's agent is gone: a survivor hosts the rendezvous store from now on
+    "store.moved": ("old_host", "new_host", "endpoint", "why", "duration_s"),
     # the standalone rendezvous store (elastic-train store)
     "store.started": ("host", "port", "endpoint"),
     "store.stopped": ("signal",),

@@ -19,9 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
@@ -36,8 +38,8 @@ from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_
 from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
 from elastic_trainer.supervisor.processes.tail import exception_line, message_line
 from elastic_trainer.supervisor.processes.workerenv import new_control_dir, set_worker_env
+from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
-from elastic_trainer.supervisor.rendezvous import presence
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.warm import client as warm_workers
 
@@ -58,6 +60,9 @@ class AgentOutcome:
     goodput: float | None
     error: str | None = None  # one line for the operator (a worker's configuration error)
 
+
+# What a store that died under a rendezvous raises (torch's rendezvous errors wrap c10d's).
+STORE_ERRORS = (RendezvousError, DistNetworkError, DistStoreError)
 
 # How long the workers' just-in-time copies may delay a re-form (a copy is one pass over the
 # state's bytes in memory; only a worker that cannot answer, hung or frozen, costs all of it).
@@ -187,6 +192,9 @@ class ElasticTrainAgent(LocalElasticAgent):
                 outcome = decisions.on_nodes_waiting(self._policy, self._state)
             elif peers := self._membership.silent_peers():
                 outcome = self._on_peers_gone(peers, silent=True)
+            elif host := self._membership.store_host_unreachable():
+                self._store_host_silent(host)
+                continue
             else:
                 continue
             if outcome.verdict == Verdict.CONFIG_ERROR:
@@ -340,6 +348,68 @@ class ElasticTrainAgent(LocalElasticAgent):
         store = getattr(handler, "store", None)
         return rendezvous.store_host(store, self._cfg.job_id) if store is not None else None
 
+    def _store_host_silent(self, host: str) -> None:
+        """The member hosting the store stopped answering: gone (its closed connection) moves
+        the store at the re-form; silent (no reset, e.g. a partition) it may still serve the
+        others, and without a store this node cannot re-form: stop, saying why, rather than
+        train on towards a collective timeout or start a second store for the job."""
+        watch = self._membership
+        election = failover.elect(
+            members=watch.member_names(), store_host=host, gone=watch.gone(), static=False
+        )
+        if election.host is not None:  # it is gone after all: the loop re-forms without it
+            return
+        raise failover.StoreMoveFailed(
+            f"the rendezvous store on {host} stopped answering and does not move: "
+            f"{election.why}; restart the job (it resumes from the last snapshot)"
+        )
+
+    def _move_store_if_host_gone(self, handler: Any, *, store_failed: bool = False) -> bool:
+        """The agent hosting the rendezvous store is certainly gone (its connection closed,
+        or it said it is leaving): elect a survivor to host it and rebind the handler to it
+        before joining (``failover.py``). False when the store stays where it is; with
+        ``store_failed`` (it no longer answers) an agent-hosted store that may not move is
+        ``StoreMoveFailed``, saying why."""
+        watch, cfg = self._membership, self._cfg
+        leaving = handler.leaving_host() if watch.store_host is not None else None
+        gone = (lambda: watch.gone() | {leaving}) if leaving else watch.gone
+        old_host = watch.store_host
+        election = failover.elect(
+            members=watch.member_names(),
+            store_host=old_host,
+            gone=gone(),
+            static=cfg.torchrun.node_rank is not None,
+        )
+        if election.host is None or old_host is None:
+            if store_failed and old_host is not None:
+                raise failover.StoreMoveFailed(
+                    f"the rendezvous store on {old_host} stopped answering and does not move: "
+                    f"{election.why}; restart the job (it resumes from the last snapshot)"
+                )
+            return False
+        began = time.monotonic()
+        read_timeout = cfg.rdzv.read_timeout
+        moved = failover.move_store(
+            me=handler.member_name(),
+            members=watch.member_names(),
+            addresses=watch.addresses,
+            store_host=old_host,
+            gone=gone,
+            port=cfg.rdzv_port,
+            deadline_s=cfg.rdzv.join_timeout,
+            serve=lambda host, port: endpoint.serve(host, port, read_timeout_s=read_timeout),
+            connect=lambda host, port: endpoint.try_once(host, port, read_timeout),
+            is_served_by=lambda store, member: rendezvous.hosted_by(store, cfg.job_id, member),
+        )
+        handler.rebind(moved.store, hosted=moved.hosted, node=cfg.node)
+        if not moved.hosted:  # as run.py bounds the first store's connections
+            host, port = presence.parse_address(moved.endpoint)
+            endpoint.bound_silent_connections(host, port, timeout_s=endpoint.STORE_SILENCE_LIMIT_S)
+        watch.store_moved(moved.host)
+        why = "leaving" if leaving else "lost"
+        failover.report(old_host=old_host, moved=moved, why=why, began=began)
+        return True
+
     # ---- torch hooks (the template methods of SimpleElasticAgent; see torch_compat) -------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
@@ -348,7 +418,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         if not self._joined_once:
             self._announce_first_round()
         self._warm_up_before_joining(handler)
-        self._join_round(worker_group)
+        self._move_store_if_host_gone(handler)
+        try:
+            self._join_round(worker_group)
+        except STORE_ERRORS:  # the store died under the join: move it if we may, else end
+            if not self._move_store_if_host_gone(handler, store_failed=True):
+                raise
+            self._join_round(worker_group)
         self._membership.round_formed()
         world_size = worker_group.workers[0].world_size
         emit(
@@ -538,6 +614,8 @@ class ElasticTrainAgent(LocalElasticAgent):
             grace_s=grace,
             signalled_ranks=[self._global_rank(r) for r in plain],
         )
+        if self._membership.store_host == self._worker_group.spec.rdzv_handler.member_name():
+            self._worker_group.spec.rdzv_handler.say_leaving()  # the others move the store
         self._procs.terminate(plain)
         self._worker_group.spec.rdzv_handler.leave()
         received = stop.received_at or time.monotonic()

@@ -44,10 +44,6 @@ if TYPE_CHECKING:  # the agent imports torch: run.py loads it only once a run st
 # failures we report as events; errors still show. Set before torch loads; workers inherit it.
 # TORCH_CPP_LOG_LEVEL=WARNING brings them back (as output.stderr events in JSON mode).
 _CPP_LOG_LEVEL = "ERROR"
-# How long a connection to a store on another host may stay silent (unacknowledged data, or
-# idle keep-alive probes unanswered) before the kernel aborts it: a node cut off from its
-# store notices within this, instead of TCP's ~15 minutes (endpoint.bound_silent_connections).
-STORE_SILENCE_LIMIT_S = 10.0
 _RENDEZVOUS_TIMEOUT = JobStatus.RENDEZVOUS_TIMEOUT.value
 
 
@@ -326,10 +322,12 @@ class Supervisor:
         from elastic_trainer.supervisor.processes.signals import StopRequested
         from elastic_trainer.supervisor.rendezvous import static_host
         from elastic_trainer.supervisor.rendezvous.endpoint import (
+            STORE_SILENCE_LIMIT_S,
             EndpointError,
             StoreUnreachable,
             bound_silent_connections,
         )
+        from elastic_trainer.supervisor.rendezvous.failover import StoreMoveFailed
         from elastic_trainer.supervisor.rendezvous.handler import create_handler
 
         cfg = self.cfg
@@ -393,6 +391,9 @@ class Supervisor:
         except (RendezvousError, DistNetworkError, DistStoreError) as exc:
             self._store_unreachable(exc)
             return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
+        except StoreMoveFailed as exc:  # its host silent, or gone and no new store came up
+            self._store_unreachable(exc)
+            return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, str(exc))
         finally:
             if probe is not None:
                 probe.stop()

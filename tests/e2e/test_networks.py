@@ -195,7 +195,7 @@ def test_node_cut_from_the_store_only(net, tmp_path, worker_env, agents):
     assert shrunk - cut_at < SHRINK_BOUND_S
     assert [x.wait(150) for x in (a, b)] == [0, 0]
     # regression: it hung in a store read for good (still running at 200 s) until the store
-    # connection got a silence limit (run.STORE_SILENCE_LIMIT_S)
+    # connection got a silence limit (endpoint.STORE_SILENCE_LIMIT_S)
     assert c.wait(max(5.0, 90 - (time.time() - cut_at))) != 0
     assert c.events("store.unreachable")
 
@@ -287,3 +287,38 @@ def test_two_nodes_given_node_rank_0_on_separate_hosts_exit_2_naming_it(
         assert finished["error"].startswith("--node-rank=0 is given to 2 nodes (n1, ")
         assert master.addr in finished["error"] and not agent.events("workers.started")
     assert nodes_empty(net)
+
+
+def test_store_host_cut_off_goes_on_alone_and_the_others_stop(net, tmp_path, worker_env, agents):
+    """Node a hosts the store itself (no standalone store) and is cut off from b and c. No
+    reset reaches anyone: a is silent to them, not gone, so its store may still be serving
+    (it is: a goes on alone). b and c must not start a second store for the job (store
+    failover moves the store only on proof that its host is gone); they stop with one line
+    that says why, and only a writes the snapshot folder from then on."""
+    env = node_env(worker_env)
+    a, b, c = (net.add_node(name) for name in ("a", "b", "c"))
+    port = 29411
+    argv = [
+        "--rdzv-endpoint", f"{a.addr}:{port}", "--min-nodes", "1", "--max-nodes", "3",
+        "--snapshot-dir", str(tmp_path / "snap"), "--snapshot-every", "5",
+        PROTO, "--steps", "300", "--step-time", "0.1", "--audit", str(tmp_path / "audit"),
+    ]  # fmt: skip
+    trio = []
+    for node in (a, b, c):
+        conf = FAST_RDZV + (",is_host=true" if node is a else ",is_host=false")
+        trio.append(start_node(tmp_path, node, ["--rdzv-conf", conf, *argv], env))
+        agents.append(trio[-1])
+    wait_for(lambda: first_step_at(tmp_path / "audit", 3, 0), 120, "steps at world size 3")
+    cut_at = time.time()
+    net.cut(a)
+    alone = wait_for(lambda: first_step_at(tmp_path / "audit", 1, cut_at), 90, "a alone")
+    print(f"store host cut off -> a trains alone after {alone - cut_at:.1f} s")
+    for other in trio[1:]:
+        assert other.wait(120) == 1
+        finished = other.events("job.finished")[-1]
+        assert finished["status"] == "store_lost"
+        assert "not known gone" in finished["error"], finished
+        assert other.events("store.moved") == []
+    assert trio[0].wait(150) == 0
+    assert trio[0].events("store.moved") == []
+    assert_clean_finish(net, tmp_path / "audit", 300)

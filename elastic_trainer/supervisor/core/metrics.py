@@ -124,6 +124,11 @@ METRICS: Mapping[str, MetricSpec] = dict(
             buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
         ),
         _spec(
+            "elastic_train_store_moves_total",
+            Kind.COUNTER,
+            "Times this node saw the rendezvous store move to another host (store.moved).",
+        ),
+        _spec(
             "elastic_train_goodput_ratio",
             Kind.GAUGE,
             "Share of wall time spent on steps that were kept (0..1).",
@@ -233,6 +238,7 @@ _BY_EVENT: Mapping[str, Any] = {
     "snapshot.saved": _snapshot_saved,
     "snapshot.restored": _restored,
     "job.finished": lambda e: _set("elastic_train_goodput_ratio", e.get("goodput")),
+    "store.moved": lambda e: _inc("elastic_train_store_moves_total"),
 }
 
 

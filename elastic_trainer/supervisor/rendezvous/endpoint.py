@@ -44,6 +44,10 @@ CONNECT_TIMEOUT_S = 3.0
 CLIENT_RETRY_S = 1.0
 # Backoff between attempts while the store is not up: 0.5 s, doubling, capped here.
 RETRY_MAX_WAIT_S = 5.0
+# How long a connection to a store on another host may stay silent (unacknowledged data, or
+# idle keep-alive probes unanswered) before the kernel aborts it: a node cut off from its
+# store notices within this, instead of TCP's ~15 minutes (``bound_silent_connections``).
+STORE_SILENCE_LIMIT_S = 10.0
 # A key nobody writes: the handshake's one real store operation only asks whether it exists.
 _PROBE_KEY = "elastic-train/probe"
 
@@ -382,6 +386,11 @@ def _server(
     listener = claimed if claimed is not None else _bound_listener(host, port)
     bound_host = listener.getsockname()[0]
     try:
+        # Its connections inherit this: once the store is gone, their TIME_WAIT must not keep
+        # another store (a survivor's, after a failover on this machine) off the port for a
+        # minute. A claim went without it (see ``_listen``); listening, no second socket can
+        # bind the port either way.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.listen(LISTEN_BACKLOG)
         store = TCPStore(
             bound_host,
@@ -406,6 +415,12 @@ def _server(
             hint=EXPOSED_HINT,
         )
     return store
+
+
+def serve(host: str, port: int, *, read_timeout_s: float) -> Any:
+    """Host a store on exactly ``host:port`` (store failover: OSError while the port is
+    still held, e.g. by the old store of a host that is leaving on this machine)."""
+    return _server(host, port, read_timeout_s=read_timeout_s)
 
 
 def check(host: str, port: int, *, read_timeout_s: float) -> None:

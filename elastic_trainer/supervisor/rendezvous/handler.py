@@ -63,7 +63,7 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, first_line
 from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.rendezvous import static_host
-from elastic_trainer.supervisor.rendezvous.membership import node_name
+from elastic_trainer.supervisor.rendezvous.membership import member_name, node_name
 
 
 class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
@@ -256,18 +256,55 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         keys = {node: self._key(kind, node) for node in nodes}
         return {n: self.store.get(k).decode() for n, k in keys.items() if self.store.check([k])}
 
+    # ---- store failover (failover.py) --------------------------------------------------------
+    def member_name(self) -> str:
+        return _member_name(self.this_node)
+
+    def store_host_member(self) -> str | None:
+        """The member whose agent hosts this store (None: a standalone store)."""
+        key = store_host_member_key(self.get_run_id())
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def leaving_host(self) -> str | None:
+        """The store host, if it said it is leaving (preempted); None otherwise or unreadable."""
+        key = leaving_key(self.get_run_id())
+        with contextlib.suppress(Exception):
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        return None
+
+    def say_leaving(self) -> None:
+        """We host the store and stop now: the others move it before they re-form (best
+        effort: without it they still move it once our connection closes)."""
+        with contextlib.suppress(Exception):
+            self.store.set(leaving_key(self.get_run_id()), self.member_name())
+
+    def rebind(self, store: Any, *, hosted: bool, node: str) -> None:
+        """Use ``store`` from now on (the failed-over one): the same node, the same tuning and
+        knowledge of the last round (so the survivors' first round closes as soon as they have
+        all joined), the same lineage (set here unless a survivor set it first)."""
+        run_id = self.get_run_id()
+        torch_compat.rebind_store(self, store, C10dRendezvousBackend(store, run_id))
+        self.store = store
+        if hosted:
+            store.set(store_host_key(run_id), node)
+            store.set(store_host_member_key(run_id), self.member_name())
+        key = f"elastic-train/{run_id}/lineage"
+        self.lineage = bytes(store.compare_set(key, "", self.lineage)).decode()
+        if self.presence_address:  # the next round's members find each other here now
+            self.publish_presence(self.presence_address)
+
+    presence_address = ""  # ours, as published (again into a failed-over store)
+
     def publish_presence(self, address: str) -> None:
         self._publish("presence", address)
+        self.presence_address = address
 
     def presence_addresses(self, nodes: set[Any]) -> dict[Any, str]:
         """node -> its published presence address (see presence.py)."""
         return self._published("presence", nodes)
 
 
-def _member_name(node: Any) -> str:
-    """``node_name``, told apart from another handler of the same process (tests run several)."""
-    local_id = getattr(node, "local_id", 0)
-    return node_name(node) + (f"/{local_id}" if local_id else "")
+_member_name = member_name
 
 
 CHECKED_WAIT_S = 10.0  # how long a node waits for the others to see a --node-rank conflict
@@ -335,6 +372,7 @@ def create_handler(
     handler.lineage = share_lineage(store, cfg.job_id)
     if hosted:  # every agent's rendezvous.completed names it (``store_host``)
         store.set(store_host_key(cfg.job_id), cfg.node)
+        store.set(store_host_member_key(cfg.job_id), handler.member_name())
     return handler
 
 
@@ -352,6 +390,25 @@ def share_lineage(store: Any, job_id: str) -> str:
 
 def store_host_key(job_id: str) -> str:
     return f"elastic-train/{job_id}/store-host"
+
+
+def store_host_member_key(job_id: str) -> str:
+    """The hosting agent as a rendezvous member (``_member_name``): failover needs to know
+    which member's death takes the store along."""
+    return f"elastic-train/{job_id}/store-host-member"
+
+
+def leaving_key(job_id: str) -> str:
+    return f"elastic-train/{job_id}/store-host-leaving"
+
+
+def hosted_by(store: Any, job_id: str, member: str) -> bool:
+    """Is ``store`` the one ``member``'s agent hosts (not an old one on the same address)?"""
+    key = store_host_member_key(job_id)
+    try:
+        return store.check([key]) and store.get(key).decode() == member
+    except Exception:
+        return False
 
 
 def store_host(store: Any, job_id: str) -> str | None:

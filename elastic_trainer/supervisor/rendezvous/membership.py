@@ -49,6 +49,10 @@ class MembershipWatch:
         self._server: presence.PresenceServer | None = None
         self.peers: presence.PeerWatch | None = None  # None: heartbeats only
         self._confirmed_silent: set[Any] = set()
+        self._address = ""  # our own presence address, as published
+        # what store failover needs once the store is gone (failover.py), read at each round:
+        self.addresses: dict[str, str] = {}  # member name -> its presence address
+        self.store_host: str | None = None  # the member hosting the store (None: standalone)
 
     def open_presence(self, bind_host: str) -> None:
         """Listen for peers and publish where (before the first join, so every member of a
@@ -56,7 +60,8 @@ class MembershipWatch:
         try:
             server = presence.PresenceServer(bind_host)
             host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
-            self._handler.publish_presence(presence.format_address(host, server.port))
+            address = presence.format_address(host, server.port)
+            self._handler.publish_presence(address)
         except Exception as exc:
             emit(
                 "presence.unavailable",
@@ -66,6 +71,7 @@ class MembershipWatch:
             )
             return
         self._server, self.peers = server, presence.PeerWatch()
+        self._address = address
 
     def close(self) -> None:
         """We leave on purpose: tell the peers so (not a lost node)."""
@@ -83,10 +89,30 @@ class MembershipWatch:
             others = self.members - {self._handler.this_node}
             try:
                 found = self._handler.presence_addresses(others)
+                self.store_host = self._handler.store_host_member()
             except Exception as exc:
                 self._report_store_lost(exc)
                 found = {}
             self.peers.watch({n: presence.parse_address(a) for n, a in found.items()})
+            self.addresses = {member_name(n): a for n, a in found.items()}
+            self.addresses[member_name(self._handler.this_node)] = self._address
+
+    def gone(self) -> set[str]:
+        """Names of the last round's members certainly gone: their agent's connection closed
+        without a goodbye, or with one (store failover's proof; silence is no proof)."""
+        if self.peers is None:
+            return set()
+        gone = self.lost_peers() | (self.peers.left() & self.members)
+        return {member_name(n) for n in gone}
+
+    def member_names(self) -> set[str]:
+        return {member_name(n) for n in self.members}
+
+    def store_moved(self, host: str) -> None:
+        """The store is ``host``'s now: a second failover starts from there, and a later
+        loss of it is reported again."""
+        self.store_host = host
+        self._store_lost_reported = False
 
     def lost_peers(self) -> set[Any]:
         """Members whose agent process is gone (its connection closed without a goodbye)."""
@@ -142,6 +168,15 @@ class MembershipWatch:
                 return False
         return False
 
+    def store_host_unreachable(self) -> str | None:
+        """The member hosting the store, when the store stopped answering (a read failed) and
+        that member is another node of our round; None otherwise (a standalone store: the
+        workers train on without it)."""
+        host = self.store_host
+        if not self._store_lost_reported or host is None or host not in self.member_names():
+            return None
+        return host if host != member_name(self._handler.this_node) else None
+
     def _report_store_lost(self, exc: BaseException) -> None:
         if self._store_lost_reported:
             return
@@ -159,3 +194,9 @@ def node_name(node: Any) -> str:
     """A rendezvous node as ops can find it: its address and its agent's pid."""
     addr, pid = getattr(node, "addr", None), getattr(node, "pid", None)
     return f"{addr}:{pid}" if addr is not None and pid is not None else str(node)
+
+
+def member_name(node: Any) -> str:
+    """``node_name``, told apart from another handler of the same process (tests run several)."""
+    local_id = getattr(node, "local_id", 0)
+    return node_name(node) + (f"/{local_id}" if local_id else "")

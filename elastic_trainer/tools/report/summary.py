@@ -48,6 +48,8 @@ class RunSummary:
     best_val_accuracy: float | None
     best_step: int | None
     exported_models: list[str] = field(default_factory=list)
+    # each move of the rendezvous store (store.moved, once however many nodes said it)
+    store_moves: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)  # every supervisor start
     stray_runs: list[dict[str, Any]] = field(default_factory=list)  # left out: never joined
 
@@ -155,6 +157,19 @@ def _evaluations(events: list[Event]) -> dict[str, Any]:
     }
 
 
+def store_moves(events: list[Event]) -> list[dict[str, Any]]:
+    """Every survivor reports a move; the new host's own event (``hosted_here``) says it
+    best, and one move is one (old host, new host) pair."""
+    moves: dict[tuple[str, str], dict[str, Any]] = {}
+    for event in named(events, "store.moved"):
+        key = (str(event.get("old_host")), str(event.get("new_host")))
+        if key not in moves or event.get("hosted_here"):
+            moves[key] = {
+                f: event.get(f) for f in ("old_host", "new_host", "endpoint", "why", "duration_s")
+            }
+    return list(moves.values())
+
+
 def _final_step(events: list[Event]) -> int | None:
     steps = [
         int(e["step"])
@@ -207,6 +222,7 @@ def summarize(events: list[Event]) -> RunSummary:
         snapshots=len(named(events, "snapshot.saved")),
         mean_snapshot_stall_ms=round(sum(stalls) / len(stalls), 2) if stalls else None,
         exported_models=[str(e["path"]) for e in named(events, "train.model_exported")],
+        store_moves=store_moves(events),
         runs=[r.to_dict() for r in runs],
         stray_runs=[r.to_dict() for r in stray],
         **_evaluations(events),
@@ -251,6 +267,9 @@ def format_summary(summary: RunSummary, *, source: str) -> str:
             else ""
         ),
     ]
+    if s.store_moves:
+        moves = "; ".join(f"{m['old_host']} -> {m['new_host']} ({m['why']})" for m in s.store_moves)
+        lines.append(f"store moved: {len(s.store_moves)}x: {moves}")
     if s.stray_runs:
         lines.append(f"left out:    {describe_stray(s.stray_runs)}")
     if s.final_val_accuracy is not None:

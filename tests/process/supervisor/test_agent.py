@@ -58,6 +58,15 @@ class FakeHandler:
     def presence_addresses(self, nodes: set[str]) -> dict[str, str]:
         return {}
 
+    def store_host_member(self) -> str | None:
+        return None  # a standalone store: failover never applies here
+
+    def member_name(self) -> str:
+        return self.this_node
+
+    def leaving_host(self) -> str | None:
+        return None
+
     def participants(self) -> set[str]:
         return {f"node{i}" for i in range(self.script.current.nodes)}
 

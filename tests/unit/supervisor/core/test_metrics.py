@@ -70,6 +70,9 @@ def test_recovery_resources_and_goodput() -> None:
     ]
     assert M.changes_for({"event": "job.finished", "goodput": None}) == []
     assert M.goodput_changes(0.9) == [M.Change("elastic_train_goodput_ratio", M.Op.SET, 0.9)]
+    assert M.changes_for({"event": "store.moved", "new_host": "n:2"}) == [
+        M.Change("elastic_train_store_moves_total", M.Op.INC, 1.0)
+    ]
 
 
 def test_events_no_metric_follows_change_nothing() -> None:
@@ -89,6 +92,7 @@ def test_every_change_names_a_declared_metric_with_its_labels() -> None:
         {"event": "snapshot.saved", "step": 1, "timestamp": 5.0, "stall_ms": 1, "write_ms": 2},
         {"event": "snapshot.restored", "step": 1},
         {"event": "job.finished", "goodput": 0.5},
+        {"event": "store.moved", "new_host": "n:2"},
     ]
     for sample in samples:
         changes = M.changes_for(sample)

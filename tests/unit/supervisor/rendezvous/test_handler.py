@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTi
 
 from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
+from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.handler import (
     FastRecoveryRendezvousHandler,
     share_lineage,
@@ -188,3 +189,48 @@ def test_the_workers_read_the_lineage_the_supervisor_exports() -> None:
     from elastic_trainer.worker import snapshotting
 
     assert snapshotting.ENV_RDZV_LINEAGE == rendezvous.ENV_RDZV_LINEAGE == protocol.ENV_RDZV_LINEAGE
+
+
+def test_survivors_rebound_to_a_new_store_form_their_next_round_there_at_once(nodes) -> None:
+    """Store failover (failover.py): the old store is gone; each survivor rebinds its handler
+    to the new one. They are still the same members (the same node descriptors), so their
+    first round there closes as soon as both joined, not at the 30 s last call; the lineage
+    and the presence addresses carry over; the hosting member is named in the new store."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    for handler, port in ((a, 1), (b, 2), (c, 3)):
+        handler.lineage = share_lineage(handler.store, "job")
+        handler.publish_presence(f"127.0.0.1:{port}")
+    form_with_last_call_of(a, b, c)
+    lineage = a.lineage
+    moved = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", moved.port, is_master=False, timeout=timedelta(seconds=30))
+    a.mark_dead({c.this_node})  # c hosted the old store and is gone
+    b.mark_dead({c.this_node})
+    c._stop_heartbeats()
+    a.rebind(moved, hosted=True, node="a")
+    b.rebind(client, hosted=False, node="b")
+    assert rendezvous.hosted_by(client, "job", a.member_name())
+    assert not rendezvous.hosted_by(client, "job", b.member_name())
+    assert rendezvous.store_host(client, "job") == "a"
+    assert a.lineage == b.lineage == lineage
+    assert b.presence_addresses({a.this_node, b.this_node}) == {
+        a.this_node: "127.0.0.1:1",
+        b.this_node: "127.0.0.1:2",
+    }
+    began = time.monotonic()
+    form(a, b)
+    assert time.monotonic() - began < HANG_S
+    assert a.store is moved and shared_state(b).participants.keys() == {a.this_node, b.this_node}
+
+
+def form_with_last_call_of(*handlers: FastRecoveryRendezvousHandler) -> None:
+    for handler in handlers:
+        handler.tune(first_last_call_s=3.0, later_last_call_s=30.0)
+    form(*handlers)
+
+
+def test_a_preempted_store_host_says_so_in_its_store(nodes) -> None:
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    assert b.leaving_host() is None
+    a.say_leaving()
+    assert b.leaving_host() == a.member_name()

@@ -179,3 +179,39 @@ def test_a_supervisor_estimate_of_goodput_is_flagged() -> None:
     s = summarize(with_relative_time(events))
     assert (s.goodput, s.goodput_source, s.goodput_estimated) == (0.7, "job.finished", True)
     assert "goodput:     70.0% (job.finished, estimated)" in format_summary(s, source="log")
+
+
+def test_a_store_move_is_reported_once_however_many_nodes_said_it() -> None:
+    moved = {"old_host": "h:1", "new_host": "h:2", "endpoint": "10.0.0.2:29500", "why": "lost"}
+    events = with_relative_time(
+        [
+            ev(0, "supervisor.started"),
+            ev(5, "store.moved", node="n2", duration_s=0.004, hosted_here=True, **moved),
+            ev(5, "store.moved", node="n3", duration_s=0.1, hosted_here=False, **moved),
+            ev(
+                9,
+                "store.moved",
+                node="n3",
+                old_host="h:2",
+                new_host="h:3",
+                endpoint="e",
+                why="leaving",
+                duration_s=0.3,
+                hosted_here=True,
+            ),
+        ]
+    )
+    summary = summarize(events)
+    assert summary.store_moves == [
+        {**moved, "duration_s": 0.004},
+        {
+            "old_host": "h:2",
+            "new_host": "h:3",
+            "endpoint": "e",
+            "why": "leaving",
+            "duration_s": 0.3,
+        },
+    ]
+    text = format_summary(summary, source="x")
+    assert "store moved: 2x: h:1 -> h:2 (lost); h:2 -> h:3 (leaving)" in text
+    assert "store moved" not in format_summary(summarize(events[:1]), source="x")
