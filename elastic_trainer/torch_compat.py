@@ -176,11 +176,17 @@ CLOSE, POLLED = "close", "polled"  # the join hook's answers (None: torch's own 
 JoinHook = Callable[[RoundView, bool], str | None]  # (view, may wait) -> answer
 
 
-def install_join_hook(handler: DynamicRendezvousHandler, hook: JoinHook) -> None:
+def install_join_hook(
+    handler: DynamicRendezvousHandler,
+    hook: JoinHook,
+    dead: Callable[[], set[Any]] = set,
+) -> None:
     """Route every join op of ``handler`` through ``hook`` (idempotent). The hook is asked
     only where torch's own op would wait (SYNC / KEEP_ALIVE; ``may_wait`` only for SYNC, a due
     heartbeat is not delayed): it answers CLOSE (mark the round complete now), POLLED (it
-    waited for a state change itself: resync at once) or None (torch's own action)."""
+    waited for a state change itself: resync at once) or None (torch's own action).
+    ``dead``: nodes found gone while we wait; their heartbeats are expired in the shared
+    state then and there (as ``expire_nodes`` does before a join)."""
     executor = handler._op_executor
     if getattr(executor, "elastic_train_hooked", False):
         return
@@ -188,15 +194,19 @@ def install_join_hook(handler: DynamicRendezvousHandler, hook: JoinHook) -> None
 
     def hooked_run(op: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(op, _RendezvousJoinOp):
-            op = _hooked_join(op, hook)
+            op = _hooked_join(op, hook, dead)
         run(op, deadline, update_deadline)
 
     executor.run = hooked_run
     executor.elastic_train_hooked = True
 
 
-def _hooked_join(op: Any, hook: JoinHook) -> Callable[[Any, float], Any]:
+def _hooked_join(
+    op: Any, hook: JoinHook, dead: Callable[[], set[Any]]
+) -> Callable[[Any, float], Any]:
     def join(ctx: Any, deadline: float) -> Any:
+        if _expire_in(ctx, dead()):
+            return _Action.KEEP_ALIVE  # a write action: the executor writes the state back
         action = op(ctx, deadline)
         if action not in (_Action.SYNC, _Action.KEEP_ALIVE):
             return action
@@ -208,6 +218,16 @@ def _hooked_join(op: Any, hook: JoinHook) -> Callable[[Any, float], Any]:
         return action
 
     return join
+
+
+def _expire_in(ctx: Any, nodes: set[Any]) -> bool:
+    """Set the heartbeats of ``nodes`` in ``ctx``'s state to the epoch (torch's sanitiser
+    removes them at the next sync); whether any was due."""
+    beats = ctx.state.last_heartbeats
+    due = [n for n in nodes if n in beats and beats[n] != _EPOCH]
+    for node in due:
+        beats[node] = _EPOCH
+    return bool(due)
 
 
 def round_view(ctx: Any) -> RoundView:
@@ -239,13 +259,11 @@ def expire_nodes(handler: DynamicRendezvousHandler, nodes: set[Any], deadline: f
 
     def expire(ctx: Any, op_deadline: float) -> Any:
         beats = ctx.state.last_heartbeats
-        due = [n for n in nodes if n in beats and beats[n] != _EPOCH]
-        if not due:
+        if not any(n in beats and beats[n] != _EPOCH for n in nodes):
             return _Action.FINISH
         if time.monotonic() > op_deadline:
             return _Action.ERROR_TIMEOUT
-        for node in due:
-            beats[node] = _EPOCH
+        _expire_in(ctx, nodes)
         return _Action.KEEP_ALIVE  # any write action: the executor marks the state dirty
 
     with handler._heartbeat_lock:

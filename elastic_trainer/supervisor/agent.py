@@ -172,6 +172,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         wg = self._worker_group
         cfg = self._cfg
         self._membership.open_presence(presence.bind_host(cfg.local_addr, cfg.rdzv_host))
+        wg.spec.rdzv_handler.dead_now = self._membership.lost_peers
         self._initialize_workers(wg)
         while True:
             if self._stop.wait(self._cfg.monitor_interval):
@@ -249,6 +250,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         if outcome.verdict == Verdict.CHECK_PEERS:  # a closed connection needs no wait
             lost = bool(self._membership.lost_peers())
             lost = lost or self._membership.wait_for_lost_peer(self._stop.wait)
+            if peers := self._membership.lost_peers():  # our worker saw it die first
+                emit("peer.lost", level="warning", nodes=sorted(node_name(p) for p in peers),
+                     how="connection_closed")  # fmt: skip
             outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=lost)
         if outcome.verdict == Verdict.CONFIG_ERROR:
             self._error = self._config_error_line(outcome, result)

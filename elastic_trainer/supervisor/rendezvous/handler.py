@@ -45,6 +45,7 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -80,6 +81,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
     lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
+    # members found gone while we wait in a round (the agent's presence watch: a node's
+    # worker can fail ours a moment before its agent's connection closes)
+    dead_now: Callable[[], set[Any]] | None = None
 
     def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
         self._first_last_call = timedelta(seconds=first_last_call_s)
@@ -92,7 +96,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> Any:
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
         torch_compat.set_last_call_timeout(self, last_call)
-        torch_compat.install_join_hook(self, self._join_hook)
+        torch_compat.install_join_hook(self, self._join_hook, self._dead_while_joining)
         self._rounds_joined += 1
         if self._dead:
             self._expire_dead()
@@ -151,8 +155,23 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 consequence="the next round waits for their heartbeats to expire",
             )
 
+    def _dead_while_joining(self) -> set[Any]:
+        """Members whose process is gone (``dead_now``: closed connections, certain), to expire
+        in the shared state while we wait in a round. Not those merely confirmed silent: a
+        thawed node may rejoin this round."""
+        self._newly_dead()
+        return set(self.dead_now()) if self.dead_now is not None else set()
+
+    def _newly_dead(self) -> bool:
+        """Add the members found gone since we joined to ``_dead``; whether there were any."""
+        found = frozenset(self.dead_now()) - self._dead if self.dead_now is not None else None
+        if found:
+            self._dead = self._dead | found
+        return bool(found)
+
     def _join_hook(self, view: torch_compat.RoundView, may_wait: bool) -> str | None:
         self._raise_if_static_conflict()
+        self._newly_dead()
         close = decisions.close_round_now(
             me=view.me,
             complete=view.complete,
@@ -184,6 +203,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         while time.monotonic() < until:
             time.sleep(self.poll_s)
             self._raise_if_static_conflict()
+            if self._newly_dead():
+                return
             try:
                 state = torch_compat.decode_rendezvous_state(self.store.get(key))
             except Exception:  # unreadable now: torch's own sync reports store trouble

@@ -159,6 +159,8 @@ class MembershipWatch:
         have expired (``stop_wait`` returns True when a stop interrupts the wait)."""
         deadline = self._clock() + self._dead_after + 1.5
         while self._clock() < deadline:
+            if self.lost_peers():  # its connection closed meanwhile: no need to wait longer
+                return True
             try:
                 if self._handler.stale_peers(self.members):
                     return True

@@ -561,6 +561,31 @@ def test_a_failure_with_the_budget_spent_and_a_closed_peer_needs_no_heartbeat_wa
     assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
 
 
+def test_a_peer_whose_connection_closes_while_we_check_is_a_lost_node(tmp_path) -> None:
+    """A node's whole tree SIGKILLed, our budget spent: our worker's collective saw its worker
+    die before the kernel had closed its agent's connection (tearing a large process down
+    takes a moment). The peer check must see the connection close while it waits, not only
+    the heartbeats' expiry: a lost node, re-formed for free, not a failed job."""
+    rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
+
+    def closes_during_the_peer_check(agent: ScriptedAgent) -> None:
+        def wait(timeout: float) -> None:
+            if timeout == 0.5:  # wait_for_lost_peer's poll: the connection closes now
+                agent.script.closed = ("node1",)
+            agent.clock += timeout
+
+        agent.stop.on_wait = wait
+
+    outcome, logs, agent = run(
+        rounds, tmp_path, max_restarts=0, prepare=closes_during_the_peer_check
+    )
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert agent.stop.waits.count(0.5) == 1  # seen at the next poll, not at the expiry
+    (lost,) = named(logs, "peer.lost")
+    assert (lost["nodes"], lost["how"]) == (["node1"], "connection_closed")
+    assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
+
+
 def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     """Stale on one check only (a loaded machine): no re-formation."""
     from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch

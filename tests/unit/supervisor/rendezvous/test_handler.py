@@ -234,3 +234,19 @@ def test_a_preempted_store_host_says_so_in_its_store(nodes) -> None:
     assert b.leaving_host() is None
     a.say_leaving()
     assert b.leaving_host() == a.member_name()
+
+
+def test_a_member_found_gone_while_we_wait_in_the_round_is_not_waited_for(nodes) -> None:
+    """Our worker failed on a peer's dead worker a moment before that peer's agent connection
+    closed: we joined without knowing it dead. Once the agent's presence watch knows, the
+    round closes without it, not after its heartbeats expire (30 s here) or the last call."""
+    a, b = nodes(max_nodes=3), nodes(max_nodes=3)
+    form_with_last_call(a, b)
+    known: set[Any] = set()
+    a.dead_now = lambda: set(known)
+    joining = Joining(a)
+    wait_for(lambda: a.this_node in shared_state(a).wait_list)  # waiting for b to rejoin
+    began = time.monotonic()
+    known.add(b.this_node)  # its connection closed
+    assert joining.result() == 1
+    assert time.monotonic() - began < HANG_S
