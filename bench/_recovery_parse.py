@@ -24,7 +24,8 @@ TORCHRUN_RDZV = re.compile(r"Rendezvous complete for workers")
 # the steps of a recovery, in order, for ``breakdown``: a supervisor's events (torch's log line
 # for the start of its rendezvous: the workers are stopped by then), the session worker's markers
 SUPERVISOR_STEPS = ("fault", "worker.failed", "peer.lost", "peer.silent", "group.restarting",
-                    "rendezvous.joining", "rendezvous.completed", "workers.started")  # fmt: skip
+                    "store.moved", "rendezvous.joining", "rendezvous.completed",
+                    "workers.started")  # fmt: skip
 WORKER_STEPS = ("began", "imported", "optimizer", "group_ready", "session_import", "ddp",
                 "open_memory_tier", "restore_state", "restored", "first_step")  # fmt: skip
 RDZV_JOINING = "Rendezvous'ing worker group"

@@ -142,20 +142,21 @@ def start(kind: str, worker: str, port: int, node: str, tmp: Path) -> subprocess
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def phases(kind: str, tmp: Path, fault: float, ws_after: int) -> Result:
-    """The phase boundaries on node 'a' (the one that keeps running) after ``fault``."""
+def phases(kind: str, tmp: Path, fault: float, ws_after: int, survivor: str = "a") -> Result:
+    """The phase boundaries on ``survivor`` (the node that keeps running) after ``fault``."""
     restore, detail = None, ""
     if kind == "torchrun":
-        stamps = parse_glog(_text(tmp / "a.out"), datetime.now().year)
+        stamps = parse_glog(_text(tmp / f"{survivor}.out"), datetime.now().year)
         detected = first_after(stamps, lambda s: bool(TORCHRUN_DETECT.search(s)), fault)
         formed = first_after(stamps, lambda s: bool(TORCHRUN_RDZV.search(s)), detected)
     else:
-        events = parse_events(_text(tmp / "a.jsonl"))
+        events = parse_events(_text(tmp / f"{survivor}.jsonl"))
         stamps = [(e["event"], e["_t"]) for e in events]
         detected = first_after(stamps, lambda e: e in OUR_DETECT, fault)
         formed = first_after(stamps, lambda e: e == "rendezvous.completed", detected)
         # both nodes' workers log their restore (node b's too, after a worker crash)
-        restore = restore_after(events + parse_events(_text(tmp / "b.jsonl")), fault)
+        other = "b" if survivor == "a" else "a"
+        restore = restore_after(events + parse_events(_text(tmp / f"{other}.jsonl")), fault)
         detail = supervisor_detail(tmp, fault)
     marks = parse_markers(_text(tmp / "markers"))
     audit = rows(tmp / "audit")
@@ -211,21 +212,28 @@ def run_scenario(
 
                 if not wait_until(ready, 180):
                     raise RuntimeError(f"{kind}: never trained at world size 2")
-                victims = (
-                    tree(procs[1])
-                    if scenario == "node_loss"
-                    else workers_of(procs[1], WORKERS[worker], tmp / "b.jsonl")
-                )
-                if not victims:
-                    raise RuntimeError(f"{kind}: no worker of node b found to kill")
-                fault = time.time()
-                kill(victims)
-            ws_after = 1 if scenario == "node_loss" else 2
+                if scenario == "store_host_preempted":  # node a hosts the store
+                    fault = time.time()
+                    procs[0].send_signal(signal.SIGTERM)
+                else:
+                    victims = {
+                        "node_loss": lambda: tree(procs[1]),
+                        "store_host_lost": lambda: tree(procs[0]),
+                        "worker_crash": lambda: workers_of(
+                            procs[1], WORKERS[worker], tmp / "b.jsonl"
+                        ),
+                    }[scenario]()
+                    if not victims:
+                        raise RuntimeError(f"{kind}: no worker of node b found to kill")
+                    fault = time.time()
+                    kill(victims)
+            ws_after = 2 if scenario in ("worker_crash", "node_join") else 1
             done = lambda: any(r[2] == ws_after and r[3] > fault + 0.3 for r in rows(audit))  # noqa: E731
             if not wait_until(done, timeout):
                 return Result()
             time.sleep(0.5)  # let the first step's rows and markers land
-            return phases(kind, tmp, fault, ws_after)
+            survivor = "b" if scenario.startswith("store_host") else "a"
+            return phases(kind, tmp, fault, ws_after, survivor)
         finally:
             for proc in procs:
                 kill(tree(proc))

@@ -11,6 +11,10 @@ one worker each). Three scenarios:
 - ``node_join``: one node trains alone, a second starts; recovered at the first step at world
   size 2. ``pause`` is how long the running group stopped (its last step alone to its first
   step together), the number the issue's target is about.
+- ``store_host_lost``: as ``node_loss``, but the node SIGKILLed is the first one, whose agent
+  hosts the rendezvous store; timed on the second. torchrun cannot recover (its c10d store
+  lives in the lost agent): its row reads '-' (not observed within ``--timeout``).
+- ``store_host_preempted``: the store host gets SIGTERM (a preemption notice) instead.
 
 Two workers (``--workers``): ``plain``, the script above, and ``session``
 (bench/_session_worker.py: the same job written against ``elastic_trainer.TrainingSession``,
@@ -29,7 +33,7 @@ step``. Steps lost: the last step the old group completed minus the step the new
 resumed from (``snapshot.restored``'s step for the session worker, whose ``source`` column says
 where from: ``memory`` its node's copy, ``mirror`` another node's, ``storage``).
 
-    python bench/recovery.py [--repeats N] [--scenarios node_loss,worker_crash,node_join]
+    python bench/recovery.py [--repeats N] [--scenarios node_loss,worker_crash,node_join,...]
                              [--launchers torchrun,elastic-train] [--workers plain,session]
                              [--keep-logs DIR]
 """
@@ -47,7 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _recovery_parse import PHASES, Result
 from _recovery_run import run_scenario
 
-SCENARIOS = ("node_loss", "worker_crash", "node_join")
+SCENARIOS = (
+    "node_loss",
+    "worker_crash",
+    "node_join",
+    "store_host_lost",
+    "store_host_preempted",
+)
 LAUNCHERS = ("torchrun", "elastic-train")
 WORKERS = ("plain", "session")
 NOTES = """

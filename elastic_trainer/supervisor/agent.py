@@ -363,10 +363,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         )
         if election.host is not None:  # it is gone after all: the loop re-forms without it
             return
-        raise failover.StoreMoveFailed(
-            f"the rendezvous store on {host} stopped answering and does not move: "
-            f"{election.why}; restart the job (it resumes from the last snapshot)"
-        )
+        raise failover.not_moved(host, election.why)
 
     def _move_store_if_host_gone(self, handler: Any, *, store_failed: bool = False) -> bool:
         """The agent hosting the rendezvous store is certainly gone (its connection closed,
@@ -386,10 +383,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         )
         if election.host is None or old_host is None:
             if store_failed and old_host is not None:
-                raise failover.StoreMoveFailed(
-                    f"the rendezvous store on {old_host} stopped answering and does not move: "
-                    f"{election.why}; restart the job (it resumes from the last snapshot)"
-                )
+                raise failover.not_moved(old_host, election.why)
             return False
         began = time.monotonic()
         read_timeout = cfg.rdzv.read_timeout

@@ -86,6 +86,15 @@ class StoreMoveFailed(ElasticTrainError):
     exit_code = 1
 
 
+def not_moved(host: str, why: str) -> StoreMoveFailed:
+    """The one line of a node that stops because its store stopped answering and may not
+    move (``why``: ``Election.why``)."""
+    return StoreMoveFailed(
+        f"the rendezvous store on {host} stopped answering and does not move: {why}; "
+        "restart the job (it resumes from the last snapshot)"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Moved:
     store: Any  # the connected (or hosted) c10d store
