@@ -400,6 +400,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             is_served_by=lambda store, member: rendezvous.hosted_by(store, cfg.job_id, member),
         )
         handler.rebind(moved.store, hosted=moved.hosted, node=cfg.node)
+        # the old host does not rejoin: a leaving one has not said goodbye on its presence
+        # connection yet (it does as it exits), and the round must not wait for it
+        handler.mark_dead(watch.members_named(gone()))
         if not moved.hosted:  # as run.py bounds the first store's connections
             host, port = presence.parse_address(moved.endpoint)
             endpoint.bound_silent_connections(host, port, timeout_s=endpoint.STORE_SILENCE_LIMIT_S)

@@ -108,6 +108,9 @@ class MembershipWatch:
     def member_names(self) -> set[str]:
         return {member_name(n) for n in self.members}
 
+    def members_named(self, names: set[str]) -> set[Any]:
+        return {n for n in self.members if member_name(n) in names}
+
     def store_moved(self, host: str) -> None:
         """The store is ``host``'s now: a second failover starts from there, and a later
         loss of it is reported again."""
