@@ -84,6 +84,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     # members found gone while we wait in a round (the agent's presence watch: a node's
     # worker can fail ours a moment before its agent's connection closes)
     dead_now: Callable[[], set[Any]] | None = None
+    presence_address = ""  # ours, as published (again into a failed-over store)
 
     def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
         self._first_last_call = timedelta(seconds=first_last_call_s)
@@ -113,7 +114,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def _check_static_ranks(self, num_nodes: int) -> None:
         """Every member published its rank before it joined, so all are readable now."""
         published = self._published("node-rank", set(self._known))
-        declared = {_member_name(n): int(rank) for n, rank in published.items()}
+        declared = {member_name(n): int(rank) for n, rank in published.items()}
         problem = decisions.static_rank_conflict(declared, num_nodes)
         if problem is not None:
             self._await_all_checked()
@@ -279,7 +280,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     # ---- store failover (failover.py) --------------------------------------------------------
     def member_name(self) -> str:
-        return _member_name(self.this_node)
+        return member_name(self.this_node)
 
     def store_host_member(self) -> str | None:
         """The member whose agent hosts this store (None: a standalone store)."""
@@ -309,12 +310,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if hosted:
             store.set(store_host_key(run_id), node)
             store.set(store_host_member_key(run_id), self.member_name())
-        key = f"elastic-train/{run_id}/lineage"
-        self.lineage = bytes(store.compare_set(key, "", self.lineage)).decode()
+        self.lineage = bytes(store.compare_set(lineage_key(run_id), "", self.lineage)).decode()
         if self.presence_address:  # the next round's members find each other here now
             self.publish_presence(self.presence_address)
-
-    presence_address = ""  # ours, as published (again into a failed-over store)
 
     def publish_presence(self, address: str) -> None:
         self._publish("presence", address)
@@ -323,9 +321,6 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def presence_addresses(self, nodes: set[Any]) -> dict[Any, str]:
         """node -> its published presence address (see presence.py)."""
         return self._published("presence", nodes)
-
-
-_member_name = member_name
 
 
 CHECKED_WAIT_S = 10.0  # how long a node waits for the others to see a --node-rank conflict
@@ -405,8 +400,11 @@ def share_lineage(store: Any, job_id: str) -> str:
     """The token every node of this rendezvous store agrees on: the first node to ask sets
     it (compare-and-set), every later one (and every later round) reads the same. A store
     that is gone and started again is another lineage, as its rendezvous state is new too."""
-    key = f"elastic-train/{job_id}/lineage"
-    return bytes(store.compare_set(key, "", uuid.uuid4().hex)).decode()
+    return bytes(store.compare_set(lineage_key(job_id), "", uuid.uuid4().hex)).decode()
+
+
+def lineage_key(job_id: str) -> str:
+    return f"elastic-train/{job_id}/lineage"
 
 
 def store_host_key(job_id: str) -> str:
@@ -414,7 +412,7 @@ def store_host_key(job_id: str) -> str:
 
 
 def store_host_member_key(job_id: str) -> str:
-    """The hosting agent as a rendezvous member (``_member_name``): failover needs to know
+    """The hosting agent as a rendezvous member (``member_name``): failover needs to know
     which member's death takes the store along."""
     return f"elastic-train/{job_id}/store-host-member"
 
