@@ -60,6 +60,9 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "store.unreachable": ("endpoint", "error", "consequence"),
     # the store host's agent is gone: a survivor hosts the rendezvous store from now on
     "store.moved": ("old_host", "new_host", "endpoint", "why", "duration_s"),
+    # a starting node joins the store where the snapshot folder says it moved
+    "store.found": ("endpoint", "configured_endpoint"),
+    "store.record_failed": ("error", "consequence"),
     # the standalone rendezvous store (elastic-train store)
     "store.started": ("host", "port", "endpoint"),
     "store.stopped": ("signal",),

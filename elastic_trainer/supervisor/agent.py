@@ -38,7 +38,7 @@ from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_
 from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
 from elastic_trainer.supervisor.processes.tail import exception_line, message_line
 from elastic_trainer.supervisor.processes.workerenv import new_control_dir, set_worker_env
-from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence
+from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence, store_record
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.warm import client as warm_workers
@@ -407,6 +407,11 @@ class ElasticTrainAgent(LocalElasticAgent):
             host, port = presence.parse_address(moved.endpoint)
             endpoint.bound_silent_connections(host, port, timeout_s=endpoint.STORE_SILENCE_LIMIT_S)
         watch.store_moved(moved.host)
+        if moved.hosted:  # how a node started later finds it (store_record.py)
+            record = store_record.StoreRecord(
+                job_id=cfg.job_id, endpoint=moved.endpoint, lineage=handler.lineage
+            )
+            store_record.write(cfg.worker.snapshot_dir, record)
         why = "leaving" if leaving else "lost"
         failover.report(old_host=old_host, moved=moved, why=why, began=began)
         return True

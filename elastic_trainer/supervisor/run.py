@@ -320,7 +320,7 @@ class Supervisor:
         from elastic_trainer.supervisor import agent as agent_mod
         from elastic_trainer.supervisor.processes import workerenv
         from elastic_trainer.supervisor.processes.signals import StopRequested
-        from elastic_trainer.supervisor.rendezvous import static_host
+        from elastic_trainer.supervisor.rendezvous import presence, static_host
         from elastic_trainer.supervisor.rendezvous.endpoint import (
             STORE_SILENCE_LIMIT_S,
             EndpointError,
@@ -335,12 +335,19 @@ class Supervisor:
         try:
             if stop.requested:  # type: ignore[attr-defined]
                 raise StopRequested("stop")
-            handler = create_handler(cfg, serve=hosts_store(cfg), claimed=self.claimed)
-            probe = static_host.start_probe(cfg, handler.store, serving=hosts_store(cfg))
-            if not hosts_store(cfg):  # a partition must not block us past its bound
-                bound_silent_connections(
-                    cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
-                )
+            if moved := self._moved_store():  # the job's store failed over elsewhere
+                found, where = moved
+                handler = create_handler(cfg, serve=False, store=found)
+                probe = None
+                host, port = presence.parse_address(where)
+                bound_silent_connections(host, port, timeout_s=STORE_SILENCE_LIMIT_S)
+            else:
+                handler = create_handler(cfg, serve=hosts_store(cfg), claimed=self.claimed)
+                probe = static_host.start_probe(cfg, handler.store, serving=hosts_store(cfg))
+                if not hosts_store(cfg):  # a partition must not block us past its bound
+                    bound_silent_connections(
+                        cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
+                    )
         except StopRequested:
             return _ended(agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED)
         except EndpointError as exc:  # bad input found only now (the port was taken, ...)
@@ -405,6 +412,29 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 handler.shutdown()
         return outcome
+
+    def _moved_store(self) -> tuple[Any, str] | None:
+        """The job's store where the snapshot folder says it moved (``store_record``), if it
+        answers there: joined instead of the configured endpoint, which this node would
+        otherwise host again (a second store) or wait at in vain."""
+        from elastic_trainer.supervisor.rendezvous import endpoint, store_record
+
+        cfg = self.cfg
+        if cfg.torchrun.node_rank is not None:  # static mode: the store never moves
+            return None
+        found = store_record.find(
+            cfg.worker.snapshot_dir,
+            cfg.job_id,
+            configured=cfg.rdzv_endpoint,
+            connect=lambda host, port: endpoint.try_once(host, port, cfg.rdzv.read_timeout),
+        )
+        if found is None:
+            return None
+        if self.claimed is not None:  # not ours to host after all
+            self.claimed.close()
+            self.claimed = None
+        emit("store.found", endpoint=found[1], configured_endpoint=cfg.rdzv_endpoint)
+        return found
 
     def _store_unreachable(self, exc: BaseException) -> None:
         cause = exc.__cause__ or exc

@@ -322,3 +322,55 @@ def test_store_host_cut_off_goes_on_alone_and_the_others_stop(net, tmp_path, wor
     assert trio[0].wait(150) == 0
     assert trio[0].events("store.moved") == []
     assert_clean_finish(net, tmp_path / "audit", 300)
+
+
+def test_after_a_failover_a_restarted_store_host_joins_the_moved_store(
+    net, tmp_path, worker_env, agents
+):
+    """Three machines; a hosts the store (is_host=true), b and c join it. a's whole node is
+    SIGKILLed: b (the first survivor by address) hosts the store on its own address and
+    records it in the snapshot folder. a is started again exactly as before, with the job's
+    original endpoint, its own address: it must not host a second store there; it reads the
+    record, joins the moved store on b, and the group grows back to three."""
+    env = node_env(worker_env)
+    a, b, c = (net.add_node(name) for name in ("a", "b", "c"))
+    port, snap, audit = 29412, tmp_path / "snap", tmp_path / "audit"
+
+    def argv(host: bool) -> list[str]:
+        conf = FAST_RDZV + (",is_host=true" if host else ",is_host=false")
+        return [
+            "--local-addr", "", "--rdzv-endpoint", f"{a.addr}:{port}", "--rdzv-conf", conf,
+            "--min-nodes", "1", "--max-nodes", "3", "--snapshot-dir", str(snap),
+            "--snapshot-every", "5", PROTO, "--steps", "500", "--step-time", "0.1",
+            "--audit", str(audit),
+        ]  # fmt: skip
+
+    def start(node: Node, name: str, host: bool) -> Agent:
+        args = argv(host)
+        args[1] = node.addr
+        agent = spawn_agent(tmp_path, name, args, env, wrap=node.cmd([]))
+        agents.append(agent)
+        return agent
+
+    first = start(a, "a", True)
+    wait_for(lambda: (tmp_path / "a.jsonl").exists(), 60, "a to start")
+    second, third = start(b, "b", False), start(c, "c", False)
+    wait_for(lambda: first_step_at(audit, 3, 0), 120, "steps at world size 3")
+    first.kill_tree()
+    killed_at = time.time()
+    moved = second.wait_event("store.moved", 60)
+    assert moved["hosted_here"] and moved["endpoint"] == f"{b.addr}:{port}"
+    assert third.wait_event("store.moved", 60)["endpoint"] == f"{b.addr}:{port}"
+    wait_for(lambda: first_step_at(audit, 2, killed_at), 90, "steps at world size 2")
+    recorded = json.loads((snap / "rendezvous-store.json").read_text())
+    assert recorded["endpoint"] == f"{b.addr}:{port}" and recorded["job_id"] == "e2e"
+
+    again_at = time.time()
+    again = start(a, "a2", True)
+    found = again.wait_event("store.found", 60)
+    assert found == {**found, "endpoint": f"{b.addr}:{port}",
+                     "configured_endpoint": f"{a.addr}:{port}"}  # fmt: skip
+    assert wait_for(lambda: first_step_at(audit, 3, again_at), 120, "world size 3 again")
+    assert again.events("store.exposed") == []  # it hosts no store of its own
+    assert [x.wait(200) for x in (second, third, again)] == [0, 0, 0]
+    assert_clean_finish(net, audit, 500)

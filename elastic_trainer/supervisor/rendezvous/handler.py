@@ -342,9 +342,10 @@ def with_group_rank(info: RendezvousInfo, rank: int | None, *, local_addr: str) 
 
 
 def create_handler(
-    cfg: RunConfig, *, serve: bool, claimed: Any = None
+    cfg: RunConfig, *, serve: bool, claimed: Any = None, store: Any = None
 ) -> FastRecoveryRendezvousHandler:
-    """Host (``serve``) or connect to the c10d store and build the handler.
+    """Host (``serve``) or connect to the c10d store and build the handler (on ``store``
+    when given: one already connected, found through the snapshot folder's record).
 
     The store comes from ``endpoint.open_store`` rather than torch's ``create_backend``:
     every connect and handshake is bounded, a store not up yet is waited for up to the join
@@ -353,15 +354,17 @@ def create_handler(
     from elastic_trainer.supervisor.rendezvous import endpoint
 
     tuning = cfg.rdzv
-    store, hosted = endpoint.open_store_hosted(
-        cfg.rdzv_host,
-        cfg.rdzv_port,
-        serve=serve,
-        explicit=cfg.is_host is not None,
-        deadline_s=tuning.join_timeout,
-        read_timeout_s=tuning.read_timeout,
-        claimed=claimed,
-    )
+    hosted = False
+    if store is None:
+        store, hosted = endpoint.open_store_hosted(
+            cfg.rdzv_host,
+            cfg.rdzv_port,
+            serve=serve,
+            explicit=cfg.is_host is not None,
+            deadline_s=tuning.join_timeout,
+            read_timeout_s=tuning.read_timeout,
+            claimed=claimed,
+        )
     backend = C10dRendezvousBackend(store, cfg.job_id)
     handler = FastRecoveryRendezvousHandler.from_backend(
         cfg.job_id,
