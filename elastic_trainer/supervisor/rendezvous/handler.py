@@ -310,9 +310,10 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if hosted:
             store.set(store_host_key(run_id), node)
             store.set(store_host_member_key(run_id), self.member_name())
-        self.lineage = bytes(store.compare_set(lineage_key(run_id), "", self.lineage)).decode()
         if self.presence_address:  # the next round's members find each other here now
             self.publish_presence(self.presence_address)
+        # last: c10d's set has no reply, this answer orders the sets above before any read
+        self.lineage = bytes(store.compare_set(lineage_key(run_id), "", self.lineage)).decode()
 
     def publish_presence(self, address: str) -> None:
         self._publish("presence", address)

@@ -215,4 +215,7 @@ def test_the_agent_that_claims_the_port_first_hosts_and_the_later_one_is_its_cli
     assert (hosts, client_hosts) == (True, False)
     assert rendezvous.store_host(client, "job") is None  # a standalone store: nobody named
     store.set(rendezvous.store_host_key("job"), "a")
+    # c10d's set has no reply: a read on the same connection is what orders it before the
+    # client's read on another one (CI once read None here)
+    store.get(rendezvous.store_host_key("job"))
     assert rendezvous.store_host(client, "job") == "a"
