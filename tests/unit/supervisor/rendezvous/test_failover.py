@@ -82,7 +82,7 @@ class Script:
         return self.now
 
 
-ADDRESSES = {"n:1": "10.0.0.1:5001", "n:2": "10.0.0.2:5002", "n:3": "[fd00::3]:5003"}
+ADDRESSES = {"n:1": "127.0.0.11:5001", "n:2": "127.0.0.12:5002", "n:3": "[::1]:5003"}
 
 
 def move(script: Script, me: str, *, served_by=lambda store, member: True, deadline_s=30.0):
@@ -110,8 +110,8 @@ def test_the_elected_host_serves_on_its_presence_address_and_the_rendezvous_port
     script = Script(serve_fails=2)  # the old store's port still held twice (leaving)
     moved = move(script, "n:2")
     assert (moved.store, moved.host, moved.hosted) == ("hosted", "n:2", True)
-    assert moved.endpoint == "10.0.0.2:29500"
-    assert script.calls == [("serve", "10.0.0.2", 29500)] * 3
+    assert moved.endpoint == "127.0.0.12:29500"
+    assert script.calls == [("serve", "127.0.0.12", 29500)] * 3
 
 
 def test_the_others_connect_until_the_elected_host_serves_there() -> None:
@@ -119,7 +119,7 @@ def test_the_others_connect_until_the_elected_host_serves_there() -> None:
     served = iter([False, True])  # the first store to answer there is still the old one
     moved = move(script, "n:3", served_by=lambda store, member: next(served))
     assert (moved.store, moved.host, moved.hosted) == ("client", "n:2", False)
-    assert script.calls == [("connect", "10.0.0.2", 29500)] * 4
+    assert script.calls == [("connect", "127.0.0.12", 29500)] * 4
 
 
 def test_an_elected_host_that_dies_meanwhile_is_replaced() -> None:
@@ -136,11 +136,11 @@ def test_an_elected_host_that_dies_meanwhile_is_replaced() -> None:
         port=29500, deadline_s=30, serve=script.serve, connect=script.connect,
         is_served_by=lambda store, member: True, clock=script.clock,
     )  # fmt: skip
-    assert (moved.host, moved.hosted, moved.endpoint) == ("n:3", True, "[fd00::3]:29500")
+    assert (moved.host, moved.hosted, moved.endpoint) == ("n:3", True, "[::1]:29500")
 
 
 def test_no_store_within_the_deadline_is_one_line_naming_the_host() -> None:
-    with pytest.raises(StoreMoveFailed, match=r"elected host n:2 \(10.0.0.2:29500\) within 5s"):
+    with pytest.raises(StoreMoveFailed, match=r"elected host n:2 \(127.0.0.12:29500\) within 5s"):
         move(Script(up_after=10**6), "n:3", deadline_s=5)
 
 
@@ -153,10 +153,10 @@ def test_a_store_host_not_known_gone_is_never_replaced() -> None:
 
 
 def test_store_moved_names_both_hosts_and_why() -> None:
-    moved = failover.Moved(store=None, host="n:2", endpoint="10.0.0.2:29500", hosted=True)
+    moved = failover.Moved(store=None, host="n:2", endpoint="127.0.0.12:29500", hosted=True)
     with capture_logs() as logs:
         failover.report(old_host="n:1", moved=moved, why="lost", began=0.0)
     (event,) = logs
     assert event["event"] == "store.moved" and event["log_level"] == "warning"
     assert (event["old_host"], event["new_host"], event["why"]) == ("n:1", "n:2", "lost")
-    assert event["endpoint"] == "10.0.0.2:29500" and event["hosted_here"] is True
+    assert event["endpoint"] == "127.0.0.12:29500" and event["hosted_here"] is True

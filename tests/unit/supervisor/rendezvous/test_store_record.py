@@ -12,7 +12,7 @@ from elastic_trainer.supervisor.rendezvous import store_record
 from elastic_trainer.supervisor.rendezvous.handler import share_lineage
 from elastic_trainer.supervisor.rendezvous.store_record import StoreRecord
 
-RECORD = StoreRecord(job_id="job", endpoint="10.0.0.2:29500", lineage="abc")
+RECORD = StoreRecord(job_id="job", endpoint="127.0.0.12:29500", lineage="abc")
 
 
 def test_a_record_round_trips_and_damage_is_no_record() -> None:
@@ -46,7 +46,7 @@ def test_a_folder_that_cannot_take_it_says_so_and_goes_on(tmp_path: Path) -> Non
     assert event["event"] == "store.record_failed" and RECORD.endpoint in event["consequence"]
 
 
-def found(folder: str, stores: dict[tuple[str, int], object], configured: str = "10.0.0.1:29500"):
+def found(folder: str, stores: dict[tuple[str, int], object], configured: str = "127.0.0.11:29500"):
     return store_record.find(
         folder, "job", configured=configured, connect=lambda host, port: stores.get((host, port))
     )
@@ -59,12 +59,12 @@ def test_a_node_joins_the_recorded_store_only_if_it_answers_with_the_lineage(
     moved = HashStore()
     lineage = share_lineage(moved, "job")
     store_record.write(
-        folder, StoreRecord(job_id="job", endpoint="10.0.0.2:29500", lineage=lineage)
+        folder, StoreRecord(job_id="job", endpoint="127.0.0.12:29500", lineage=lineage)
     )
-    assert found(folder, {("10.0.0.2", 29500): moved}) == (moved, "10.0.0.2:29500")
+    assert found(folder, {("127.0.0.12", 29500): moved}) == (moved, "127.0.0.12:29500")
     # nothing answers there (the job ended): the configured endpoint, as without a record
     assert found(folder, {}) is None
     # another store answers there (another job's, a restarted one): not ours
-    assert found(folder, {("10.0.0.2", 29500): HashStore()}) is None
+    assert found(folder, {("127.0.0.12", 29500): HashStore()}) is None
     # the record names the configured endpoint: nothing moved
-    assert found(folder, {("10.0.0.2", 29500): moved}, configured="10.0.0.2:29500") is None
+    assert found(folder, {("127.0.0.12", 29500): moved}, configured="127.0.0.12:29500") is None
