@@ -318,6 +318,14 @@ def processes_started_by(factory: Callable[..., Any]) -> Iterator[None]:
         local_elastic_agent.start_processes = original
 
 
+def take_processes(agent: Any) -> Any:
+    """The agent's process context of its running workers, which it then forgets: its next
+    ``_start_workers`` starts another while these still run, and ``_shutdown`` stops only
+    the new one. The caller closes the one taken (``PContext.close``)."""
+    pcontext, agent._pcontext = agent._pcontext, None
+    return pcontext
+
+
 def worker_popens(agent: Any) -> dict[int, subprocess.Popen]:
     """local rank -> Popen of the agent's current workers (empty before the first start)."""
     pcontext = agent._pcontext

@@ -48,6 +48,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "rendezvous.expire_failed": ("nodes", "error", "consequence"),
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
+    "group.handed_over": ("ready", "start_s", "stop_s"),
     "preemption.received": ("signal", "grace_s", "signalled_ranks"),
     "recovery.completed": (
         "cause",

@@ -302,6 +302,36 @@ STOP_FILE = "stop"
 RESTART_FILE = "restarting"
 
 
+# Created by the supervisor in a new attempt's control folder before it starts that attempt's
+# workers while the previous attempt's still train (a node joins: the new round formed while
+# they trained). A ``TrainingSession`` worker that finds it says so (``handoff_ready_file``)
+# once its process group is up, then waits until the supervisor removes it: by then the
+# previous workers have stopped at a step's end with their state copied, which this worker
+# restores. The group pauses for that stop and the restore only, not for the new processes'
+# start (``worker.handoff``).
+HANDOFF_FILE = "handoff"
+
+
+def handoff_ready_file(local_rank: int) -> str:
+    """A new worker's answer to ``HANDOFF_FILE``: its process group is up, it waits."""
+    return f"handoff-ready-{local_rank}"
+
+
+def handed_off_file(local_rank: int) -> str:
+    """Created by a ``TrainingSession`` worker that stopped for a restart just before it
+    leaves its process group and exits: its state is copied, its snapshot writes committed,
+    its files closed. A successor waiting for ``HANDOFF_FILE`` may go on from here; the old
+    group's teardown and the interpreter's exit (tens of ms) are not waited for."""
+    return f"handed-off-{local_rank}"
+
+
+def handoff_aware_file(local_rank: int) -> str:
+    """Created by a ``TrainingSession`` worker when it starts: it (and so the same script's
+    next worker) waits for ``HANDOFF_FILE``. Workers that do not say so (any other script,
+    even one that publishes progress) are replaced one after the other, never alongside."""
+    return f"handoff-aware-{local_rank}"
+
+
 def copy_now_fifo(local_rank: int) -> str:
     """A FIFO a ``TrainingSession`` worker makes and waits on (a thread blocked in ``open``):
     the supervisor opens it for writing before it stops the workers to re-form the group,

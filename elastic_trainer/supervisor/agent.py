@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,11 @@ from elastic_trainer.supervisor.processes.observer import GroupObserver, read_pr
 from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
 from elastic_trainer.supervisor.processes.tail import exception_line, message_line
-from elastic_trainer.supervisor.processes.workerenv import new_control_dir, set_worker_env
+from elastic_trainer.supervisor.processes.workerenv import (
+    new_control_dir,
+    remove_control_dir,
+    set_worker_env,
+)
 from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence, store_record
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
@@ -68,6 +73,11 @@ STORE_ERRORS = (RendezvousError, DistNetworkError, DistStoreError)
 # state's bytes in memory; only a worker that cannot answer, hung or frozen, costs all of it).
 COPY_WAIT_S = 10.0
 COPY_POLL_S = 0.01
+# How long the old workers train on while a joining round's new workers start alongside them
+# (``_admit``): a start from the warm pool takes ~0.1 s, a fresh one seconds; past this the
+# old ones stop anyway and the new ones finish starting during the pause.
+HANDOFF_READY_S = 60.0
+HANDOFF_POLL_S = 0.005
 
 
 # (config, the tracker to spare its process from reaping) -> the warm pool, or None
@@ -220,6 +230,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             restarts_left=decision.restarts_left,
             backoff_s=decision.backoff_s,
         )
+        if decisions.round_before_stop(outcome) and self._may_start_alongside():
+            self._admit(self._worker_group)
+            return True
         self._await_copies()
         self._stop_workers(self._worker_group)
         if decision.backoff_s > 0 and self._stop.wait(decision.backoff_s):
@@ -227,6 +240,94 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._worker_group.state = WorkerState.STOPPED
         self._initialize_workers(self._worker_group)
         return True
+
+    def _may_start_alongside(self) -> bool:
+        control_dir = self._stop.control_dir
+        if control_dir is None:
+            return False
+        return decisions.start_alongside(
+            range(self._worker_group.spec.local_world_size),
+            aware=_listed(control_dir, protocol.handoff_aware_file),
+            accelerator=self._accelerator(),
+        )
+
+    def _admit(self, wg: WorkerGroup) -> None:
+        """A node joins, and the workers may be replaced alongside
+        (``decisions.start_alongside``): the new round forms while they train on, the new
+        workers start alongside them, and they stop at a step's end only once every new one
+        has its process group (``worker.handoff``). The group pauses for that stop and the
+        restore, not for the round or the new processes' start."""
+        self._rendezvous(wg)  # a stop requested meanwhile raises StopRequested: _preempt
+        old_dir = self._stop.control_dir or ""
+        old_procs = self._procs.handover()
+        old_context = torch_compat.take_processes(self)
+        began = time.monotonic()
+        pids = self._start_workers(wg, handoff=True)
+        new_dir = self._stop.control_dir
+        self._stop.control_dir = old_dir  # a stop request now reaches the workers that train
+        ready = self._await_new_workers(new_dir or "", began + HANDOFF_READY_S)
+        stopping = time.monotonic()
+        self._stop_old_workers(old_procs, old_dir)
+        self._stop.control_dir = new_dir
+        with contextlib.suppress(OSError):  # the new workers go on (worker.handoff)
+            os.unlink(os.path.join(new_dir or "", protocol.HANDOFF_FILE))
+        stopped = time.monotonic()
+        old_procs.kill(grace_s=self._kill_grace_s, reap=False)  # exiting, or stuck: killed
+        if old_context is not None:
+            old_context.close(timeout=1)
+        if self._stop.requested:  # it reached the old workers: tell the new ones too
+            self._stop.write_stop_file()
+        remove_control_dir(old_dir)
+        emit(
+            "group.handed_over",
+            ready=ready,
+            start_s=round(stopping - began, 3),
+            stop_s=round(stopped - stopping, 3),
+        )
+        self._started(wg, pids)
+
+    def _await_new_workers(self, control_dir: str, deadline: float) -> bool:
+        """Wait while the old workers train until every new one is ready, one has exited,
+        a peer is lost, a stop is requested or ``deadline`` passes; True if all were ready."""
+        while True:
+            ready = _listed(control_dir, protocol.handoff_ready_file)
+            if not decisions.handoff_waits(self._poll_codes(), ready=ready):
+                return len(ready) == self._worker_group.spec.local_world_size
+            if self._stop.requested or self._membership.lost_peers():
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(HANDOFF_POLL_S)
+
+    def _stop_old_workers(self, procs: ProcessTracker, control_dir: str) -> None:
+        """The old workers, while the new ones wait: told it is a restart (unless a stop
+        file says it is a preemption), signalled, so that each stops at its step's end with
+        its copy (``TrainingSession``) and says so as it exits (``protocol.handed_off_file``);
+        one that does neither within the kill grace (blocked in a collective) is asked for
+        its just-in-time copy. The caller kills what is left."""
+        with contextlib.suppress(OSError):
+            if not os.path.exists(os.path.join(control_dir, protocol.STOP_FILE)):
+                open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
+        procs.signal_roots(signal.SIGTERM)
+        deadline = time.monotonic() + self._kill_grace_s
+        while not decisions.handed_off(
+            procs.poll_codes(), done=_listed(control_dir, protocol.handed_off_file)
+        ):
+            if time.monotonic() > deadline:
+                self._await_copies(control_dir, procs.poll_codes)
+                break
+            time.sleep(HANDOFF_POLL_S)
+
+    def _started(self, wg: WorkerGroup, pids: dict[int, Any]) -> None:
+        """What torch's ``_initialize_workers`` does after its start."""
+        for local_rank, pid in pids.items():
+            wg.workers[local_rank].id = pid
+        wg.state = WorkerState.HEALTHY
+
+    def _accelerator(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available()
 
     # ---- outcomes ------------------------------------------------------------------------
     def _on_failure(self, result: RunResult) -> decisions.Outcome:
@@ -454,9 +555,10 @@ class ElasticTrainAgent(LocalElasticAgent):
                 reason=new.changed_reason,
             )
 
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+    def _start_workers(self, worker_group: WorkerGroup, *, handoff: bool = False) -> dict[int, Any]:
+        """``handoff``: the previous attempt's workers still run (``_admit``)."""
         self._attempt += 1
-        control_dir = new_control_dir(self._control_root, self._attempt)
+        control_dir = new_control_dir(self._control_root, self._attempt, handoff=handoff)
         self._stop.control_dir = control_dir
         # torch derives TORCHELASTIC_RESTART_COUNT from its own counter: keep it equal to ours
         torch_compat.set_remaining_restarts(self, self._cfg.max_restarts - self._state.restarts)
@@ -479,6 +581,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             restart_count=self._state.restarts,
             pids=sorted(pids.values()),
             warm=warm_workers.all_warm(popens),
+            alongside=handoff,
         )
         return pids
 
@@ -487,18 +590,24 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._procs.kill(grace_s=self._kill_grace_s)
         super()._stop_workers(worker_group)
 
-    def _await_copies(self) -> None:
+    def _await_copies(
+        self,
+        control_dir: str | None = None,
+        poll_codes: Callable[[], dict[int, int | None]] | None = None,
+    ) -> None:
         """Ask the workers for their just-in-time copy (``protocol.copy_now_fifo``) and wait
         until each has answered or exited, at most ``COPY_WAIT_S``: the group is about to
-        end, and a consistent survivor's state is what the next group resumes from."""
-        control_dir = self._stop.control_dir
+        end, and a consistent survivor's state is what the next group resumes from. The
+        current attempt's workers unless ``control_dir`` and ``poll_codes`` say whose."""
+        control_dir = control_dir or self._stop.control_dir
+        poll_codes = poll_codes or self._poll_codes
         if control_dir is None:
             return
         for rank in _listed(control_dir, protocol.copier_file):
             protocol.request_copy(os.path.join(control_dir, protocol.copy_now_fifo(rank)))
         deadline = time.monotonic() + COPY_WAIT_S
         while decisions.copies_pending(
-            self._poll_codes(),
+            poll_codes(),
             copiers=_listed(control_dir, protocol.copier_file),
             answered=_listed(control_dir, protocol.copied_file),
         ):

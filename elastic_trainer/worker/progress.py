@@ -18,6 +18,8 @@ STOP_PREEMPTED = "preempted"
 STOP_PEER_PREEMPTED = "peer_preempted"
 STOP_MAX_STEPS = "max_steps"
 STOP_RESTARTING = "restarting"  # the supervisor itself is stopping the workers to restart
+# a peer node's supervisor is restarting the group (ours is about to, or will see us leave)
+STOP_PEER_RESTARTING = "peer_restarting"
 
 
 class ProgressFile:
@@ -154,11 +156,32 @@ class MetricsReporter:
         return rate if math.isfinite(rate) else None
 
 
+# A rank's stop in the step's all-reduce (a sum): a restart counts 1, a preemption this much,
+# more than any world size, so the sum says both whether anyone stops and whether anyone's
+# node is going away.
+STOP_VOTE_PREEMPTED = 1 << 24
+
+
+def stop_vote(reason: str | None) -> int:
+    """What this rank adds to the step's stop sum: 0 (no stop of its own), 1 (its supervisor
+    restarts the group), ``STOP_VOTE_PREEMPTED`` (its node is being preempted)."""
+    if reason is None:
+        return 0
+    return 1 if reason == STOP_RESTARTING else STOP_VOTE_PREEMPTED
+
+
+def peer_stop_reason(votes: int) -> str:
+    """Why a rank without a stop of its own stops, from the group's sum of ``stop_vote``: every
+    stopping rank's supervisor is restarting the group (the state stays on every node: the new
+    group resumes from memory), or some node is going away (its state with it: storage)."""
+    return STOP_PEER_PREEMPTED if votes >= STOP_VOTE_PREEMPTED else STOP_PEER_RESTARTING
+
+
 def stop_exit_code(reason: str | None) -> int | None:
     """The worker's exit code after a coordinated stop (None: not a preemption stop)."""
     if reason in (STOP_PREEMPTED, STOP_RESTARTING):
         return protocol.EXIT_PREEMPTED
-    if reason == STOP_PEER_PREEMPTED:
+    if reason in (STOP_PEER_PREEMPTED, STOP_PEER_RESTARTING):
         return protocol.EXIT_PEER_PREEMPTED
     return None
 

@@ -23,19 +23,22 @@ from elastic_trainer.errors import ConfigError, SamplerStateError
 from elastic_trainer.worker import distributed as D
 from elastic_trainer.worker.audit import AuditLog, AuditRecord
 from elastic_trainer.worker.context import WorkerContext
+from elastic_trainer.worker.handoff import await_handoff, say_aware, say_handed_off
 from elastic_trainer.worker.interval import Interval
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier as ShardedTier
 from elastic_trainer.worker.progress import (
     STOP_MAX_STEPS,
-    STOP_PEER_PREEMPTED,
     STOP_PREEMPTED,
     STOP_RESTARTING,
+    STOP_VOTE_PREEMPTED,
     EventForwarder,
     MetricsReporter,
     ProgressFile,
     StopSignals,
     figures_of,
+    peer_stop_reason,
     stop_exit_code,
+    stop_vote,
 )
 from elastic_trainer.worker.sampler import ElasticSampler
 from elastic_trainer.worker.snapshotting import (
@@ -84,6 +87,9 @@ class TrainingSession:
     ) -> None:
         _check_keys(state)
         self.context = D.init_worker(context, configure_logs=configure_logs)
+        # started while the previous workers still train (a node joins): they stop first
+        await_handoff(self.context.control_dir, self.context.local_rank)
+        say_aware(self.context.control_dir, self.context.local_rank)
         self.state = dict(state)
         self.sampler = sampler
         self.max_steps = max_steps
@@ -261,14 +267,14 @@ class TrainingSession:
         """Call after every ``optimizer.step()``. ``num_samples`` (this rank's samples of the
         step) is needed only without a global batch."""
         self._check_micro_batches()
-        own_stop = self._own_stop_requested()
+        own_stop = self._own_stop_reason() if self._own_stop_requested() else None
         plain = self.sampler is not None and self.sampler.global_batch_size is None
         if plain and num_samples is None:
             raise ConfigError(
                 "ElasticSampler without global_batch_size: call step_done(num_samples=len(batch))"
             )
-        any_stop, total, *figures = D.all_reduce_ints(
-            [int(own_stop), num_samples or 0, *self._interval_figures()]
+        votes, total, *figures = D.all_reduce_ints(
+            [stop_vote(own_stop), num_samples or 0, *self._interval_figures()]
         )
         self._observe_interval(figures)
         with self._counting():
@@ -281,8 +287,9 @@ class TrainingSession:
             self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
             self._memory_cost_s = time.perf_counter() - began
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
-        if any_stop:
-            self._stop(self._own_stop_reason() if own_stop else STOP_PEER_PREEMPTED)
+        if votes:
+            preempted = votes >= STOP_VOTE_PREEMPTED  # some node goes away: storage
+            self._stop(own_stop or peer_stop_reason(votes), anyone_preempted=preempted)
         elif self.max_steps is not None and self.step >= self.max_steps:
             self.stop_reason = STOP_MAX_STEPS
         elif self._interval.due(self.step, self._last_periodic):
@@ -417,22 +424,24 @@ class TrainingSession:
             )
         )
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, *, anyone_preempted: bool) -> None:
         self.stop_reason = reason
         received = self._signals.received
         if D.rank() == 0 or received is not None:
             emit("session.stopping", step=self.step, reason=reason, signal=received)
-        if not self._resumes_from_memory():
+        if anyone_preempted or not self._resumes_from_memory():
             self._save(blocking=True, deadline_s=self._final_deadline())
 
     def _resumes_from_memory(self) -> bool:
-        """Collective: the supervisor restarts the group and every rank holds its part of this
-        step's in-memory copy (taken in this ``step_done``): the new group resumes from it, a
-        storage save would only lengthen the pause. A copy that failed or was skipped on any
-        rank (tmpfs full, a sharded write still running) means the storage save after all, on
-        every rank together. A preemption still saves: the memory copy dies with the node."""
+        """Collective: supervisors restart the group (no node is going away: every stopping
+        rank said so in the step's all-reduce, so every rank gets here) and every rank holds
+        its part of this step's in-memory copy (taken in this ``step_done``): the new group
+        resumes from it, a storage save would only lengthen the pause. A copy that failed or
+        was skipped on any rank (tmpfs full, a sharded write still running) means the storage
+        save after all, on every rank together. A preemption still saves: the memory copy dies
+        with the node."""
         memory = self._memory
-        if self.stop_reason != STOP_RESTARTING or memory is None:
+        if memory is None:
             return False  # the same on every rank: none enters the agreement below
         if memory.due(self.step):
             held = memory.holds(self.step)
@@ -491,6 +500,8 @@ class TrainingSession:
             self._save(blocking=True)
         code = stop_exit_code(self.stop_reason)
         self.close(ended=code is None)
+        if code is not None and self.exit_on_stop:  # nothing a successor uses is left open
+            say_handed_off(self.context.control_dir, self.context.local_rank)
         D.shutdown()
         if code is not None and self.exit_on_stop:
             sys.exit(code)

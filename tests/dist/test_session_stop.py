@@ -70,3 +70,26 @@ def test_a_peer_nodes_stop_exits_peer_preempted(tmp_path, worker_env):
     assert steps[0] == {(s, r) for s in (1, 2, 3, 4) for r in (0, 1)}
     assert min(step for step, _ in steps[1]) == 5
     assert (tmp_path / "final.pt").exists()
+
+
+def test_a_peer_nodes_restart_is_no_preemption_and_saves_nothing_to_storage(tmp_path, worker_env):
+    """Rank 0's supervisor restarts the group (its marker, then SIGTERM); rank 1, another
+    node, learns it in the step's all-reduce: both stop at that step with their in-memory
+    copy, and neither writes a storage snapshot (no node is going away)."""
+    result = _launch(
+        tmp_path, worker_env, "--control-dir-per-rank", "--stop-at-step", "0",
+        "--restart-at-step", "3",
+    )  # fmt: skip
+    assert result.returncode == protocol.SUPERVISOR_EXIT_OK, result.output[-3000:]
+    # (rank 1, unsignalled, says nothing: its exit code says it stopped for a peer)
+    stopping = {e["rank"]: e["reason"] for e in result.named("session.stopping")}
+    assert stopping == {0: "restarting"}, result.output[-3000:]
+    failed = result.named("worker.failed")
+    assert [(e["rank"], e["exit_code"]) for e in failed] == [(1, protocol.EXIT_PEER_PREEMPTED)]
+    restored = result.named("snapshot.restored")
+    assert {(e["step"], e["source"]) for e in restored} == {(4, "memory")}, restored
+    steps = _steps_by_attempt(tmp_path)
+    assert steps[0] == {(s, r) for s in (1, 2, 3, 4) for r in (0, 1)}
+    assert min(step for step, _ in steps[1]) == 5
+    saved = [e["step"] for e in result.named("snapshot.saved")]
+    assert 4 not in saved, saved  # the stop saved nothing to storage

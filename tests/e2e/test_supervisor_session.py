@@ -167,13 +167,18 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(
     hold.unlink()
     assert (grow["old_world_size"], grow["reason"]) == (1, "node_joined")
     assert a.wait(180) == 0 and c.wait(60) == 0
+    # a's new workers started while the old ones trained, which stopped once they were ready
+    admitted = [e for e in a.events("workers.started") if e["world_size"] == 2][-1]
+    assert admitted["alongside"] is True
+    handed_over = a.events("group.handed_over")  # (b's join too, if a trained alone first)
+    assert handed_over and all(e["ready"] for e in handed_over), handed_over
     # the new node had no copy of its own
     assert [e["source"] for e in c.events("snapshot.restored")][:1] == [joiner_source]
     finished = a.events("job.finished")[-1]
     assert finished["status"] == "succeeded" and finished["restarts"] == 0  # membership is free
     # node a was never preempted: its supervisor's own restarts must not read as preemptions
-    reasons = {e["reason"] for e in a.events("session.stopping")}
-    assert "preempted" not in reasons, reasons
+    reasons = {e["reason"] for e in [*a.events("session.stopping"), *c.events("session.stopping")]}
+    assert not reasons & {"preempted", "peer_preempted"}, reasons  # nor a peer's restart
 
     kept = _assert_exactly_once(audit)
     sizes = [r.world_size for r in kept]

@@ -306,3 +306,43 @@ def copies_pending(
         for rank, code in codes.items()
         if code is None and rank in copiers and rank not in answered
     }
+
+
+def start_alongside(local_ranks: Iterable[int], *, aware: Set[int], accelerator: bool) -> bool:
+    """A node joins: may the new workers start alongside the old ones, which stop only once
+    the new ones are ready (``worker.handoff``), with the new round formed while they train?
+    Only when every old worker said its successor waits for the handoff
+    (``protocol.handoff_aware_file``: a ``TrainingSession``; any other script would train
+    alongside the old group and write its own snapshots), and on a node without GPUs: the
+    new processes would hold a second copy of the model in device memory while the old ones
+    still hold theirs."""
+    return not accelerator and all(rank in aware for rank in local_ranks)
+
+
+def handoff_waits(codes: Mapping[int, int | None], *, ready: Set[int]) -> bool:
+    """Do the old workers train on while the new ones (``codes``: local rank -> exit code)
+    start? Until every new one is ready (its process group is up), or one has exited: then
+    waiting longer cannot help, and the loop that follows sees the exit."""
+    if any(code is not None for code in codes.values()):
+        return False
+    return any(rank not in ready for rank in codes)
+
+
+def round_before_stop(outcome: Outcome) -> bool:
+    """Does this re-form join the new round while the workers train on, and stop them only
+    once it has formed? For a node joining: nothing is wrong with the running group, so it
+    trains while the round forms (0.4-0.8 s in docs/benchmarks.md's join). After a failure the
+    workers are stopped first: the group is broken, and a node that rejoins at once is what
+    closes the round."""
+    return (
+        outcome.state.membership_reason == MembershipReason.NODE_JOINED
+        and outcome.decision is not None
+        and outcome.decision.backoff_s == 0
+    )
+
+
+def handed_off(codes: Mapping[int, int | None], *, done: Set[int]) -> bool:
+    """Have the old workers (``codes``: local rank -> exit code) let go of the state? Each
+    has exited or said it is done (``protocol.handed_off_file``: only its interpreter's exit
+    is left, which the new workers need not wait for)."""
+    return all(code is not None or rank in done for rank, code in codes.items())

@@ -135,6 +135,38 @@ class ProcessTracker:
                 self._known[local_rank] = {(popen.pid, proc.create_time()): proc}
         self.refresh()
 
+    def handover(self) -> ProcessTracker:
+        """A tracker of the current attempt's workers alone; this one then tracks nothing
+        until ``track``: the next attempt's workers start while these stop (a join)."""
+        old = ProcessTracker()
+        old._roots, old._popens, old._known = self._roots, self._popens, self._known
+        old.killed_pids, old._spared = self.killed_pids, self._spared
+        self._roots, self._popens, self._known = {}, {}, {}
+        return old
+
+    def signal_roots(self, sig: signal.Signals) -> None:
+        """``sig`` to each worker's own process only: a ``TrainingSession`` stops at its
+        step's end, its DataLoader workers must live until then."""
+        for popen in self._popens.values():
+            if popen.poll() is None:
+                self.killed_pids.add(popen.pid)
+                with contextlib.suppress(OSError):
+                    os.kill(popen.pid, sig)
+                    os.kill(popen.pid, signal.SIGCONT)
+
+    def poll_codes(self) -> dict[int, int | None]:
+        """local rank -> exit code of each worker's own process (None: running)."""
+        return {local_rank: popen.poll() for local_rank, popen in self._popens.items()}
+
+    def wait_roots(self, deadline: float, poll_s: float = 0.005) -> bool:
+        """True once every worker's own process has exited (reaped by its Popen), False at
+        ``deadline``."""
+        while any(popen.poll() is None for popen in self._popens.values()):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
     @property
     def root_pids(self) -> set[int]:
         return {p.pid for p in self._popens.values()}
@@ -181,8 +213,9 @@ class ProcessTracker:
         _signal_all(procs, signal.SIGTERM)
         return [p.pid for p in procs]
 
-    def kill(self, *, grace_s: float) -> None:
-        """SIGTERM every tracked process (then SIGKILL after ``grace_s``); reap orphans.
+    def kill(self, *, grace_s: float, reap: bool = True) -> None:
+        """SIGTERM every tracked process (then SIGKILL after ``grace_s``); reap orphans
+        (``reap``: not while another attempt's workers start, which are no orphans).
 
         Workers themselves are reaped only through their Popen objects: reaping them with
         waitpid behind torch's back would make Popen report exit code 0 (ECHILD).
@@ -192,12 +225,15 @@ class ProcessTracker:
         self.killed_pids.update(p.pid for p in procs)
         if grace_s > 0 and procs:
             _signal_all(procs, signal.SIGTERM)
-            procs = self._wait(procs, time.monotonic() + grace_s)
+            procs = self._wait(procs, time.monotonic() + grace_s, reap=reap)
         _signal_all(procs, signal.SIGKILL)
-        self._wait(procs, time.monotonic() + 5)
-        reap_strays(keep=self._keep())
+        self._wait(procs, time.monotonic() + 5, reap=reap)
+        if reap:
+            reap_strays(keep=self._keep())
 
-    def _wait(self, procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    def _wait(
+        self, procs: list[psutil.Process], deadline: float, *, reap: bool = True
+    ) -> list[psutil.Process]:
         """Wait until ``procs`` are gone or the deadline passes; return those still alive."""
         popen_of = {p.pid: p for p in self._popens.values()}
         while True:
@@ -206,7 +242,8 @@ class ProcessTracker:
             procs = [p for p in procs if _running(p)]
             if not procs or time.monotonic() >= deadline:
                 return procs
-            reap_strays(keep=self._keep())
+            if reap:
+                reap_strays(keep=self._keep())
             time.sleep(0.05)
 
 

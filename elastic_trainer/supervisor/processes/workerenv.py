@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RunConfig
 from elastic_trainer.contract.events import emit
 from elastic_trainer.private_files import NotOursError, private_dir
@@ -182,10 +183,19 @@ def make_control_root(cfg: RunConfig) -> str:
     return tempfile.mkdtemp(prefix=f"elastic-train-{os.getpid()}-", dir=base)
 
 
-def new_control_dir(root: str, attempt: int) -> str:
-    """An empty ``attempt-N`` folder; the previous attempt's is removed (stale stop files)."""
+def new_control_dir(root: str, attempt: int, *, handoff: bool = False) -> str:
+    """An empty ``attempt-N`` folder; the previous attempt's is removed (stale stop files),
+    except with ``handoff``: its workers still run, and this folder is marked
+    (``protocol.HANDOFF_FILE``) until they have stopped (``remove_control_dir`` then)."""
     path = os.path.join(root, f"attempt-{attempt}")
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
-    shutil.rmtree(os.path.join(root, f"attempt-{attempt - 1}"), ignore_errors=True)
+    if handoff:
+        open(os.path.join(path, protocol.HANDOFF_FILE), "w").close()
+    else:
+        remove_control_dir(os.path.join(root, f"attempt-{attempt - 1}"))
     return path
+
+
+def remove_control_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

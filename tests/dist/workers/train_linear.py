@@ -45,6 +45,12 @@ def parse() -> argparse.Namespace:
         "--stop-at-step", type=int, default=None, help="rank 0 touches the stop file"
     )
     parser.add_argument(
+        "--restart-at-step",
+        type=int,
+        default=None,
+        help="rank 0 plays its supervisor restarting the group: restart marker, then SIGTERM",
+    )
+    parser.add_argument(
         "--control-dir-per-rank", action="store_true", help="each rank plays a node of its own"
     )
     parser.add_argument(
@@ -217,6 +223,13 @@ def _maybe_request_stop(args: argparse.Namespace, ctx: et.WorkerContext, step: i
     # Simulates the supervisor's preemption signal: rank 0 creates the node's stop file.
     if args.stop_at_step == step and ctx.rank == 0 and ctx.stop_file:
         open(ctx.stop_file, "w").close()
+    # ... or its restart of the group (agent._mark_restarting, then SIGTERM): once only
+    once = f"{args.out}.restarted"  # (a membership restart keeps restart_count)
+    if args.restart_at_step == step and ctx.rank == 0 and ctx.restart_file:
+        if not os.path.exists(once):
+            open(once, "w").close()
+            open(ctx.restart_file, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _maybe_crash(args: argparse.Namespace, ctx: et.WorkerContext, step: int) -> None:

@@ -17,7 +17,12 @@ from elastic_trainer.contract import protocol
 from elastic_trainer.errors import ConfigError, SamplerStateError
 from elastic_trainer.supervisor.core.watchdog import parse_progress
 from elastic_trainer.worker.context import WorkerContext, WorkerSettings
-from elastic_trainer.worker.progress import stop_exit_code
+from elastic_trainer.worker.progress import (
+    STOP_VOTE_PREEMPTED,
+    peer_stop_reason,
+    stop_exit_code,
+    stop_vote,
+)
 from elastic_trainer.worker.sampler import ElasticSampler
 from elastic_trainer.worker.session import TrainingSession
 
@@ -195,9 +200,28 @@ def test_max_steps_is_a_normal_finish(tmp_path):
     assert (tmp_path / "snapshots" / "step-000000000002").is_dir()
 
 
+@pytest.mark.parametrize(
+    ("reasons", "peer_reason"),
+    [
+        (["restarting"], "peer_restarting"),
+        (["restarting"] * 4096, "peer_restarting"),  # however many restart
+        (["preempted"], "peer_preempted"),
+        (["restarting", "preempted", None], "peer_preempted"),  # one node goes away: storage
+    ],
+)
+def test_a_peer_stop_says_whether_any_node_goes_away(reasons, peer_reason):
+    votes = sum(stop_vote(r) for r in reasons)
+    assert votes > 0
+    assert peer_stop_reason(votes) == peer_reason
+    assert (votes >= STOP_VOTE_PREEMPTED) == ("preempted" in reasons)
+    assert stop_vote(None) == 0
+
+
 def test_exit_codes_of_a_coordinated_stop():
     assert stop_exit_code("preempted") == protocol.EXIT_PREEMPTED
     assert stop_exit_code("peer_preempted") == protocol.EXIT_PEER_PREEMPTED
+    # a peer's restart is no reason for this node's supervisor to think the job is done
+    assert stop_exit_code("peer_restarting") == protocol.EXIT_PEER_PREEMPTED
     assert stop_exit_code("max_steps") is None
     assert stop_exit_code(None) is None
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -137,5 +139,43 @@ def test_terminate_sigterms_only_the_chosen_workers_and_does_not_kill(tmp_path):
         assert workers[1].pid in tracker.killed_pids  # its exit is ours, not a root cause
     finally:
         for worker in workers.values():
+            worker.kill()
+            worker.wait()
+
+
+def test_a_handed_over_attempt_stops_while_the_next_ones_workers_live(tmp_path):
+    """A join: the old workers are handed to a tracker of their own, told to stop (their own
+    process only: SIGTERM, which each here answers by exiting) and killed, while the new
+    attempt's worker, tracked by the original tracker, is neither signalled nor reaped."""
+    from elastic_trainer.supervisor.processes.procs import ProcessTracker
+
+    exits_on_term = textwrap.dedent(
+        """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+        print("ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    start = [sys.executable, "-c", exits_on_term]
+    old = {r: subprocess.Popen(start, stdout=subprocess.PIPE) for r in range(2)}
+    new = {0: subprocess.Popen(start, stdout=subprocess.PIPE)}
+    try:
+        for worker in [*old.values(), *new.values()]:
+            assert worker.stdout.readline() == b"ready\n"
+        tracker = ProcessTracker()
+        tracker.track(old)
+        handed = tracker.handover()
+        assert tracker.root_pids == set() and handed.root_pids == {p.pid for p in old.values()}
+        tracker.track(new)
+        assert handed.poll_codes() == {0: None, 1: None}
+        handed.signal_roots(signal.SIGTERM)
+        assert handed.wait_roots(time.monotonic() + 30)
+        assert handed.poll_codes() == {0: 7, 1: 7}
+        handed.kill(grace_s=0, reap=False)
+        assert new[0].poll() is None  # the new attempt's worker lives on
+        assert tracker.poll_codes() == {0: None}
+    finally:
+        for worker in [*old.values(), *new.values()]:
             worker.kill()
             worker.wait()

@@ -210,3 +210,53 @@ def test_a_node_joining_a_running_job_waits_for_its_warm_pool_first():
 def test_at_a_preemption_only_workers_outside_a_session_get_sigterm_at_once() -> None:
     assert decisions.signal_at_once(range(4), in_session={0: "p", 2: "p"}) == [1, 3]
     assert decisions.signal_at_once(range(2), in_session=()) == [0, 1]
+
+
+def test_only_a_join_forms_the_round_before_the_workers_stop() -> None:
+    state = SupervisorState()
+    assert decisions.round_before_stop(decisions.on_nodes_waiting(POLICY, state))
+    # the group is broken after a loss or a failure: stop first, as nodes rejoin at once
+    assert not decisions.round_before_stop(decisions.on_peers_gone(POLICY, state))
+    assert not decisions.round_before_stop(fail(state, r0=1))
+
+
+@pytest.mark.parametrize(
+    ("aware", "accelerator", "alongside"),
+    [
+        ({0, 1}, False, True),
+        ({0}, False, False),  # rank 1 runs a script that would not wait for the handoff
+        (set(), False, False),  # a plain script (even one that publishes progress)
+        ({0, 1}, True, False),  # GPUs: the new processes would need a second copy of the model
+    ],
+)
+def test_new_workers_start_alongside_only_where_they_wait_and_fit(aware, accelerator, alongside):
+    got = decisions.start_alongside(range(2), aware=aware, accelerator=accelerator)
+    assert got is alongside
+
+
+@pytest.mark.parametrize(
+    ("codes", "ready", "waits"),
+    [
+        ({0: None, 1: None}, set(), True),
+        ({0: None, 1: None}, {0}, True),
+        ({0: None, 1: None}, {0, 1}, False),  # every new worker has its group
+        ({0: None, 1: 1}, {0}, False),  # one died: waiting cannot help, the loop sees it
+        ({0: 0, 1: None}, set(), False),
+    ],
+)
+def test_the_old_workers_train_until_the_new_ones_are_ready_or_one_exits(codes, ready, waits):
+    assert decisions.handoff_waits(codes, ready=ready) is waits
+
+
+@pytest.mark.parametrize(
+    ("codes", "done", "handed"),
+    [
+        ({0: None, 1: None}, set(), False),
+        ({0: None, 1: None}, {0}, False),
+        ({0: None, 1: None}, {0, 1}, True),  # only their interpreters' exit is left
+        ({0: 0, 1: None}, {1}, True),
+        ({0: -9, 1: 75}, set(), True),  # exited, however
+    ],
+)
+def test_the_new_workers_go_on_once_each_old_one_has_exited_or_let_go(codes, done, handed):
+    assert decisions.handed_off(codes, done=done) is handed
