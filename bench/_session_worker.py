@@ -2,9 +2,9 @@
 
 The same job as tests/e2e/workers/proto_worker.py (one all-reduce per step through a tiny DDP
 model, 0.1 s steps, the same audit lines and timing markers), but its state is a model and an
-optimizer kept by ``elastic_trainer.TrainingSession``: restored from the in-memory tier or the
-snapshot directory, and copied to memory every ``--memory-snapshot-every`` steps (default 1),
-as a script written against the README's Python API gets it.
+optimizer kept by ``elastic_trainer.TrainingSession`` at its defaults: restored from the
+in-memory tier (copied just in time, when a group ends) or the snapshot directory, as a script
+written against the README's Python API gets it.
 
     elastic-train ... bench/_session_worker.py --steps N --step-time S --audit F --markers F
 """

@@ -18,7 +18,7 @@ one worker each). Three scenarios:
 
 Two workers (``--workers``): ``plain``, the script above, and ``session``
 (bench/_session_worker.py: the same job written against ``elastic_trainer.TrainingSession``,
-so it gets the in-memory tier, ``--memory-snapshot-every`` 1 by default). torchrun runs the
+so it gets the in-memory tier at its defaults: a copy just in time). torchrun runs the
 plain one only: under torchrun a ``TrainingSession`` has no in-memory tier (the supervisor
 provides its folder), so a session row for torchrun would restore from storage like the plain
 script.
