@@ -71,6 +71,10 @@ def test_node_loss_shrinks_then_a_new_node_grows_the_group(tmp_path, worker_env,
     steps = read_audit(audit)
     assert max(s for s, _, _ in steps) == 250
     assert [w for s, _, w in steps if s == 250] == [2, 2]  # finished at world size 2 again
+    # a script that is no TrainingSession is replaced after its old workers stopped, never
+    # alongside them (it would train beside them and write its own snapshots)
+    assert not any(e["alongside"] for e in a.events("workers.started"))
+    assert not a.events("group.handed_over")
 
 
 def test_sigterm_to_one_of_two_agents_stops_it_cleanly_and_the_other_continues(
