@@ -304,7 +304,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         file says it is a preemption), signalled, so that each stops at its step's end with
         its copy (``TrainingSession``) and says so as it exits (``protocol.handed_off_file``);
         one that does neither within the kill grace (blocked in a collective) is asked for
-        its just-in-time copy. The caller kills what is left."""
+        its just-in-time copy, then killed. The caller kills the rest once the new ones go on
+        (those that handed off are only exiting)."""
         with contextlib.suppress(OSError):
             if not os.path.exists(os.path.join(control_dir, protocol.STOP_FILE)):
                 open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
@@ -315,6 +316,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         ):
             if time.monotonic() > deadline:
                 self._await_copies(control_dir, procs.poll_codes)
+                # before the new ones go on: nothing of theirs (a snapshot write) may outlive it
+                procs.kill(grace_s=0, reap=False)
                 break
             time.sleep(HANDOFF_POLL_S)
 

@@ -694,3 +694,85 @@ def test_a_reform_never_waits_for_a_copy_from_a_plain_script(tmp_path, monkeypat
         ElasticTrainAgent._await_copies(plain)
     (tmp_path / protocol.copied_file(1)).write_text("copied")
     ElasticTrainAgent._await_copies(plain)
+
+
+class OldWorkers:
+    """The tracker a join hands the old attempt's workers to (``ProcessTracker.handover``),
+    scripted: they hand off when signalled, or (``stuck``) never; records what happened when."""
+
+    def __init__(self, journal: list[str], new_dir: Callable[[], str], stuck: bool) -> None:
+        self.journal, self.new_dir, self.stuck = journal, new_dir, stuck
+        self.signalled = False
+
+    def _released(self) -> bool:
+        return not (Path(self.new_dir()) / protocol.HANDOFF_FILE).exists()
+
+    def signal_roots(self, sig: Any) -> None:
+        ready = (Path(self.new_dir()) / protocol.handoff_ready_file(0)).exists()
+        self.journal.append(f"signal old (new ready: {ready}, released: {self._released()})")
+        self.signalled = True
+
+    def poll_codes(self) -> dict[int, int | None]:
+        return {0: 0 if self.signalled and not self.stuck else None}
+
+    def kill(self, *, grace_s: float, reap: bool = True) -> None:
+        self.journal.append(f"kill old (released: {self._released()}, reap: {reap})")
+
+
+def _join_alongside(tmp_path, *, stuck: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    from elastic_trainer.contract.config import TorchrunOptions
+
+    cfg = RunConfig(
+        max_restarts=3,
+        monitor_interval=0.01,
+        torchrun=TorchrunOptions(shutdown_timeout=0.05),  # the old workers' grace, here
+    )
+    rounds = [
+        Round(nodes=1, ticks=[{0: RUNNING}, {0: RUNNING}], waiting=[0, 1]),
+        Round(nodes=2, ticks=[{0: RUNNING}, {0: OK}]),
+    ]
+    agent = ScriptedAgent(Script(rounds), cfg, tmp_path)
+    journal: list[str] = []
+    alongside: list[str] = []  # the new attempt's control folder
+    old = OldWorkers(journal, lambda: alongside[0], stuck)
+    agent.procs.handover = lambda: old  # type: ignore[method-assign]
+    spawn = agent._spawn
+
+    def spawn_session(worker_group: Any) -> Any:
+        # a TrainingSession says its successor waits; one started alongside says it is ready
+        folder = Path(agent._stop.control_dir or "")
+        (folder / protocol.handoff_aware_file(0)).touch()
+        if (folder / protocol.HANDOFF_FILE).exists():
+            alongside.append(str(folder))
+            journal.append("new started alongside")
+            (folder / protocol.handoff_ready_file(0)).touch()
+        return spawn(worker_group)
+
+    agent._spawn = spawn_session  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        outcome = agent.supervise()
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    return logs, journal
+
+
+def test_a_join_starts_the_new_sessions_alongside_and_stops_the_old_once_they_are_ready(tmp_path):
+    logs, journal = _join_alongside(tmp_path, stuck=False)
+    assert journal == [
+        "new started alongside",
+        "signal old (new ready: True, released: False)",  # the new ones wait meanwhile
+        "kill old (released: True, reap: False)",  # only their exit was left
+    ]
+    started = named(logs, "workers.started")
+    assert [(e["world_size"], e["alongside"]) for e in started] == [(1, False), (2, True)]
+    (handed,) = named(logs, "group.handed_over")
+    assert handed["ready"] is True
+
+
+def test_old_workers_that_do_not_hand_over_are_killed_before_the_new_ones_go_on(tmp_path):
+    logs, journal = _join_alongside(tmp_path, stuck=True)
+    assert journal[:3] == [
+        "new started alongside",
+        "signal old (new ready: True, released: False)",
+        "kill old (released: False, reap: False)",  # a snapshot write of theirs must not
+    ]  # outlive the hand-over
+    assert named(logs, "group.handed_over")
