@@ -20,6 +20,7 @@ STOP_MAX_STEPS = "max_steps"
 STOP_RESTARTING = "restarting"  # the supervisor itself is stopping the workers to restart
 # a peer node's supervisor is restarting the group (ours is about to, or will see us leave)
 STOP_PEER_RESTARTING = "peer_restarting"
+RESTART_STOPS = (STOP_RESTARTING, STOP_PEER_RESTARTING)  # the state stays on every node
 
 
 class ProgressFile:

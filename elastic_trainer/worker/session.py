@@ -27,6 +27,7 @@ from elastic_trainer.worker.handoff import await_handoff, say_aware, say_handed_
 from elastic_trainer.worker.interval import Interval
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier as ShardedTier
 from elastic_trainer.worker.progress import (
+    RESTART_STOPS,
     STOP_MAX_STEPS,
     STOP_PREEMPTED,
     STOP_RESTARTING,
@@ -103,6 +104,7 @@ class TrainingSession:
         self.step = 0  # completed optimizer steps of the whole run
         self.restored_step: int | None = None
         self.stop_reason: str | None = None
+        self._stopped_for_restart = False  # see _stop
         self._micro = 0  # micro-batches of the step in progress seen by accumulate()
         self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
         url = self._setting("snapshot_dir", snapshot_dir)
@@ -426,10 +428,13 @@ class TrainingSession:
 
     def _stop(self, reason: str, *, anyone_preempted: bool) -> None:
         self.stop_reason = reason
+        # every stopping rank's supervisor restarts the group: all ranks know it from the
+        # step's all-reduce, so all of them (and none else) enter _resumes_from_memory
+        self._stopped_for_restart = not anyone_preempted and reason in RESTART_STOPS
         received = self._signals.received
         if D.rank() == 0 or received is not None:
             emit("session.stopping", step=self.step, reason=reason, signal=received)
-        if anyone_preempted or not self._resumes_from_memory():
+        if not self._resumes_from_memory():
             self._save(blocking=True, deadline_s=self._final_deadline())
 
     def _resumes_from_memory(self) -> bool:
@@ -441,7 +446,7 @@ class TrainingSession:
         save after all, on every rank together. A preemption still saves: the memory copy dies
         with the node."""
         memory = self._memory
-        if memory is None:
+        if not self._stopped_for_restart or memory is None:
             return False  # the same on every rank: none enters the agreement below
         if memory.due(self.step):
             held = memory.holds(self.step)

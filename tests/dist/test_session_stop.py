@@ -84,12 +84,15 @@ def test_a_peer_nodes_restart_is_no_preemption_and_saves_nothing_to_storage(tmp_
     # (rank 1, unsignalled, says nothing: its exit code says it stopped for a peer)
     stopping = {e["rank"]: e["reason"] for e in result.named("session.stopping")}
     assert stopping == {0: "restarting"}, result.output[-3000:]
+    out = result.output[-4000:]
     failed = result.named("worker.failed")
-    assert [(e["rank"], e["exit_code"]) for e in failed] == [(1, protocol.EXIT_PEER_PREEMPTED)]
+    assert [(e["rank"], e["exit_code"]) for e in failed] == [
+        (1, protocol.EXIT_PEER_PREEMPTED)
+    ], out
     restored = result.named("snapshot.restored")
-    assert {(e["step"], e["source"]) for e in restored} == {(4, "memory")}, restored
+    assert {(e["step"], e["source"]) for e in restored} == {(4, "memory")}, out
     steps = _steps_by_attempt(tmp_path)
-    assert steps[0] == {(s, r) for s in (1, 2, 3, 4) for r in (0, 1)}
-    assert min(step for step, _ in steps[1]) == 5
+    assert steps[0] == {(s, r) for s in (1, 2, 3, 4) for r in (0, 1)}, out
+    assert min(step for step, _ in steps[1]) == 5, out
     saved = [e["step"] for e in result.named("snapshot.saved")]
-    assert 4 not in saved, saved  # the stop saved nothing to storage
+    assert 4 not in saved, out  # the stop saved nothing to storage

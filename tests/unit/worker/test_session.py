@@ -41,7 +41,7 @@ def _data(n=10):
 
 
 class Job:
-    def __init__(self, tmp_path, *, max_micro=None, control_dir=None, **kwargs):
+    def __init__(self, tmp_path, *, max_micro=None, control_dir=None, memory_dir=None, **kwargs):
         torch.manual_seed(0)
         self.data = _data()
         self.model = nn.Linear(3, 1)
@@ -52,7 +52,9 @@ class Job:
         self.session = TrainingSession(
             {"model": self.model, "optimizer": self.optimizer},
             self.sampler,
-            context=WorkerContext(settings=WorkerSettings(control_dir=control_dir)),
+            context=WorkerContext(
+                settings=WorkerSettings(control_dir=control_dir, memory_dir=memory_dir)
+            ),
             snapshot_dir=str(tmp_path / "snapshots"),
             audit_dir=str(tmp_path / "audit"),
             configure_logs=False,
@@ -215,6 +217,20 @@ def test_a_peer_stop_says_whether_any_node_goes_away(reasons, peer_reason):
     assert peer_stop_reason(votes) == peer_reason
     assert (votes >= STOP_VOTE_PREEMPTED) == ("preempted" in reasons)
     assert stop_vote(None) == 0
+
+
+def test_a_job_that_ends_commits_its_final_snapshot_with_the_memory_tier_on(tmp_path):
+    """Regression: the restart stop's "resume from memory" check ran at every finish, and a
+    job that ended took its just-in-time copy in memory (freed at exit) for its final
+    snapshot: nothing was saved to storage."""
+    memory = tmp_path / "memory"
+    memory.mkdir(mode=0o700)
+    job = Job(tmp_path, max_steps=3, memory_dir=str(memory))
+    assert job.session._memory is not None  # the tier is on, as under the supervisor
+    job.train()
+    assert job.session.stop_reason == "max_steps"
+    assert job.session.finish() == 0
+    assert (tmp_path / "snapshots" / "step-000000000003").is_dir()
 
 
 def test_exit_codes_of_a_coordinated_stop():
