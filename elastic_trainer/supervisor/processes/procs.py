@@ -158,15 +158,6 @@ class ProcessTracker:
         """local rank -> exit code of each worker's own process (None: running)."""
         return {local_rank: popen.poll() for local_rank, popen in self._popens.items()}
 
-    def wait_roots(self, deadline: float, poll_s: float = 0.005) -> bool:
-        """True once every worker's own process has exited (reaped by its Popen), False at
-        ``deadline``."""
-        while any(popen.poll() is None for popen in self._popens.values()):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
-        return True
-
     @property
     def root_pids(self) -> set[int]:
         return {p.pid for p in self._popens.values()}
