@@ -33,6 +33,7 @@ from elastic_trainer.supervisor.processes import procs
 from elastic_trainer.supervisor.processes.workerenv import BOOTSTRAP_MODULE
 from elastic_trainer.supervisor.warm import client as warm_workers
 from elastic_trainer.supervisor.warm.decisions import modules_to_preload
+from elastic_trainer.supervisor.warm.launcher import WarmPool
 
 TINY = "import torch\nimport sys, time\nprint(time.time(), flush=True)\n"
 
@@ -63,7 +64,7 @@ def fresh(argv: list[str], *, until_exit: bool) -> float:
     return _timed(began, r, proc.wait, until_exit=until_exit)
 
 
-def warm(pool: warm_workers.WarmPool, argv: list[str], *, until_exit: bool) -> float:
+def warm(pool: WarmPool, argv: list[str], *, until_exit: bool) -> float:
     r, w = os.pipe()
     null = os.open(os.devnull, os.O_WRONLY)
     began = time.time()
@@ -74,7 +75,7 @@ def warm(pool: warm_workers.WarmPool, argv: list[str], *, until_exit: bool) -> f
 
 
 def measure(name: str, argv: list[str], *, until_exit: bool, trials: int) -> None:
-    pool = warm_workers.WarmPool.start(modules_to_preload(argv))
+    pool = WarmPool.start(modules_to_preload(argv))
     if not pool.wait_ready(300):
         raise SystemExit(f"the warm pool did not start: {pool.failure}")
     fresh_s, warm_s = [], []

@@ -202,7 +202,7 @@ class RunConfig:
     # Prometheus /metrics and /health (supervisor/metrics_server.py); None: not served
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # loopback unless the operator opens it up
-    # workers forked from a pool that has imported torch (supervisor/warm/client.py)
+    # workers forked from a pool that has imported torch (supervisor/warm/)
     warm_workers: bool = True
     # in-memory copies of the workers' state (worker.memory); off: storage snapshots only
     memory_tier: bool = True

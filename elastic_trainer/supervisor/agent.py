@@ -47,6 +47,7 @@ from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence, 
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
 from elastic_trainer.supervisor.warm import client as warm_workers
+from elastic_trainer.supervisor.warm.launcher import READY_TIMEOUT_S, WarmPool
 
 # kept for callers that compare statuses as strings (run.py, tests)
 STATUS_SUCCEEDED = JobStatus.SUCCEEDED.value
@@ -80,10 +81,6 @@ HANDOFF_READY_S = 60.0
 HANDOFF_POLL_S = 0.005
 
 
-# (config, the tracker to spare its process from reaping) -> the warm pool, or None
-StartPool = Callable[[RunConfig, ProcessTracker], warm_workers.WarmPool | None]
-
-
 def _listed(control_dir: str, name_of: Callable[[int], str]) -> set[int]:
     """The local ranks whose file ``name_of(rank)`` is in the control folder."""
     prefix = name_of(0)[:-1]
@@ -108,11 +105,12 @@ class ElasticTrainAgent(LocalElasticAgent):
         metrics: Any = None,  # metrics_server.SupervisorMetrics with --metrics-port
         procs: ProcessTracker | None = None,
         membership: MembershipWatch | None = None,
-        start_pool: StartPool | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
         """``procs`` and ``membership``: the worker processes and the peers are watched
-        through these instead of ones built here; ``start_pool`` starts the warm pool instead
-        of ``warm_workers.start_pool`` (tests script what the agent observes)."""
+        through these instead of ones built here (tests script what the agent observes).
+        ``pool``: the warm pool the supervisor started (``launcher.start_pool``), which the
+        agent closes when it ends; None: workers start as fresh processes."""
         super().__init__(
             spec,
             logs_specs,
@@ -152,10 +150,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         # --shutdown-timeout); short by default: every second here is downtime
         timeout = cfg.torchrun.shutdown_timeout
         self._kill_grace_s = 2.0 if timeout is None else timeout
-        # imports torch while the first rendezvous runs; None: workers start as fresh processes
-        if start_pool is None:
-            start_pool = warm_workers.start_pool
-        self._pool = start_pool(cfg, self._procs)
+        self._pool = pool
+        if pool is not None:
+            self._procs.spare(pool.pid)  # not a stray to reap between attempts
         self._joined_once = False  # a first join into a running job waits for the pool
 
     # ---- the loop ------------------------------------------------------------------------
@@ -656,7 +653,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if decisions.join_after_warm_pool(
             first_join=first_join, round_running=running, pool_ready=pool.ready
         ):
-            pool.wait_ready(warm_workers.READY_TIMEOUT_S, cancelled=lambda: self._stop.requested)
+            pool.wait_ready(READY_TIMEOUT_S, cancelled=lambda: self._stop.requested)
 
     def _announce_first_round(self) -> None:
         """Why a job that could start now waits: its first round stays open for the other
@@ -691,7 +688,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         from the warm pool where it can serve (``warm_workers``), else as torch does."""
         pool = self._pool
         if pool is None or not pool.wait_ready(
-            warm_workers.READY_TIMEOUT_S, cancelled=lambda: self._stop.requested
+            READY_TIMEOUT_S, cancelled=lambda: self._stop.requested
         ):
             pids = super()._start_workers(worker_group)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
 import os
 import shutil
 import sys
@@ -39,6 +40,7 @@ from elastic_trainer.supervisor.cli import preflight as entrypoint_preflight
 
 if TYPE_CHECKING:  # the agent imports torch: run.py loads it only once a run starts
     from elastic_trainer.supervisor.agent import AgentOutcome
+    from elastic_trainer.supervisor.warm.launcher import WarmPool
 
 # torch's C++ warnings (c10d's TCPStore retries, with stack traces) are noise in a job whose
 # failures we report as events; errors still show. Set before torch loads; workers inherit it.
@@ -57,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     stop, previous = signals.install_early()
     argv = list(sys.argv[1:] if argv is None else argv)
+    pool = None
     try:
         cfg = args.parse(argv)
         _check_log_file(cfg.worker.log_file)
@@ -72,28 +75,59 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "supervisor_run": uuid.uuid4().hex[:16],
             },
         )
+        pool = prepare_node(cfg)
         claimed = claim_store_port(cfg)
         preflight(cfg)
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
         serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
     except signals.StopRequested:
+        _close(pool)
         signals.restore(previous)
         return protocol.SUPERVISOR_EXIT_PREEMPTED
     except ElasticTrainError as exc:  # config, dataset, storage: found before any worker starts
+        _close(pool)
         signals.restore(previous)
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except SystemExit as exc:  # --help
+        _close(pool)
         signals.restore(previous)
         return int(exc.code or 0)
     router = None
     if resolve_format(cfg.worker.log_format) == "json":  # type: ignore[arg-type]
         router = stderr_router.install(static_fields)
     try:
-        return Supervisor(cfg, serving=serving, claimed=claimed).run()
+        return Supervisor(cfg, serving=serving, claimed=claimed, pool=pool).run()
     finally:
+        _close(pool)
         if router is not None:
             router.close()
+
+
+def prepare_node(cfg: RunConfig) -> WarmPool | None:
+    """What every process this supervisor starts inherits -- the workers' environment and
+    the guards that make them die with us -- then the warm pool, first thing: it imports
+    torch while this process imports its own, binds the store and runs the preflight
+    (seconds each on a loaded machine), instead of after them."""
+    from elastic_trainer.supervisor.processes import procs, workerenv
+    from elastic_trainer.supervisor.warm import launcher
+
+    # Workers must not reuse the agent's store across rounds: a restarted rank would read
+    # the dead rank 0's address and dial it, and scale-up deadlocks (torchrun shares it,
+    # and its worker-crash and node-join recoveries never finish: docs/command-line.md,
+    # "Recovery defaults").
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if cfg.nproc_per_node > 1 else "")
+    if not os.environ["OMP_NUM_THREADS"]:
+        del os.environ["OMP_NUM_THREADS"]
+    workerenv.tune_malloc(os.environ)  # read when a process starts: before the pool's
+    procs.guard_node()
+    return launcher.start_pool(cfg)
+
+
+def _close(pool: WarmPool | None) -> None:
+    if pool is not None:
+        pool.close()
 
 
 def _start_metrics(cfg: RunConfig) -> Any:
@@ -211,9 +245,21 @@ def claim_store_port(cfg: RunConfig) -> Any:
 def hosts_store(cfg: RunConfig) -> bool:
     if cfg.is_host is not None:
         return cfg.is_host
+    if is_loopback(cfg.rdzv_host):  # torch's answer too, without importing torch (seconds)
+        return True  # before the port is claimed: the agent started first must win it
     from elastic_trainer import torch_compat
 
     return torch_compat.matches_machine_hostname(cfg.rdzv_host)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address: this machine, whatever its name."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def check_endpoint(host: str, port: int, *, read_timeout_s: float) -> None:
@@ -241,33 +287,29 @@ def _route_torch_logs() -> None:
 
 # ---- the run ------------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, cfg: RunConfig, *, serving: Any = None, claimed: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        serving: Any = None,
+        claimed: Any = None,
+        pool: WarmPool | None = None,
+    ) -> None:
         self.cfg = cfg
         self.serving = serving  # metrics_server.Serving, started by main (None: started here)
         self.claimed = claimed  # the store's port, bound by main (``claim_store_port``)
+        self.pool = pool  # the warm pool, started by main (``prepare_node``); None: no pool
         self.goodput_estimated = False  # the agent's goodput came from worker run times
 
     def run(self) -> int:
-        cfg = self.cfg
         started = time.monotonic()
-        # Workers must not reuse the agent's store across rounds: a restarted rank would read
-        # the dead rank 0's address and dial it, and scale-up deadlocks (torchrun shares it,
-        # and its worker-crash and node-join recoveries never finish: docs/command-line.md,
-        # "Recovery defaults").
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        os.environ.setdefault("OMP_NUM_THREADS", "1" if cfg.nproc_per_node > 1 else "")
-        if not os.environ["OMP_NUM_THREADS"]:
-            del os.environ["OMP_NUM_THREADS"]
-        from elastic_trainer.supervisor.processes import procs, signals, workerenv
-
-        workerenv.tune_malloc(os.environ)  # before any worker (or warm pool) is started
+        from elastic_trainer.supervisor.processes import signals
 
         _route_torch_logs()
 
         stop = signals.process_stop()
         signals.install(stop)
-        procs.guard_node()
-        with self.serving or _start_metrics(cfg) as metrics:
+        with self.serving or _start_metrics(self.cfg) as metrics:
             return self._supervise(stop, metrics, started)
 
     def _supervise(self, stop: object, metrics: object, started: float) -> int:
@@ -275,6 +317,7 @@ class Supervisor:
 
         emit("supervisor.started", **self.cfg.summary())
         outcome = self._run_agent(stop, metrics)
+        _close(self.pool)  # the agent closed it, unless it never started
         procs.reap_strays(keep=set())
         code, error, goodput = outcome.exit_code, outcome.error, outcome.goodput
         if error and resolve_format(self.cfg.worker.log_format) == "console":  # type: ignore[arg-type]
@@ -382,6 +425,7 @@ class Supervisor:
             stop=stop,  # type: ignore[arg-type]
             control_root=control_root,
             metrics=metrics,
+            pool=self.pool,
         )
         try:
             outcome = agent.supervise()

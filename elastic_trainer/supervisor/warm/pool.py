@@ -1,7 +1,7 @@
 """The warm pool: a process that has imported torch once and forks workers on request.
 
 ``python -u -m elastic_trainer.supervisor.warm.pool FD MODULE...``, started by the supervisor
-(``warm_workers.WarmPool``) with one end of a ``SOCK_SEQPACKET`` socket pair as FD. A fresh
+(``launcher.WarmPool``) with one end of a ``SOCK_SEQPACKET`` socket pair as FD. A fresh
 worker pays 2-2.7 s of ``python`` + ``import torch`` (+ the script's imports) before its first
 line; a worker forked from here pays a ``fork``. The pool imports the MODULEs it is given
 (torch, and the job's own known-safe imports), warms torch up (``warm_up``), says ``ready``,

@@ -19,13 +19,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessF
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RestartTuning, RunConfig
-from elastic_trainer.supervisor.agent import ElasticTrainAgent, StartPool
+from elastic_trainer.supervisor.agent import ElasticTrainAgent
 from elastic_trainer.supervisor.core.watchdog import HangVerdict
 from elastic_trainer.supervisor.processes.procs import ProcessTracker
 from elastic_trainer.supervisor.processes.signals import StopRequest
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 from elastic_trainer.supervisor.rendezvous.presence import PeerWatch
-from elastic_trainer.supervisor.warm.client import WarmPool
+from elastic_trainer.supervisor.warm.launcher import WarmPool
 
 OK, RUNNING = 0, None
 
@@ -209,7 +209,7 @@ class ScriptedAgent(ElasticTrainAgent):
         cfg: RunConfig,
         tmp_path: Any,
         nproc: int = 1,
-        start_pool: StartPool | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
         self.script = script
         self.error_file = "/nonexistent"  # torch's: what the worker wrote under @record
@@ -241,7 +241,7 @@ class ScriptedAgent(ElasticTrainAgent):
             control_root=str(tmp_path),
             procs=self.procs,
             membership=membership,
-            start_pool=start_pool,
+            pool=pool,
         )
 
     def _join_round(self, worker_group: Any) -> None:
@@ -616,6 +616,7 @@ class _Pool(WarmPool):
 
     def __init__(self) -> None:  # no process, no socket: nothing of WarmPool's own state
         self.waits = 0
+        self.proc = SimpleNamespace(pid=4242)  # type: ignore[assignment]  # only its pid
 
     @property
     def ready(self) -> bool:
@@ -646,7 +647,7 @@ class _Rdzv:
 def _first_join(state: Any, tmp_path: Path) -> int:
     pool = _Pool()
     script = Script([Round(nodes=1, ticks=[{0: OK}])])
-    agent = ScriptedAgent(script, RunConfig(), tmp_path, start_pool=lambda cfg, procs: pool)
+    agent = ScriptedAgent(script, RunConfig(), tmp_path, pool=pool)
     agent._warm_up_before_joining(_Rdzv(state))
     agent._warm_up_before_joining(_Rdzv(state))
     return pool.waits

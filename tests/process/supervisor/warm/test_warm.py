@@ -22,7 +22,7 @@ from elastic_trainer.contract.config import Entrypoint, RunConfig
 from elastic_trainer.supervisor.processes import procs
 from elastic_trainer.supervisor.processes.workerenv import BOOTSTRAP_MODULE
 from elastic_trainer.supervisor.warm import client as warm_workers
-from elastic_trainer.supervisor.warm.client import WarmPool, WarmPoolUnavailable, WarmProcess
+from elastic_trainer.supervisor.warm.client import WarmProcess
 from elastic_trainer.supervisor.warm.decisions import (
     BASE_MODULES,
     SESSION_MODULES,
@@ -31,6 +31,7 @@ from elastic_trainer.supervisor.warm.decisions import (
     pool_argv,
     pool_refusal,
 )
+from elastic_trainer.supervisor.warm.launcher import WarmPool, WarmPoolUnavailable
 from tests import ROOT as TESTS_ROOT
 
 ROOT = str(TESTS_ROOT)
