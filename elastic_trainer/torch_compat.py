@@ -326,6 +326,11 @@ def take_processes(agent: Any) -> Any:
     return pcontext
 
 
+def give_processes(agent: Any, pcontext: Any) -> None:
+    """Make ``pcontext`` (one ``take_processes`` took) the agent's running workers again."""
+    agent._pcontext = pcontext
+
+
 def worker_popens(agent: Any) -> dict[int, subprocess.Popen]:
     """local rank -> Popen of the agent's current workers (empty before the first start)."""
     pcontext = agent._pcontext

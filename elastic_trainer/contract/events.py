@@ -49,6 +49,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
     "group.handed_over": ("ready", "start_s", "stop_s"),
+    "group.handover_abandoned": ("reason", "start_s", "consequence"),
     "preemption.received": ("signal", "grace_s", "signalled_ranks"),
     "recovery.completed": (
         "cause",

@@ -182,7 +182,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         wg.spec.rdzv_handler.dead_now = self._membership.lost_peers
         self._initialize_workers(wg)
         while True:
-            if self._stop.wait(self._cfg.monitor_interval):
+            changes = [*self._procs.exit_fds(), *self._membership.watched_fds()]
+            if self._stop.wait_for_change(self._cfg.monitor_interval, changes):
                 return self._preempt()
             result = self._monitor_workers(wg)
             wg.state = result.state
@@ -262,7 +263,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         pids = self._start_workers(wg, handoff=True)
         new_dir = self._stop.control_dir
         self._stop.control_dir = old_dir  # a stop request now reaches the workers that train
-        ready = self._await_new_workers(new_dir or "", began + HANDOFF_READY_S)
+        step = self._await_new_workers(new_dir or "", began + HANDOFF_READY_S)
+        if step == decisions.Handoff.ABANDON:
+            self._abandon_new_workers(wg, old_procs, old_context, new_dir or "", began)
+            return
+        ready = step == decisions.Handoff.READY
         stopping = time.monotonic()
         self._stop_old_workers(old_procs, old_dir)
         self._stop.control_dir = new_dir
@@ -275,6 +280,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if self._stop.requested:  # it reached the old workers: tell the new ones too
             self._stop.write_stop_file()
         remove_control_dir(old_dir)
+        self._attempt_began()
         emit(
             "group.handed_over",
             ready=ready,
@@ -283,18 +289,56 @@ class ElasticTrainAgent(LocalElasticAgent):
         )
         self._started(wg, pids)
 
-    def _await_new_workers(self, control_dir: str, deadline: float) -> bool:
-        """Wait while the old workers train until every new one is ready, one has exited,
-        a peer is lost, a stop is requested or ``deadline`` passes; True if all were ready."""
+    def _await_new_workers(self, control_dir: str, deadline: float) -> decisions.Handoff:
+        """Wait while the old workers train, until ``decisions.handoff_step`` says otherwise:
+        every new worker ready, one exited, the round moved on, a stop, a lost peer, or
+        ``deadline``."""
+        moved_on, next_read = False, 0.0
         while True:
-            ready = _listed(control_dir, protocol.handoff_ready_file)
-            if not decisions.handoff_waits(self._poll_codes(), ready=ready):
-                return len(ready) == self._worker_group.spec.local_world_size
-            if self._stop.requested or self._membership.lost_peers():
-                return False
-            if time.monotonic() > deadline:
-                return False
+            if time.monotonic() >= next_read:  # a store read: as often as the loop's own
+                moved_on = self._membership.nodes_waiting() > 0
+                next_read = time.monotonic() + self._cfg.monitor_interval
+            step = decisions.handoff_step(
+                self._poll_codes(),
+                ready=_listed(control_dir, protocol.handoff_ready_file),
+                round_moved_on=moved_on,
+                interrupted=bool(
+                    self._stop.requested
+                    or self._membership.lost_peers()
+                    or time.monotonic() > deadline
+                ),
+            )
+            if step != decisions.Handoff.WAIT:
+                return step
             time.sleep(HANDOFF_POLL_S)
+
+    def _abandon_new_workers(
+        self,
+        wg: WorkerGroup,
+        old_procs: ProcessTracker,
+        old_context: Any,
+        new_dir: str,
+        began: float,
+    ) -> None:
+        """The round moved on before the new workers had their group: they go (killed: they
+        wait before they touch any state, ``worker.handoff``), and the old ones, which never
+        stopped, are this node's workers again. The loop sees the waiting node next and
+        forms the next round the same way, alongside."""
+        self._procs.kill(grace_s=0, reap=False)  # the old ones would look like strays
+        new_context = torch_compat.take_processes(self)
+        if new_context is not None:
+            new_context.close(timeout=1)
+        self._procs.take_back(old_procs)
+        torch_compat.give_processes(self, old_context)
+        self._started(wg, self._procs.pids())
+        remove_control_dir(new_dir)
+        emit(
+            "group.handover_abandoned",
+            level="warning",
+            reason="round_moved_on",
+            start_s=round(time.monotonic() - began, 3),
+            consequence="the running workers train on; the next round forms alongside them",
+        )
 
     def _stop_old_workers(self, procs: ProcessTracker, control_dir: str) -> None:
         """The old workers, while the new ones wait: told it is a restart (unless a stop
@@ -569,10 +613,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         if self._stop.requested:  # a signal raced with the start: tell the new workers too
             self._stop.write_stop_file()
         self._procs.track(popens)
-        self._attempt_started = time.monotonic()
-        self._observer.attempt_started(self._attempt_started)
-        self._oom_kills_at_start = oom_kill_count()
-        self._peer_stop_seen = None
+        if not handoff:  # alongside: once the old ones stopped (``_admit``), if ever
+            self._attempt_began()
         emit(
             "workers.started",
             world_size=worker_group.workers[0].world_size,
@@ -584,6 +626,13 @@ class ElasticTrainAgent(LocalElasticAgent):
             alongside=handoff,
         )
         return pids
+
+    def _attempt_began(self) -> None:
+        """The current workers are the ones the loop watches from now on."""
+        self._attempt_started = time.monotonic()
+        self._observer.attempt_started(self._attempt_started)
+        self._oom_kills_at_start = oom_kill_count()
+        self._peer_stop_seen = None
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._mark_restarting()

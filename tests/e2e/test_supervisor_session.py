@@ -187,6 +187,45 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(
     assert 2 in sizes[shrunk:]
 
 
+def test_a_joiner_whose_worker_dies_while_the_group_forms_does_not_stop_the_running_one(
+    tmp_path, worker_env, agents
+):
+    """b's first worker dies before it joins the new group: b leaves the round and re-joins.
+    a's new workers can never get that group; a abandons them (its old ones never stopped)
+    and admits b again alongside: a trains on throughout, instead of waiting the hand-over's
+    60 s and then stopping for a group that waits in ``init_process_group``."""
+    snap, audit = tmp_path / "snap", tmp_path / "audit"
+    port, env = free_port(), env_with(worker_env)
+    hold = tmp_path / "hold"
+    hold.touch()
+    argv = _argv(snap, audit, 8, worker=("--hold-file", str(hold)))
+    a = start_agent(tmp_path, "a", argv, env, port=port)  # alone first
+    agents.append(a)
+    a.wait_event("session.started", 90)
+    died = tmp_path / "b-died-once"
+    b = start_agent(tmp_path, "b", [*argv, "--die-once", str(died)], env, port=port)
+    agents.append(b)
+    abandoned = a.wait_event("group.handover_abandoned", 90)
+    assert abandoned["reason"] == "round_moved_on" and died.exists()
+    a.wait_event("group.handed_over", 90)
+    hold.unlink()
+    assert a.wait(180) == 0 and b.wait(60) == 0
+    (handed_over,) = a.events("group.handed_over")
+    assert handed_over["ready"] is True
+    started = a.events("workers.started")
+    assert [(e["world_size"], e["alongside"]) for e in started] == [
+        (1, False),
+        (2, True),  # abandoned: killed before it had its group
+        (2, True),
+    ]
+    # nothing of a's failed or restarted for a failure: its first workers trained on
+    assert not a.events("worker.failed")
+    assert {e["reason"] for e in a.events("group.restarting")} == {"membership"}
+    assert a.events("job.finished")[-1]["restarts"] == 0
+    assert [e["exit_code"] for e in b.events("worker.failed")][:1] == [3]
+    _assert_exactly_once(audit)
+
+
 def test_sigterm_to_one_of_two_commits_a_final_snapshot_and_loses_no_step(
     tmp_path, worker_env, agents
 ):

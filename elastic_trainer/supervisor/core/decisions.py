@@ -319,13 +319,40 @@ def start_alongside(local_ranks: Iterable[int], *, aware: Set[int], accelerator:
     return not accelerator and all(rank in aware for rank in local_ranks)
 
 
-def handoff_waits(codes: Mapping[int, int | None], *, ready: Set[int]) -> bool:
-    """Do the old workers train on while the new ones (``codes``: local rank -> exit code)
-    start? Until every new one is ready (its process group is up), or one has exited: then
-    waiting longer cannot help, and the loop that follows sees the exit."""
+class Handoff(str, enum.Enum):
+    """What a node does next while its old workers train and its new ones start (a join)."""
+
+    WAIT = "wait"  # the new workers are still starting: the old ones train on
+    READY = "ready"  # every new worker has its process group: the old ones stop, they go on
+    ABANDON = "abandon"  # the round moved on first: the new ones go, the old ones train on
+    GIVE_UP = "give_up"  # waiting cannot help: the old ones stop, the loop sees what failed
+
+
+def handoff_step(
+    codes: Mapping[int, int | None],
+    *,
+    ready: Set[int],
+    round_moved_on: bool,
+    interrupted: bool,
+) -> Handoff:
+    """The hand-over wait of a join, decided (``codes``: the new workers' local rank -> exit
+    code; ``ready``: those with their process group; ``round_moved_on``: a node waits for the
+    next round, so some member of the round just formed left it -- its new group can never
+    form; ``interrupted``: a stop, a lost peer, or the wait's deadline).
+
+    A new worker that exited ends the wait as before (the loop that follows sees the exit). A
+    round that moved on before the new group formed abandons it: the old group never stopped
+    and is still whole, so it trains on while the next round forms, instead of stopping for a
+    group that would wait in ``init_process_group`` for a member that is not coming."""
     if any(code is not None for code in codes.values()):
-        return False
-    return any(rank not in ready for rank in codes)
+        return Handoff.GIVE_UP
+    if all(rank in ready for rank in codes):
+        return Handoff.READY
+    if round_moved_on:
+        return Handoff.ABANDON
+    if interrupted:
+        return Handoff.GIVE_UP
+    return Handoff.WAIT
 
 
 def round_before_stop(outcome: Outcome) -> bool:

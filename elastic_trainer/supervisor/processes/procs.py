@@ -118,6 +118,7 @@ class ProcessTracker:
         self._known: dict[int, dict[tuple[int, float], psutil.Process]] = {}
         self.killed_pids: set[int] = set()  # signalled by us: their exit is not a root cause
         self._spared: set[int] = set()  # children that outlive attempts (the warm pool)
+        self._pidfds: dict[int, int] = {}  # pid -> pidfd of a running worker (``exit_fds``)
 
     def spare(self, pid: int) -> None:
         """Never reap this child of ours as a stray (it is no worker and no orphan)."""
@@ -135,14 +136,42 @@ class ProcessTracker:
                 self._known[local_rank] = {(popen.pid, proc.create_time()): proc}
         self.refresh()
 
+    def exit_fds(self) -> list[int]:
+        """A pidfd of each worker process still running, readable once it exits: the
+        supervisor's loop waits on them (``StopRequest.wait_for_change``). Each is opened
+        once and closed once its process is known to have exited; none where the kernel
+        has no pidfds (the loop's interval bounds the wait then)."""
+        running = {popen.pid for popen in self._popens.values() if popen.poll() is None}
+        for pid in set(self._pidfds) - running:
+            os.close(self._pidfds.pop(pid))
+        for pid in running - set(self._pidfds):
+            with contextlib.suppress(AttributeError, OSError):
+                self._pidfds[pid] = os.pidfd_open(pid)
+        return list(self._pidfds.values())
+
+    def _close_exit_fds(self) -> None:
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+
     def handover(self) -> ProcessTracker:
         """A tracker of the current attempt's workers alone; this one then tracks nothing
         until ``track``: the next attempt's workers start while these stop (a join)."""
+        self._close_exit_fds()  # the loop waits on the new ones' (none are open meanwhile)
         old = ProcessTracker()
         old._roots, old._popens, old._known = self._roots, self._popens, self._known
         old.killed_pids, old._spared = self.killed_pids, self._spared
         self._roots, self._popens, self._known = {}, {}, {}
         return old
+
+    def take_back(self, old: ProcessTracker) -> None:
+        """Track ``old``'s workers again (a ``handover`` undone: the new attempt's are gone)."""
+        self._roots, self._popens, self._known = old._roots, old._popens, old._known
+        old._roots, old._popens, old._known = {}, {}, {}
+
+    def pids(self) -> dict[int, int]:
+        """local rank -> pid of each worker's own process."""
+        return {local_rank: popen.pid for local_rank, popen in self._popens.items()}
 
     def signal_roots(self, sig: signal.Signals) -> None:
         """``sig`` to each worker's own process only: a ``TrainingSession`` stops at its

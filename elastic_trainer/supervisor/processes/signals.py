@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType
 
 from elastic_trainer.contract import protocol
@@ -28,6 +30,8 @@ from elastic_trainer.contract import protocol
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Signals torch's PContext may still handle itself (abort: raise + kill the workers).
 TORCH_SIGNALS = "SIGHUP,SIGQUIT"
+# While the loop waits on fds (``wait_for_change``): how late a stop may be seen at most.
+STOP_CHECK_S = 0.05
 
 
 class StopRequested(BaseException):
@@ -71,6 +75,23 @@ class StopRequest:
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True as soon as a stop is requested."""
         return self.event.wait(seconds)
+
+    def wait_for_change(self, seconds: float, fds: Sequence[int] = ()) -> bool:
+        """``wait``, ended early too once one of ``fds`` is readable: a worker's pidfd (it
+        exited) or a peer's presence connection (it closed), so that the loop sees a failure
+        when it happens instead of up to a monitor interval later. A signal does not end
+        ``poll`` (it is retried), so the stop is checked every ``STOP_CHECK_S`` meanwhile."""
+        if not fds:
+            return self.wait(seconds)
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + seconds
+        while not self.requested:
+            left = deadline - time.monotonic()
+            if left <= 0 or poller.poll(min(left, STOP_CHECK_S) * 1000):
+                break
+        return self.requested
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
         self.request(signum)

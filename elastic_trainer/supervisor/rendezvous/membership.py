@@ -117,6 +117,11 @@ class MembershipWatch:
         self.store_host = host
         self._store_lost_reported = False
 
+    def watched_fds(self) -> list[int]:
+        """The presence connections to the members: one turns readable when a peer's
+        supervisor goes away (``presence.PeerWatch.fds``)."""
+        return self.peers.fds() if self.peers is not None else []
+
     def lost_peers(self) -> set[Any]:
         """Members whose agent process is gone (its connection closed without a goodbye)."""
         return self.peers.lost() & self.members if self.peers is not None else set()

@@ -237,6 +237,12 @@ class PeerWatch:
         ``lost()``, which reads the connections."""
         return set(self._left)
 
+    def fds(self) -> list[int]:
+        """The open connections' fds: readable once a peer closes or resets one (its
+        supervisor's loop waits on them, ``StopRequest.wait_for_change``); ``lost`` then
+        reads and closes it."""
+        return [sock.fileno() for sock in self._socks.values()]
+
     def watching(self) -> set[Any]:
         """Peers whose connection is still open."""
         return set(self._socks)

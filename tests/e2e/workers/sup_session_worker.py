@@ -33,10 +33,16 @@ def parse() -> argparse.Namespace:
         help="while it exists, a step at world size 1 takes HOLD_STEP_S: the job "
         "cannot end before the test has grown it again, however loaded the machine",
     )
+    parser.add_argument(
+        "--die-once",
+        help="if this file does not exist yet: create it and exit 3 before joining the group "
+        "(a node whose worker dies while a new group forms)",
+    )
     return parser.parse_args()
 
 
 HOLD_STEP_S = 1.0
+DIED_ONCE = 3
 
 
 def _hold(hold_file: str | None) -> None:
@@ -51,6 +57,13 @@ def _hold(hold_file: str | None) -> None:
 
 def main() -> None:
     args = parse()
+    if args.die_once:
+        try:
+            open(args.die_once, "x").close()
+        except FileExistsError:
+            pass
+        else:
+            raise SystemExit(DIED_ONCE)
     ctx = et.init_worker()
     torch.manual_seed(0)
     dataset = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))

@@ -112,6 +112,9 @@ class FakeStop(StopRequest):
         self.on_wait(seconds)
         return self.requested
 
+    def wait_for_change(self, seconds: float, fds: Any = ()) -> bool:
+        return self.wait(seconds)  # the script says what changed: no fd to wait on
+
     def write_stop_file(self) -> None:
         pass
 
@@ -777,3 +780,68 @@ def test_old_workers_that_do_not_hand_over_are_killed_before_the_new_ones_go_on(
         "kill old (released: False, reap: False)",  # a snapshot write of theirs must not
     ]  # outlive the hand-over
     assert named(logs, "group.handed_over")
+
+
+def test_a_round_that_moves_on_before_the_new_workers_are_ready_keeps_the_old_ones(tmp_path):
+    """A joining node whose worker dies while the new group forms leaves the round and
+    waits for the next: the running nodes' new workers can never get their group. The old
+    ones, never stopped, train on (not 60 s of waiting, then a group that waits in
+    ``init_process_group`` for the collective timeout), and the next round forms alongside
+    them again."""
+    from elastic_trainer.contract.config import TorchrunOptions
+
+    cfg = RunConfig(
+        max_restarts=3,
+        monitor_interval=0.01,
+        torchrun=TorchrunOptions(shutdown_timeout=0.05),
+    )
+    rounds = [
+        Round(nodes=1, ticks=[{0: RUNNING}, {0: RUNNING}], waiting=[0, 1]),
+        Round(nodes=2, ticks=[{0: RUNNING}, {0: RUNNING}], waiting=[1, 1]),  # it left again
+        Round(nodes=2, ticks=[{0: RUNNING}, {0: OK}]),
+    ]
+    agent = ScriptedAgent(Script(rounds), cfg, tmp_path)
+    journal: list[str] = []
+    alongside: list[str] = []
+    old = OldWorkers(journal, lambda: alongside[-1], stuck=False)
+    agent.procs.handover = lambda: old  # type: ignore[method-assign]
+    agent.procs.take_back = lambda tracker: journal.append("old kept")  # type: ignore[method-assign]
+    kill = agent.procs.kill
+
+    def kill_new(*, grace_s: float, reap: bool = True) -> None:
+        journal.append(f"kill new (grace {grace_s}, reap: {reap})")
+        kill(grace_s=grace_s)
+
+    agent.procs.kill = kill_new  # type: ignore[method-assign]
+    spawn = agent._spawn
+
+    def spawn_session(worker_group: Any) -> Any:
+        folder = Path(agent._stop.control_dir or "")
+        (folder / protocol.handoff_aware_file(0)).touch()
+        if (folder / protocol.HANDOFF_FILE).exists():
+            alongside.append(str(folder))
+            journal.append(f"new started alongside (round {agent.script.index})")
+            if agent.script.index == 2:  # only the round after the one that moved on forms
+                (folder / protocol.handoff_ready_file(0)).touch()
+        return spawn(worker_group)
+
+    agent._spawn = spawn_session  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        outcome = agent.supervise()
+    assert (outcome.status, outcome.restarts) == ("succeeded", 0)
+    assert journal[:5] == [
+        "new started alongside (round 1)",
+        # they never touched any state: no grace; and the old ones, which it no longer
+        # tracks, are no strays to reap
+        "kill new (grace 0, reap: False)",
+        "old kept",  # never signalled: they trained on
+        "new started alongside (round 2)",
+        "signal old (new ready: True, released: False)",
+    ], journal
+    (abandoned,) = named(logs, "group.handover_abandoned")
+    assert abandoned["reason"] == "round_moved_on"
+    assert not Path(alongside[0]).exists()  # the abandoned attempt's folder is gone
+    (handed,) = named(logs, "group.handed_over")
+    assert handed["ready"] is True
+    restarts = named(logs, "group.restarting")
+    assert [e["reason"] for e in restarts] == ["membership", "membership"]  # no failure

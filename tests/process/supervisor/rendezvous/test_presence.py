@@ -157,3 +157,19 @@ def test_connections_over_a_cap_are_refused_and_their_peer_is_not_lost(caps) -> 
             sock.close()
         server.close()
         watch.close()
+
+
+def test_a_killed_peer_ends_the_supervisor_loops_wait(peer) -> None:
+    """Its supervisor sees the loss when it happens, not at its next monitor tick."""
+    from elastic_trainer.supervisor.processes.signals import StopRequest
+
+    proc, port = peer
+    watch = PeerWatch()
+    watch.watch({"b": ("127.0.0.1", port)})
+    fds = watch.fds()
+    assert len(fds) == 1
+    proc.send_signal(signal.SIGKILL)
+    began = time.monotonic()
+    assert StopRequest().wait_for_change(600.0, fds) is False
+    assert time.monotonic() - began < 30  # did-not-hang bound: the wait is 600 s
+    assert watch.lost() == {"b"} and watch.fds() == []

@@ -234,18 +234,38 @@ def test_new_workers_start_alongside_only_where_they_wait_and_fit(aware, acceler
     assert got is alongside
 
 
+WAIT, READY, ABANDON, GIVE_UP = (
+    decisions.Handoff.WAIT,
+    decisions.Handoff.READY,
+    decisions.Handoff.ABANDON,
+    decisions.Handoff.GIVE_UP,
+)
+
+
 @pytest.mark.parametrize(
-    ("codes", "ready", "waits"),
+    ("codes", "ready", "moved_on", "interrupted", "step"),
     [
-        ({0: None, 1: None}, set(), True),
-        ({0: None, 1: None}, {0}, True),
-        ({0: None, 1: None}, {0, 1}, False),  # every new worker has its group
-        ({0: None, 1: 1}, {0}, False),  # one died: waiting cannot help, the loop sees it
-        ({0: 0, 1: None}, set(), False),
+        ({0: None, 1: None}, set(), False, False, WAIT),
+        ({0: None, 1: None}, {0}, False, False, WAIT),
+        ({0: None, 1: None}, {0, 1}, False, False, READY),  # every new worker has its group
+        ({0: None, 1: 1}, {0}, False, False, GIVE_UP),  # one died: the loop sees it
+        ({0: 0, 1: None}, set(), False, False, GIVE_UP),
+        # a member of the new round left it (its worker died, it re-joins): the old group,
+        # still whole, trains on; the new one could never form
+        ({0: None, 1: None}, {0}, True, False, ABANDON),
+        ({0: None, 1: None}, {0, 1}, True, False, READY),  # formed: what comes next, next
+        ({0: None, 1: 1}, set(), True, False, GIVE_UP),  # ours failed: not the round's doing
+        ({0: None, 1: None}, {1}, False, True, GIVE_UP),  # stop, lost peer, deadline
+        ({0: None, 1: None}, set(), True, True, ABANDON),
     ],
 )
-def test_the_old_workers_train_until_the_new_ones_are_ready_or_one_exits(codes, ready, waits):
-    assert decisions.handoff_waits(codes, ready=ready) is waits
+def test_the_old_workers_train_until_the_new_ones_are_ready_or_the_wait_ends(
+    codes, ready, moved_on, interrupted, step
+):
+    got = decisions.handoff_step(
+        codes, ready=ready, round_moved_on=moved_on, interrupted=interrupted
+    )
+    assert got is step
 
 
 @pytest.mark.parametrize(
