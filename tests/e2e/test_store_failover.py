@@ -16,15 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.worker.audit import check_exactly_once, effective_records, read_audit_log
+from elastic_trainer.worker.audit import check_exactly_once, effective_records
 from tests.e2e.workers.harness import (
     HERE,
     Agent,
+    audit_records,
     env_with,
     free_port,
     listening,
     start_agent,
+    steps_at,
     wait_for,
+    wait_new,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -44,26 +47,10 @@ def _argv(snap: Path, audit: Path, hold: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _records(audit: Path):
-    return read_audit_log(str(audit)) if audit.exists() else []
-
-
-def _steps_at(audit: Path, world_size: int) -> set[int]:
-    return {r.step for r in _records(audit) if r.world_size == world_size}
-
-
-def _new(agent: Agent, name: str, since: int, timeout: float, where=lambda e: True) -> dict:
-    return wait_for(
-        lambda: next((e for e in agent.events(name)[since:] if where(e)), None),
-        timeout,
-        f"{agent.name}: a new {name}",
-    )
-
-
 def _moved_to(agents: list[Agent], since: dict[str, int], timeout: float) -> tuple[Agent, dict]:
     """Every one of ``agents`` says ``store.moved`` once more, all naming the same new host,
     which exactly one of them is: (that agent, its event)."""
-    events = {a.name: _new(a, "store.moved", since[a.name], timeout) for a in agents}
+    events = {a.name: wait_new(a, "store.moved", since[a.name], timeout) for a in agents}
     assert len({e["new_host"] for e in events.values()}) == 1, events
     hosts = [a for a in agents if events[a.name]["hosted_here"]]
     assert len(hosts) == 1, events
@@ -82,7 +69,7 @@ def test_the_store_host_is_lost_twice_and_the_job_finishes(tmp_path, worker_env,
     c = start_agent(tmp_path, "c", argv, env, port=port)
     agents.extend([b, c])
     a.wait_event("rendezvous.completed", 120, lambda e: e["world_size"] == 3)
-    wait_for(lambda: len(_steps_at(audit, 3)) >= 3, 90, "steps at world size 3")
+    wait_for(lambda: len(steps_at(audit, 3)) >= 3, 90, "steps at world size 3")
     assert a.events("rendezvous.completed")[-1]["store_host"] == "a"
 
     survivors = [b, c]
@@ -94,9 +81,9 @@ def test_the_store_host_is_lost_twice_and_the_job_finishes(tmp_path, worker_env,
     assert moved["endpoint"] == f"127.0.0.1:{port}" and moved["why"] == "lost"
     assert moved["old_host"].endswith(f":{a.proc.pid}")  # a member name: address and pid
     for x in survivors:
-        formed = _new(x, "rendezvous.completed", rounds[x.name], 60)
+        formed = wait_new(x, "rendezvous.completed", rounds[x.name], 60)
         assert formed["world_size"] == 2 and formed["store_host"] == host.name
-    wait_for(lambda: len(_steps_at(audit, 2)) >= 3, 90, "steps at world size 2")
+    wait_for(lambda: len(steps_at(audit, 2)) >= 3, 90, "steps at world size 2")
     recovered = host.wait_event("recovery.completed", 30, lambda e: e["world_size_after"] == 2)
     assert recovered["steps_lost"] <= 1
 
@@ -109,20 +96,20 @@ def test_the_store_host_is_lost_twice_and_the_job_finishes(tmp_path, worker_env,
     again, moved = _moved_to([last], since, 60)
     assert again is last and moved["endpoint"] == f"127.0.0.1:{port}"
     assert moved["old_host"].endswith(f":{old_pid}")
-    assert _new(last, "rendezvous.completed", rounds, 60)["world_size"] == 1
-    wait_for(lambda: len(_steps_at(audit, 1)) >= 2, 90, "steps at world size 1")
+    assert wait_new(last, "rendezvous.completed", rounds, 60)["world_size"] == 1
+    wait_for(lambda: len(steps_at(audit, 1)) >= 2, 90, "steps at world size 1")
 
     # a node started now, with the job's original endpoint, finds the store and joins
     changes = len(last.events("membership.changed"))
     d = start_agent(tmp_path, "d", argv, env, port=port)
     agents.append(d)
-    grow = _new(last, "membership.changed", changes, 120, lambda e: e["new_world_size"] == 2)
+    grow = wait_new(last, "membership.changed", changes, 120, lambda e: e["new_world_size"] == 2)
     assert grow["reason"] == "node_joined"
     hold.unlink()
     assert last.wait(180) == 0 and d.wait(60) == 0
     assert last.events("job.finished")[-1]["status"] == "succeeded"
 
-    records = _records(audit)
+    records = audit_records(audit)
     assert check_exactly_once(records, SAMPLES, complete_epochs=range(EPOCHS)) == []
     kept = effective_records(records)
     assert max(r.step for r in kept) == STEPS
@@ -144,7 +131,7 @@ def test_a_preempted_store_host_hands_the_store_over_and_no_step_is_lost(
     b = start_agent(tmp_path, "b", argv, env, port=port)
     agents.append(b)
     a.wait_event("rendezvous.completed", 120, lambda e: e["world_size"] == 2)
-    wait_for(lambda: len(_steps_at(audit, 2)) >= 3, 90, "steps at world size 2")
+    wait_for(lambda: len(steps_at(audit, 2)) >= 3, 90, "steps at world size 2")
 
     a.proc.send_signal(signal.SIGTERM)
     moved = b.wait_event("store.moved", 60)
@@ -160,6 +147,6 @@ def test_a_preempted_store_host_hands_the_store_over_and_no_step_is_lost(
     assert b.events("store.unreachable") == []
     hold.unlink()
     assert b.wait(180) == 0
-    records = _records(audit)
+    records = audit_records(audit)
     assert check_exactly_once(records, SAMPLES, complete_epochs=range(EPOCHS)) == []
     assert max(r.step for r in effective_records(records)) == STEPS

@@ -19,7 +19,9 @@ from tests.e2e.workers.harness import (
     free_port,
     listening,
     start_agent,
+    steps_at,
     wait_for,
+    wait_new,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -59,29 +61,8 @@ def _argv(
     ]
 
 
-def _records(audit: Path):
-    return read_audit_log(str(audit)) if audit.exists() else []
-
-
-def _steps_at(audit: Path, world_size: int) -> set[int]:
-    return {r.step for r in _records(audit) if r.world_size == world_size}
-
-
 def _events(agents: list[Agent], name: str) -> list[dict]:
     return [e for agent in agents for e in agent.events(name)]
-
-
-def _wait_new(agent: Agent, name: str, since: int, timeout: float, where=lambda e: True):
-    """The first ``name`` event after the first ``since`` ones that matches ``where``.
-
-    If the first round formed at world size 1 (the second agent slow to start), earlier
-    membership events exist that must not satisfy a later wait.
-    """
-    return wait_for(
-        lambda: next((e for e in agent.events(name)[since:] if where(e)), None),
-        timeout,
-        f"{agent.name}: a new {name}",
-    )
 
 
 def _assert_exactly_once(audit: Path) -> list:
@@ -124,7 +105,7 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(
     a.wait_event("rendezvous.completed", 90, lambda e: e["world_size"] == 2)
     hold.unlink()
     # a committed snapshot of the 2-node group, and training past it, before the node dies
-    first = min(wait_for(lambda: _steps_at(audit, 2), 90, "steps at world size 2"))
+    first = min(wait_for(lambda: steps_at(audit, 2), 90, "steps at world size 2"))
     wait_for(
         lambda: [e for e in _events([a, b], "snapshot.saved") if e["step"] >= first],
         90,
@@ -137,24 +118,24 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(
     # one (every 8 steps), the survivors' copies are newer than storage. (One step past, a
     # loaded CI machine once still had only the snapshot's step whole, and the restore rightly
     # took storage.)
-    wait_for(lambda: max(_steps_at(audit, 2), default=0) > saved + 2, 60, "steps past the snapshot")
-    assert max(_steps_at(audit, 2)) < STEPS  # acted mid-run, not after the end
+    wait_for(lambda: max(steps_at(audit, 2), default=0) > saved + 2, 60, "steps past the snapshot")
+    assert max(steps_at(audit, 2)) < STEPS  # acted mid-run, not after the end
 
     before = {name: len(a.events(name)) for name in ("rendezvous.completed", "membership.changed")}
     hold.touch()
     b.kill_tree()
     assert b.proc.returncode == -signal.SIGKILL
-    shrink = _wait_new(a, "membership.changed", before["membership.changed"], 60)
+    shrink = wait_new(a, "membership.changed", before["membership.changed"], 60)
     assert (shrink["old_world_size"], shrink["new_world_size"]) == (2, 1)
     assert shrink["reason"] == "node_lost"
     assert (
-        _wait_new(a, "rendezvous.completed", before["rendezvous.completed"], 10)["world_size"] == 1
+        wait_new(a, "rendezvous.completed", before["rendezvous.completed"], 10)["world_size"] == 1
     )
     restored = a.wait_event("snapshot.restored", 60, lambda e: e["world_size"] == 1)
     assert restored["saved_world_size"] == 2 and restored["step"] >= saved
     assert restored["source"] == survivor_source  # in-memory copies, not storage
     wait_for(
-        lambda: max(_steps_at(audit, 1), default=0) > restored["step"], 60, "steps at world size 1"
+        lambda: max(steps_at(audit, 1), default=0) > restored["step"], 60, "steps at world size 1"
     )
     recovered = a.wait_event("recovery.completed", 10, lambda e: e["world_size_after"] == 1)
     assert recovered["world_size_before"] == 2 and recovered["snapshot_step"] == restored["step"]
@@ -163,7 +144,7 @@ def test_node_loss_then_regrowth_trains_every_sample_exactly_once(
     changes = len(a.events("membership.changed"))
     c = start_agent(tmp_path, "c", argv, env, port=port)
     agents.append(c)
-    grow = _wait_new(a, "membership.changed", changes, 90)
+    grow = wait_new(a, "membership.changed", changes, 90)
     hold.unlink()
     assert (grow["old_world_size"], grow["reason"]) == (1, "node_joined")
     assert a.wait(180) == 0 and c.wait(60) == 0
@@ -244,7 +225,7 @@ def test_sigterm_to_one_of_two_commits_a_final_snapshot_and_loses_no_step(
     agents.append(b)
     a.wait_event("rendezvous.completed", 120, lambda e: e["world_size"] == 2)
     hold.unlink()
-    wait_for(lambda: len(_steps_at(audit, 2)) >= 5, 120, "steps at world size 2")
+    wait_for(lambda: len(steps_at(audit, 2)) >= 5, 120, "steps at world size 2")
 
     earlier = len(_events([a, b], "session.stopping"))  # a scale-up also stops the workers
     b.proc.send_signal(signal.SIGTERM)

@@ -293,3 +293,26 @@ def not_a_store(kind: str):
         listener.close()
         for conn in accepted:
             conn.close()
+
+
+def audit_records(audit: Path) -> list:
+    """The sample audit log's records (none before the first step)."""
+    from elastic_trainer.worker.audit import read_audit_log
+
+    return read_audit_log(str(audit)) if audit.exists() else []
+
+
+def steps_at(audit: Path, world_size: int) -> set[int]:
+    """The steps some rank completed at ``world_size``."""
+    return {r.step for r in audit_records(audit) if r.world_size == world_size}
+
+
+def wait_new(agent: Agent, name: str, since: int, timeout: float, where=lambda e: True) -> dict:
+    """The first ``name`` event after the first ``since`` ones that matches ``where``: events
+    of an earlier round (a first round formed at a smaller size) must not satisfy a later
+    wait."""
+    return wait_for(
+        lambda: next((e for e in agent.events(name)[since:] if where(e)), None),
+        timeout,
+        f"{agent.name}: a new {name}",
+    )
