@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Mapping, MutableMapping
@@ -177,10 +178,39 @@ def close_logs(specs: Any) -> None:
         close()
 
 
+CONTROL_ROOT_PREFIX = "elastic-train-"
+
+
 def make_control_root(cfg: RunConfig) -> str:
     base = cfg.control_root or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"elastic-train-{os.getpid()}-", dir=base)
+    remove_stale_control_roots(base)
+    return tempfile.mkdtemp(prefix=f"{CONTROL_ROOT_PREFIX}{os.getpid()}-", dir=base)
+
+
+def remove_stale_control_roots(base: str) -> list[str]:
+    """Control folders (``elastic-train-PID-*``) left in ``base`` by supervisors of ours that
+    died without removing them (SIGKILL): their workers are gone with them. Only real
+    folders owned by this user, private as ``mkdtemp`` made them, whose PID is not running:
+    anything else in a shared place is not ours to touch. The paths removed."""
+    import psutil
+
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            pid = name[len(CONTROL_ROOT_PREFIX) :].split("-", 1)[0]
+            if not name.startswith(CONTROL_ROOT_PREFIX) or not pid.isdigit():
+                continue
+            path = os.path.join(base, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            if ours and stat.S_IMODE(st.st_mode) == 0o700 and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 def new_control_dir(root: str, attempt: int, *, handoff: bool = False) -> str:

@@ -63,3 +63,45 @@ def test_with_our_tunables_a_repeated_step_faults_in_no_pages_again() -> None:
     # trim_threshold alone turns glibc's dynamic mmap threshold off: every chunk mmap'd anew
     # (why both are set)
     assert _third_round_faults("glibc.malloc.trim_threshold=1073741824") >= pages * 9 // 10
+
+
+def test_stale_control_folders_of_dead_supervisors_go_and_nothing_else(tmp_path) -> None:
+    """A SIGKILLed supervisor leaves its control folder in /tmp; the next start removes it,
+    but only a private folder of ours whose supervisor is gone: a live one's, a link, a folder
+    mode 0755 or another user's (in a shared /tmp, someone else's) stay."""
+    from elastic_trainer.supervisor.processes.workerenv import remove_stale_control_roots
+
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    dead = gone.pid
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").touch()
+    base = tmp_path / "tmp"
+    base.mkdir()
+
+    def folder(name: str, mode: int = 0o700) -> os.PathLike:
+        path = base / name
+        path.mkdir()
+        (path / "attempt-1").mkdir()
+        path.chmod(mode)
+        return path
+
+    stale = folder(f"elastic-train-{dead}-abc123")
+    kept = [
+        folder(f"elastic-train-{os.getpid()}-live"),
+        folder(f"elastic-train-{dead}-open", 0o755),
+    ]
+    link = base / f"elastic-train-{dead}-link"
+    link.symlink_to(target)
+    pidfile = base / "elastic-train-1.0.pid"
+    pidfile.touch()
+    kept += [link, pidfile]
+    if os.getuid() == 0:  # as root, a folder of another user's in the same place
+        theirs = folder(f"elastic-train-{dead}-theirs")
+        os.chown(theirs, 65534, 65534)
+        kept.append(theirs)
+    assert remove_stale_control_roots(str(base)) == [str(stale)]
+    assert not stale.exists()
+    assert all(os.path.lexists(path) for path in kept)
+    assert (target / "keep").exists()
