@@ -65,6 +65,38 @@ HANDLER_METHODS = (
 )
 
 
+# --- DynamicRendezvousHandler.next_rendezvous: the join's jitter ---------------------------
+# Before it joins, next_rendezvous sleeps a random 0-0.3 s (``_delay(seconds=(0, 0.3))``,
+# imported into dynamic_rendezvous from its utils) while the state's round is 0: it spreads
+# the first joins of many nodes. The round is still 0 at the first *re-form* (the first
+# round is round 0), so every job's first recovery paid up to 0.3 s for a spread that only
+# the first join needs. The op executor's own waits (``_delay(seconds=1)`` for SYNC; a CAS
+# backoff in newer torch) are not next_rendezvous' and stay.
+@contextlib.contextmanager
+def no_join_jitter() -> Iterator[None]:
+    """Inside: ``next_rendezvous`` joins without its random sleep. Where torch has no
+    ``_delay`` to call, nothing changes."""
+    import sys
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = getattr(dynamic_rendezvous, "_delay", None)
+    if original is None:
+        yield
+        return
+
+    def delay(seconds: Any) -> None:
+        if isinstance(seconds, tuple) and sys._getframe(1).f_code.co_name == "next_rendezvous":
+            return
+        original(seconds=seconds)
+
+    dynamic_rendezvous._delay = delay  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = original  # type: ignore[attr-defined]
+
+
 def set_last_call_timeout(handler: DynamicRendezvousHandler, last_call: timedelta) -> None:
     """RendezvousTimeout has no setter; the handler reads ``_last_call`` when it opens the last
     call of a round it joins (a patient first round, short later ones)."""

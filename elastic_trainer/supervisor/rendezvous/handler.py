@@ -28,6 +28,9 @@ docs/command-line.md, "Recovery defaults"):
   agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
   in the shared state first, so nobody waits for their heartbeats to run out; and a node that
   waits for others polls the state every 50 ms instead of torch's fixed 1 s sleep.
+- a re-form joins at once: torch sleeps a random 0-0.3 s before joining while the round is
+  0, meant to spread a job's first joins, which its first re-form (the round is still 0 then)
+  paid too;
 - a failed keep-alive heartbeat is counted, not logged (torch logs a warning per tick: with
   the store gone that was two lines a second, for as long as the workers ran). The one
   ``store.unreachable`` event comes from the membership watch, which reads the same store on
@@ -103,7 +106,10 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._expire_dead()
         if self._static_rank is not None and self.store is not None:
             self._publish("node-rank", str(self._static_rank))  # before joining: see check
-        info = super().next_rendezvous()
+        # the jitter that spreads a job's first joins, not its re-forms (torch_compat)
+        jitter = self._rounds_joined == 1
+        with contextlib.nullcontext() if jitter else torch_compat.no_join_jitter():
+            info = super().next_rendezvous()
         if self.lineage:  # the workers of this round start after it: they inherit it
             os.environ[ENV_RDZV_LINEAGE] = self.lineage
         self._known, self._dead = frozenset(self.participants()), frozenset()

@@ -114,6 +114,30 @@ def test_a_node_known_dead_is_neither_waited_for_nor_for_its_heartbeats(nodes) -
     assert b.this_node not in shared_state(a).participants
 
 
+def test_only_the_first_join_sleeps_torchs_random_jitter(nodes, monkeypatch) -> None:
+    """torch sleeps 0-0.3 s before a join while the round is 0, to spread a job's first
+    joins; the first re-form (round 0 still) must not pay it: it is recovery time."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    jitters: list[Any] = []
+
+    def delay(seconds: Any) -> None:
+        if isinstance(seconds, tuple):
+            jitters.append(seconds)  # recorded, not slept
+        else:
+            time.sleep(seconds)
+
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", delay)
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    form(a, b)
+    assert len(jitters) == 2  # each node's first join, round 0
+    assert shared_state(a).round == 0
+    a.mark_dead({b.this_node})
+    assert Joining(a).result() == 1  # a re-form of round 0
+    assert len(jitters) == 2, jitters
+    assert dynamic_rendezvous._delay is delay  # put back as it was
+
+
 def test_a_live_peer_that_rejoins_late_is_waited_for_not_dropped(nodes) -> None:
     """A worker crash: both agents re-join, one late (its workers took long to fail). The
     round must hold both (closing without the late one would split the job), and must close
