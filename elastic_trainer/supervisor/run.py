@@ -75,22 +75,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "supervisor_run": uuid.uuid4().hex[:16],
             },
         )
+        _check_entrypoint(cfg)  # a typo in the script's name: one line at once, no pool
         pool = prepare_node(cfg)
         claimed = claim_store_port(cfg)
         preflight(cfg)
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
         serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
     except signals.StopRequested:
-        _close(pool)
+        _close(pool, at_once=True)
         signals.restore(previous)
         return protocol.SUPERVISOR_EXIT_PREEMPTED
     except ElasticTrainError as exc:  # config, dataset, storage: found before any worker starts
-        _close(pool)
+        _close(pool, at_once=True)
         signals.restore(previous)
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except SystemExit as exc:  # --help
-        _close(pool)
+        _close(pool, at_once=True)
         signals.restore(previous)
         return int(exc.code or 0)
     router = None
@@ -125,9 +126,11 @@ def prepare_node(cfg: RunConfig) -> WarmPool | None:
     return launcher.start_pool(cfg)
 
 
-def _close(pool: WarmPool | None) -> None:
+def _close(pool: WarmPool | None, *, at_once: bool = False) -> None:
+    """``at_once``: a start that ends before any worker: the pool, likely still importing
+    torch and deaf to its socket, is killed instead of given its grace."""
     if pool is not None:
-        pool.close()
+        pool.close(grace_s=0 if at_once else None)
 
 
 def _start_metrics(cfg: RunConfig) -> Any:
@@ -138,7 +141,6 @@ def _start_metrics(cfg: RunConfig) -> Any:
 
 # ---- checks before any worker starts ----------------------------------------------------
 def preflight(cfg: RunConfig) -> None:
-    _check_entrypoint(cfg)
     # the script's own flags and data, at every world size it may run at: a typo is one line
     # and exit 2 here, not a crash in every worker (supervisor/cli/preflight.py)
     world_sizes = [cfg.nproc_per_node * n for n in range(cfg.min_nodes, cfg.max_nodes + 1)]

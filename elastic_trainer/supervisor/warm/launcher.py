@@ -31,6 +31,7 @@ POOL_MODULE = "elastic_trainer.supervisor.warm.pool"
 # generous. Past it the first workers start as fresh processes.
 READY_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 30.0  # one fork; a pool that does not answer is treated as dead
+CLOSE_GRACE_S = 2.0  # for the pool to see its socket's EOF and exit by itself
 FALLBACK = "workers start as fresh processes"
 # What each of those pays that a forked one does not: the interpreter and its imports.
 COST = "each worker start pays python and its imports again"
@@ -191,11 +192,12 @@ class WarmPool:
             return COST
         return f"{COST} (the pool's took {self._import_s:.1f} s)"
 
-    def close(self) -> None:
-        """End the pool: EOF on its socket ends its loop; a pool that hangs is killed."""
+    def close(self, grace_s: float | None = None) -> None:
+        """End the pool: EOF on its socket ends its loop; a pool that has not ended within
+        ``grace_s`` (``CLOSE_GRACE_S``; 0: kill it now) is killed."""
         self._sock.close()
         try:
-            self.proc.wait(timeout=2)
+            self.proc.wait(timeout=CLOSE_GRACE_S if grace_s is None else grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

@@ -1,7 +1,8 @@
 """The supervisor's start (``supervisor/run.py``): the warm pool is its first child, started
-before it imports torch, under the workers' environment, and never outlives a start that
-ends early. Each case runs ``run.main`` in a child process: it makes that process a child
-subreaper and starts processes, which the test process must not become or keep."""
+before it imports torch, under the workers' environment (after the one check that needs
+nothing: the script exists), and never outlives a start that ends early. Each case runs
+``run.main`` in a child process: it makes that process a child subreaper and starts
+processes, which the test process must not become or keep."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +54,8 @@ DRIVER = textwrap.dedent(
 
     run.claim_store_port = claim_store_port
     code = run.main(argv)
+    if not os.path.exists(record):  # it ended before the pool
+        sys.exit(code)
     with open(record) as f:
         seen = json.load(f)
     if seen["pool_pid"] is not None:  # still ours, not yet reaped: main left it running
@@ -66,17 +70,13 @@ DRIVER = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def early_failure(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[subprocess.CompletedProcess, dict]:
-    """A start whose script does not exist: it ends at the preflight, after the pool."""
-    tmp = tmp_path_factory.mktemp("early")
+def _start(tmp: Path, script: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``run.main`` in a child, as DRIVER runs it; what it recorded (empty: no pool asked)."""
     record = tmp / "record.json"
     with socket.socket() as probe:  # a port nobody listens on: this node would host there
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    argv = ["--job-id", "early", "--rdzv-endpoint", f"127.0.0.1:{port}", str(tmp / "no.py")]
+    argv = ["--job-id", "early", "--rdzv-endpoint", f"127.0.0.1:{port}", *flags, str(script)]
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, str(record), *argv],
         capture_output=True,
@@ -85,16 +85,39 @@ def early_failure(
         check=False,
         env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
     )
-    assert record.exists(), f"the pool was never asked for: {done.stderr}"
+    if not record.exists():
+        return done, {}
     seen = json.loads(record.read_text())
     claim = tmp / "record.json.claim"
     seen["claim"] = json.loads(claim.read_text()) if claim.exists() else None
     return done, seen
 
 
+@pytest.fixture(scope="module")
+def early_failure(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """A start whose snapshot folder cannot be made (its parent is a file): it ends at the
+    preflight, after the pool started."""
+    tmp = tmp_path_factory.mktemp("early")
+    script = tmp / "train.py"
+    script.write_text("")
+    blocker = tmp / "a-file"
+    blocker.touch()
+    done, seen = _start(tmp, script, "--snapshot-dir", str(blocker / "snaps"))
+    assert seen, f"the pool was never asked for: {done.stderr}"
+    return done, seen
+
+
+def test_a_missing_script_is_reported_before_anything_starts(tmp_path: Path) -> None:
+    done, seen = _start(tmp_path, tmp_path / "no.py")
+    assert done.returncode == 2 and "does not exist" in done.stderr, done.stderr
+    assert seen == {}  # no pool, no guards: a typo costs one line, at once
+
+
 def test_the_warm_pool_starts_before_the_supervisor_imports_torch(early_failure) -> None:
     done, seen = early_failure
-    assert done.returncode == 2 and "does not exist" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--snapshot-dir" in done.stderr, done.stderr
     assert seen["torch_imported"] is False, seen  # its import runs beside ours, not after
     # the environment it imports torch under is the workers': malloc tuning, the guards
     assert seen["glibc_tunables"], seen
