@@ -740,29 +740,37 @@ def _join_alongside(tmp_path, *, stuck: bool) -> tuple[list[dict[str, Any]], lis
     alongside: list[str] = []  # the new attempt's control folder
     old = OldWorkers(journal, lambda: alongside[0], stuck)
     agent.procs.handover = lambda: old  # type: ignore[method-assign]
-    spawn = agent._spawn
-
-    def spawn_session(worker_group: Any) -> Any:
-        # a TrainingSession says its successor waits; one started alongside says it is ready
-        folder = Path(agent._stop.control_dir or "")
-        (folder / protocol.handoff_aware_file(0)).touch()
-        if (folder / protocol.HANDOFF_FILE).exists():
-            alongside.append(str(folder))
-            journal.append("new started alongside")
-            (folder / protocol.handoff_ready_file(0)).touch()
-        return spawn(worker_group)
-
-    agent._spawn = spawn_session  # type: ignore[method-assign]
+    spawn_sessions(agent, journal, alongside, gets_ready=lambda: True)
     with capture_logs() as logs:
         outcome = agent.supervise()
     assert (outcome.status, outcome.restarts) == ("succeeded", 0)
     return logs, journal
 
 
+def spawn_sessions(
+    agent: ScriptedAgent, journal: list[str], alongside: list[str], gets_ready: Callable[[], bool]
+) -> None:
+    """The agent's workers, as TrainingSessions: each says its successor waits; one started
+    alongside (its folder goes to ``alongside``) says it is ready if ``gets_ready()``."""
+    spawn = agent._spawn
+
+    def spawn_session(worker_group: Any) -> Any:
+        folder = Path(agent._stop.control_dir or "")
+        (folder / protocol.handoff_aware_file(0)).touch()
+        if (folder / protocol.HANDOFF_FILE).exists():
+            alongside.append(str(folder))
+            journal.append(f"new started alongside (round {agent.script.index})")
+            if gets_ready():
+                (folder / protocol.handoff_ready_file(0)).touch()
+        return spawn(worker_group)
+
+    agent._spawn = spawn_session  # type: ignore[method-assign]
+
+
 def test_a_join_starts_the_new_sessions_alongside_and_stops_the_old_once_they_are_ready(tmp_path):
     logs, journal = _join_alongside(tmp_path, stuck=False)
     assert journal == [
-        "new started alongside",
+        "new started alongside (round 1)",
         "signal old (new ready: True, released: False)",  # the new ones wait meanwhile
         "kill old (released: True, reap: False)",  # only their exit was left
     ]
@@ -775,7 +783,7 @@ def test_a_join_starts_the_new_sessions_alongside_and_stops_the_old_once_they_ar
 def test_old_workers_that_do_not_hand_over_are_killed_before_the_new_ones_go_on(tmp_path):
     logs, journal = _join_alongside(tmp_path, stuck=True)
     assert journal[:3] == [
-        "new started alongside",
+        "new started alongside (round 1)",
         "signal old (new ready: True, released: False)",
         "kill old (released: False, reap: False)",  # a snapshot write of theirs must not
     ]  # outlive the hand-over
@@ -813,19 +821,8 @@ def test_a_round_that_moves_on_before_the_new_workers_are_ready_keeps_the_old_on
         kill(grace_s=grace_s)
 
     agent.procs.kill = kill_new  # type: ignore[method-assign]
-    spawn = agent._spawn
-
-    def spawn_session(worker_group: Any) -> Any:
-        folder = Path(agent._stop.control_dir or "")
-        (folder / protocol.handoff_aware_file(0)).touch()
-        if (folder / protocol.HANDOFF_FILE).exists():
-            alongside.append(str(folder))
-            journal.append(f"new started alongside (round {agent.script.index})")
-            if agent.script.index == 2:  # only the round after the one that moved on forms
-                (folder / protocol.handoff_ready_file(0)).touch()
-        return spawn(worker_group)
-
-    agent._spawn = spawn_session  # type: ignore[method-assign]
+    # only the round after the one that moved on forms
+    spawn_sessions(agent, journal, alongside, gets_ready=lambda: agent.script.index == 2)
     with capture_logs() as logs:
         outcome = agent.supervise()
     assert (outcome.status, outcome.restarts) == ("succeeded", 0)
