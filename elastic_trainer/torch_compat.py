@@ -325,6 +325,25 @@ AGENT_HOOKS = (
 AGENT_ATTRIBUTES = ("_remaining_restarts", "_pcontext", "_worker_group")
 
 
+def agent_shutdown_timeout(seconds: int) -> dict[str, int]:
+    """``LocalElasticAgent``'s keyword for its SIGTERM -> SIGKILL grace when it shuts its
+    workers down, where its ``__init__`` takes one (2.14 and 2.15 do; older releases, such as
+    the 2.11 that GPU images carry, wait a fixed 30 s and would refuse the keyword)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    accepted = inspect.signature(LocalElasticAgent.__init__).parameters
+    return {"shutdown_timeout": seconds} if "shutdown_timeout" in accepted else {}
+
+
+def shut_down(agent: Any, timeout_s: int) -> None:
+    """``LocalElasticAgent._shutdown``: stop the workers, close the rendezvous handler's
+    side, with ``timeout_s`` from SIGTERM to SIGKILL where torch takes one (2.14, 2.15)."""
+    if "timeout" in inspect.signature(agent._shutdown).parameters:
+        agent._shutdown(timeout=timeout_s)
+    else:
+        agent._shutdown()
+
+
 def set_remaining_restarts(agent: Any, remaining: int) -> None:
     agent._remaining_restarts = remaining
 

@@ -116,7 +116,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             logs_specs,
             start_method="spawn",
             exit_barrier_timeout=cfg.exit_barrier_timeout,
-            shutdown_timeout=5,
+            **torch_compat.agent_shutdown_timeout(5),
             log_line_prefix_template=cfg.torchrun.log_line_prefix_template,
         )
         self._cfg = cfg
@@ -164,7 +164,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         finally:
             self._procs.kill(grace_s=1.0)
             self._membership.close()
-            self._shutdown(timeout=2)
+            torch_compat.shut_down(self, timeout_s=2)
             if self._pool is not None:
                 self._pool.close()
         return AgentOutcome(

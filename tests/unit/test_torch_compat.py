@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 
 import pytest
@@ -93,3 +94,37 @@ def test_torchs_abort_clears_the_world_so_a_new_group_can_be_created() -> None:
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.destroy_process_group()
+
+
+def test_the_agents_shutdown_grace_is_passed_where_torch_takes_it(monkeypatch) -> None:
+    """2.14 and 2.15 take ``shutdown_timeout``; the 2.11 that GPU images carry refuses it
+    (TypeError at the agent's start: found by the first GPU run)."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    assert torch_compat.agent_shutdown_timeout(5) == {"shutdown_timeout": 5}
+
+    class Older:
+        def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300):
+            pass
+
+    monkeypatch.setattr(local_elastic_agent, "LocalElasticAgent", Older)
+    assert torch_compat.agent_shutdown_timeout(5) == {}
+
+
+def test_the_agents_shutdown_gets_its_timeout_where_torch_takes_one() -> None:
+    calls: list[dict] = []
+
+    class Agent:
+        def _shutdown(self, death_sig=None, timeout=30):
+            calls.append({"timeout": timeout})
+
+    class OlderAgent:
+        def _shutdown(self, death_sig=None):
+            calls.append({})
+
+    torch_compat.shut_down(Agent(), timeout_s=2)
+    torch_compat.shut_down(OlderAgent(), timeout_s=2)
+    assert calls == [{"timeout": 2}, {}]
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
