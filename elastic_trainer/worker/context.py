@@ -109,6 +109,19 @@ class WorkerContext:
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
+    def shared_gpu_problem(self, visible_gpus: int) -> str | None:
+        """Why NCCL cannot start on this node, or None: with more ranks on the node than
+        visible GPUs, ``device`` puts two ranks on one GPU, and NCCL refuses that (its
+        'Duplicate GPU detected', raised in the first collective of every rank)."""
+        if self.world_size == 1 or visible_gpus == 0 or self.local_world_size <= visible_gpus:
+            return None
+        return (
+            f"{self.local_world_size} workers on this node but {visible_gpus} visible "
+            f"GPU{'s' if visible_gpus > 1 else ''}: NCCL takes one GPU per rank; use "
+            f"--nproc-per-node {visible_gpus} (or auto), or make more GPUs visible "
+            "(CUDA_VISIBLE_DEVICES)"
+        )
+
     @property
     def stop_file(self) -> str | None:
         return os.path.join(self.control_dir, protocol.STOP_FILE) if self.control_dir else None

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.errors import ConfigError
 from elastic_trainer.logging import configure_logging
 from elastic_trainer.worker.context import WorkerContext
 
@@ -48,10 +49,16 @@ def init_worker(
             },
         )
     if ctx.device.type == "cuda":
+        if not dist.is_initialized() and (problem := ctx.shared_gpu_problem(gpu_count())):
+            raise ConfigError(problem)
         torch.cuda.set_device(ctx.device)
     if not dist.is_initialized():
         _init_process_group(ctx)
     return ctx
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _init_process_group(ctx: WorkerContext) -> None:

@@ -53,9 +53,11 @@ def test_amp_on_cuda_keeps_the_grad_scaler_in_every_snapshot_and_restores_it(
 def test_several_workers_on_the_gpus_train_and_resume_bit_identically(
     tmp_path: Path, worker_env: dict[str, str]
 ) -> None:
-    """``--nproc-per-node`` = the GPU count (2 workers sharing the GPU where there is one:
-    NCCL may refuse that with 'Duplicate GPU detected', which is then the finding)."""
-    nproc = max(gpu_count(), 2)
+    """``--nproc-per-node`` = the GPU count, a stop at step 9 and a resume equal one
+    uninterrupted run."""
+    if gpu_count() < 2:
+        pytest.skip(ONE_RANK_PER_GPU)
+    nproc = gpu_count()
     through, resumed = tmp_path / "through", tmp_path / "resumed"
     for run_dir, stops in ((through, [None]), (resumed, ["9", None])):
         run_dir.mkdir()
@@ -65,6 +67,21 @@ def test_several_workers_on_the_gpus_train_and_resume_bit_identically(
             assert done.returncode == 0, done.stdout[-3000:]
     expected, got = final_model(through), final_model(resumed)
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+
+
+def test_more_workers_than_gpus_is_one_line_and_exit_2_not_an_nccl_error(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    """NCCL refuses two ranks on one GPU ('Duplicate GPU detected', from every rank's first
+    collective, then a restart loop): the workers say what to change instead."""
+    nproc = gpu_count() + 1
+    done = launch(tmp_path, worker_env, nproc=nproc, job_args=[*TINY, "--max-steps", "2"])
+    assert done.returncode == 2, done.stdout[-3000:]
+    gpus = gpu_count()
+    assert f"{nproc} workers on this node but {gpus} visible GPU" in done.stdout
+    assert f"--nproc-per-node {gpus}" in done.stdout
+    assert "Duplicate GPU" not in done.stdout
+    assert [e["restart_count"] for e in events(tmp_path, "workers.started")] == [0]
 
 
 def test_fsdp_on_nccl_reshards_its_snapshots_on_load_and_exports_them(

@@ -140,3 +140,23 @@ def test_one_default_per_value() -> None:
         == RunConfig().worker.collective_timeout_s
     )
     assert settings.snapshot_every is None and settings.snapshot_keep is None
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "gpus", "refused"),
+    [
+        (2, 2, 1, True),
+        (8, 4, 2, True),
+        (4, 2, 2, False),
+        (2, 1, 1, False),
+        (1, 1, 1, False),
+        (2, 2, 0, False),
+    ],
+)
+def test_more_ranks_on_a_node_than_gpus_is_named_with_the_fix(world, local, gpus, refused):
+    ctx = WorkerContext(world_size=world, local_world_size=local, master_addr="h", master_port=1)
+    problem = ctx.shared_gpu_problem(gpus)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"{local} workers on this node" in problem
+        assert f"--nproc-per-node {gpus}" in problem and "\n" not in problem

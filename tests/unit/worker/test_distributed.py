@@ -11,6 +11,7 @@ import socket
 
 import pytest
 
+from elastic_trainer.errors import ConfigError
 from elastic_trainer.worker import distributed
 from elastic_trainer.worker.context import WorkerContext
 
@@ -83,3 +84,18 @@ def test_an_unresolvable_host_is_not_waited_for(monkeypatch):
     monkeypatch.setattr(distributed.time, "sleep", pauses.append)
     assert distributed.wait_for_store("host.invalid", 1, within_s=60.0) is False
     assert pauses == []
+
+
+def test_two_ranks_sharing_one_gpu_are_refused_before_nccl_starts(monkeypatch):
+    """NCCL's own answer would be 'Duplicate GPU detected' from every rank's first
+    collective; the worker says what to change instead, before any CUDA call."""
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(distributed.torch.cuda, "set_device", pytest.fail)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", pytest.fail)
+    ctx = WorkerContext(
+        rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr=HOST, master_port=1
+    )
+    with pytest.raises(ConfigError, match="2 workers on this node but 1 visible GPU: NCCL"):
+        distributed.init_worker(ctx, configure_logs=False)
