@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from elastic_trainer.contract import protocol
+from elastic_trainer.worker.memory.step_mark import StepMark, step_mark_for
 from snapshots.format.rng import FrozenRNGState
 
 
@@ -77,9 +78,12 @@ class FailureCopy:
         # the RNG states as of the last step boundary: where the state stands now (the
         # session opens this copy once its restore is done) or the optimizer's last step
         self._rng = FrozenRNGState()
+        self._mark: StepMark | None = None  # on a GPU: the step's end on the device
         _open.add(self)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self._mark is None:
+            self._mark = step_mark_for(optimizers)
         for optimizer in optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._entering))
             self._handles.append(optimizer.register_step_post_hook(self._stepped))
@@ -92,6 +96,8 @@ class FailureCopy:
         with self.lock:
             self.phase = Phase.STEPPED
             self._rng = FrozenRNGState()
+            if self._mark is not None:
+                self._mark.record()
 
     def counted(self) -> None:
         self.phase = Phase.CLEAN
@@ -102,16 +108,24 @@ class FailureCopy:
         with self.lock:
             if self.phase is Phase.TORN:
                 return False
-            captured = self._capture(self.phase is Phase.STEPPED)
-            if captured is None:
+            if self._mark is None:
+                return self._copy_now()
+            if not self._mark.done():  # the update is still queued on the device
                 return False
-            step, state = captured
-            if self.copied == step:
-                return True
-            if self._write(step, state, {"rng": self._rng}):
-                self.copied = step
-                return True
+            with self._mark.reading():
+                return self._copy_now()
+
+    def _copy_now(self) -> bool:
+        captured = self._capture(self.phase is Phase.STEPPED)
+        if captured is None:
             return False
+        step, state = captured
+        if self.copied == step:
+            return True
+        if self._write(step, state, {"rng": self._rng}):
+            self.copied = step
+            return True
+        return False
 
     def watch(self, control_dir: str | None, local_rank: int) -> None:
         """Answer the supervisor's request from a thread that sleeps in ``read`` of this

@@ -6,6 +6,7 @@ One process, a world of one (as tests/unit/worker/test_session_restart_stop.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -185,6 +186,52 @@ def test_phases_order_the_copy_against_the_step():
     copy.phase = Phase.TORN
     assert not copy.copy()
     copy.close()
+
+
+class FakeMark:
+    """A GPU's step mark, scripted: whether the device has finished the last step, and
+    what ran inside ``reading``."""
+
+    def __init__(self) -> None:
+        self.finished, self.records, self.inside = False, 0, False
+
+    def record(self) -> None:
+        self.records += 1
+
+    def done(self) -> bool:
+        return self.finished
+
+    @contextlib.contextmanager
+    def reading(self):
+        self.inside = True
+        yield
+        self.inside = False
+
+
+def test_on_a_gpu_a_step_still_queued_on_the_device_is_not_copied(monkeypatch):
+    """The host's phase runs ahead of a GPU: ``optimizer.step()`` returns once its kernels
+    are queued. A copy waits for nothing queued (a collective with a dead peer never ends)
+    and describes only a step the device has finished, read on the copy's own stream."""
+    mark = FakeMark()
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    written = []
+    copy = FailureCopy(
+        lambda stepped: (5 + stepped, {}), lambda *a: written.append((a[0], mark.inside)) or 1
+    )
+    model, optimizer = _parts()
+    copy.attach([optimizer])
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert mark.records == 1 and copy.phase is Phase.STEPPED
+    assert not copy.copy() and written == []  # queued on the device: declined, at once
+    mark.finished = True
+    assert copy.copy() and written == [(6, True)]
+    copy.close()
+
+
+def test_on_a_cpu_no_step_mark_is_made():
+    _, optimizer = _parts()
+    assert on_failure.step_mark_for([optimizer]) is None
 
 
 def test_the_copy_carries_the_rng_states_of_its_step_not_the_next_steps_draws():

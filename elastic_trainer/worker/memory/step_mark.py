@@ -1,0 +1,60 @@
+"""Where a CUDA rank's optimizer step stands on the device, not only on the host.
+
+On a GPU, ``optimizer.step()`` returns once its kernels are queued: the host-side phase of
+the just-in-time copy (``on_failure.Phase``) then runs ahead of the device. A copy is
+consistent only when the step it describes has finished on the device, and it must not
+queue behind the work that came after that step: when a peer is lost, that work includes a
+collective that never ends (the next step's gradient all-reduce, an NCCL kernel that waits
+for the dead peer until the communicator is aborted), and a copy on the training stream would
+wait with it.
+
+So the optimizer's post-hook records a CUDA event on the training stream, and a copy reads
+the state on a stream of its own, ordered after that event only: it neither waits for
+whatever was queued after the step nor reads a step the device has not finished (the copy is
+declined then, and storage or another node's copy serves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class StepMark:
+    """The CUDA event of the optimizer's last step on ``device``, and the stream copies use."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._event = torch.cuda.Event()
+        self._stream = torch.cuda.Stream(device=device)  # a pool stream: non-blocking
+        self._recorded = False
+
+    def record(self) -> None:
+        """At the optimizer's step end (its post-hook), on the stream that ran the step."""
+        self._event.record(torch.cuda.current_stream(self._device))
+        self._recorded = True
+
+    def done(self) -> bool:
+        """Has the device finished the last recorded step (True before any)?"""
+        return not self._recorded or self._event.query()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Inside: tensor copies go on the copy stream, after the last step only."""
+        self._stream.wait_event(self._event)
+        with torch.cuda.stream(self._stream):
+            yield
+        self._stream.synchronize()
+
+
+def step_mark_for(optimizers: list[torch.optim.Optimizer]) -> StepMark | None:
+    """A mark for the device of the optimizers' parameters when it is a GPU; None on CPU,
+    where the optimizer's step is done when it returns."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.device.type == "cuda":
+                    return StepMark(param.device)
+    return None

@@ -1,0 +1,116 @@
+"""The just-in-time copy on a GPU, with the training stream stuck the way a collective with a
+dead peer leaves it: seconds of matrix products queued on it ahead of everything else. The
+copy must not wait for them, and must never describe a step the device has not finished.
+
+Without ``on_failure``'s step mark both tests fail (run on an H200: the copy waited for the
+stuck stream; a step still queued was copied)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from elastic_trainer.worker.memory.on_failure import FailureCopy
+from elastic_trainer.worker.memory.tier import NodeCopies
+
+STUCK_PRODUCTS = 4000  # 8192^3 bf16 products: ~1.4 ms each on an H100/H200, seconds in all
+
+
+def stuck_stream() -> torch.cuda.Event:
+    """Queue seconds of work on the training stream (what a collective waiting for a dead
+    peer is to the stream); the event completes only once that work has run."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    for _ in range(STUCK_PRODUCTS):
+        torch.mm(a, a, out=out)
+    stuck = torch.cuda.Event()
+    stuck.record()
+    return stuck
+
+
+def parts() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer, torch.randn(64, 512, device="cuda")
+
+
+def failure_copy(
+    tmp_path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, counted: list[int]
+) -> tuple[FailureCopy, NodeCopies]:
+    copies = NodeCopies(str(tmp_path))
+
+    def capture(stepped: bool):
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return counted[0] + stepped, state
+
+    def write(step: int, state, _per_rank) -> bool:
+        copies.write(step, {"step": step, "state": state})
+        return True
+
+    copy = FailureCopy(capture, write)
+    copy.attach([optimizer])
+    return copy, copies
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def host(state: dict) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def test_a_copy_does_not_wait_for_a_stuck_collective_queued_after_its_step(tmp_path: Path):
+    model, optimizer, x = parts()
+    counted = [0]
+    copy, copies = failure_copy(tmp_path, model, optimizer, counted)
+    for _ in range(3):  # the allocator holds what a step needs: no cudaMalloc later, which
+        train_step(model, optimizer, x)  # would wait for the stuck stream on the host
+    counted[0] = 3
+    copy.counted()
+    torch.cuda.synchronize()
+    expected = host(model.state_dict())
+    stuck = stuck_stream()  # the next step's all-reduce, waiting for a dead peer
+    optimizer.zero_grad(set_to_none=True)  # the next step's forward and backward, queued
+    model(x).square().mean().backward()  # behind it as the host goes on
+    try:
+        assert copy.copy()
+        assert not stuck.query(), "the copy waited for the stuck stream"
+        back = copies.read(3)
+        assert back["step"] == 3
+        saved = back["state"]["model"]
+        assert all(torch.equal(saved[k], v) for k, v in expected.items())
+    finally:
+        copy.close()
+        torch.cuda.synchronize()
+
+
+def test_a_step_still_queued_on_the_device_is_never_copied(tmp_path: Path):
+    """The host has stepped (phase STEPPED) but the update waits behind the stuck kernel:
+    no copy (it would describe a step the device has not reached); once the device is done,
+    the copy is of that step and equals the device's state."""
+    model, optimizer, x = parts()
+    counted = [0]
+    copy, copies = failure_copy(tmp_path, model, optimizer, counted)
+    for _ in range(3):  # the allocator holds what a step needs: no cudaMalloc later, which
+        train_step(model, optimizer, x)  # would wait for the stuck stream on the host
+    counted[0] = 3
+    copy.counted()
+    stuck = stuck_stream()
+    train_step(model, optimizer, x)  # step 4: queued behind the stuck kernel
+    try:
+        assert not copy.copy()
+        assert not stuck.query(), "the copy waited for the stuck stream"
+        assert copies.newest() is None
+        torch.cuda.synchronize()
+        assert copy.copy() and copies.newest() == 4
+        saved = copies.read(4)["state"]["model"]
+        assert all(torch.equal(saved[k], v.cpu()) for k, v in model.state_dict().items())
+    finally:
+        copy.close()
+        torch.cuda.synchronize()
