@@ -5,8 +5,12 @@
 #
 #   bench/gpu_check.sh            # from the repository root, the venv active
 #
-# bench/snapshot_stall.py has no device option (it is CPU only), so no stall row on the GPU
-# is run here yet.
+# Then the session's per-step cost on the GPU against the same loop with no session
+# (bench/session_step_cost.py --device cuda, ResNet-18 at 224 px, batch 128).
+#
+# A torch outside the tested range (torch_compat.TESTED_TORCH) is named in the first line:
+# GPU images often carry an older torch than pip would install, and a failure may be the
+# release's, not the GPU's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -19,9 +23,17 @@ if not torch.cuda.is_available():
     raise SystemExit("gpu_check: no CUDA device visible to torch; run this on a GPU machine")
 names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: {names}")
+from elastic_trainer.torch_compat import TESTED_TORCH
+
+low, high = (tuple(map(int, v.split("."))) for v in TESTED_TORCH)
+if not low <= tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) <= high:
+    print(f"gpu_check: torch {torch.__version__} is outside the tested range {TESTED_TORCH}")
 PY
 status=0
 timeout 600 "$PYTHON" -m pytest -m gpu tests/gpu -v -rs --timeout 300 || status=$?
+echo "gpu_check: the session's cost per step on the GPU:"
+timeout 180 "$PYTHON" bench/session_step_cost.py --device cuda --batch 128 --image 224 \
+    --steps 20 --blocks 5 || status=$?
 echo "gpu_check: figures ($GPU_RESULTS):"
 cat "$GPU_RESULTS"
 exit "$status"

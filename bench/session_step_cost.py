@@ -4,9 +4,16 @@ Whole-job wall ratios (``snapshot_stall.py --jobs-only``) cannot resolve 1 % on 
 machine; this times the session's own per-step work where it runs: ``step_done`` (the
 all-reduce of its counters, the sampler, the progress record) and the optimizer hooks of
 the just-in-time copy (the phase, each step's RNG states), against the training step they
-ride on (ResNet-18, one process, a world of one on gloo).
+ride on (ResNet-18, one process, a world of one).
 
-    python bench/session_step_cost.py [--steps 30] [--batch 32]
+Then the whole loop, side by side: blocks of ``--steps`` steps of a trainer with a session
+and of an identical trainer with none (fault tolerance off), interleaved, each block
+timed from a synchronised start to a synchronised end. On a GPU this is the figure that
+counts: a per-step host-side cost that forced a device synchronisation would stall the
+queue of kernels, which the per-call timings above cannot see.
+
+    python bench/session_step_cost.py [--steps 30] [--batch 32] [--blocks 5]
+    python bench/session_step_cost.py --device cuda --batch 128 --image 224
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from snapshot_stall import make_trainer
+import torch
+from snapshot_stall import Trainer, make_trainer
 
 from elastic_trainer.worker.context import WorkerContext, WorkerSettings
 from elastic_trainer.worker.session import TrainingSession
@@ -33,8 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--image", type=int, default=32, help="input height and width")
+    parser.add_argument("--blocks", type=int, default=5, help="interleaved blocks per arm")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
-    trainer = make_trainer(args.batch)
+    trainer = make_trainer(args.batch, args.device, args.image)
+    bare = make_trainer(args.batch, args.device, args.image)
     folder = tempfile.mkdtemp(prefix="session-step-cost-")
     memory = tempfile.mkdtemp(prefix="session-step-cost-", dir="/dev/shm")
     os.makedirs(os.path.join(folder, "control"))
@@ -66,6 +80,7 @@ def main() -> None:
                 steps.append(stepped - began)
                 done.append(ended - stepped)
                 hooked.append(time.perf_counter() - ended)
+        with_session, without = whole_loops(trainer, session, bare, args.steps, args.blocks)
     finally:
         session.close(ended=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -78,6 +93,44 @@ def main() -> None:
     print(f"optimizer hooks (median)      {hooks_us:10.0f} us   {hooks_us / 1e3 / step_ms:8.3%}")
     total = (done_us + hooks_us) / 1e3
     print(f"session per step (at most)    {total * 1e3:10.0f} us   {total / step_ms:8.3%}")
+    on, off = statistics.median(with_session), statistics.median(without)
+    print(f"device                        {args.device}")
+    per_step = off / args.steps * 1e3
+    print(
+        f"whole loop, no session        {per_step:10.2f} ms/step (median of {args.blocks} blocks)"
+    )
+    print(f"whole loop, session defaults  {on / args.steps * 1e3:10.2f} ms/step")
+    print(f"ratio defaults / off          {on / off:10.3f}x")
+
+
+def whole_loops(
+    trainer: Trainer, session: TrainingSession, bare: Trainer, steps: int, blocks: int
+) -> tuple[list[float], list[float]]:
+    """Seconds per block of ``steps`` steps, with the session and without one, alternating
+    which arm goes first."""
+
+    def block(t: Trainer, done: Callable[[], None] | None) -> float:
+        synchronize()
+        began = time.perf_counter()
+        for _ in range(steps):
+            t.step()
+            if done is not None:
+                done()
+        synchronize()
+        return time.perf_counter() - began
+
+    block(bare, None)  # the bare trainer's first steps warm its allocator
+    with_session, without = [], []
+    for i in range(blocks):
+        arms = [(trainer, session.step_done, with_session), (bare, None, without)]
+        for t, done, out in arms if i % 2 == 0 else arms[::-1]:
+            out.append(block(t, done))
+    return with_session, without
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -69,11 +69,12 @@ class Result:
     next_steps: list[float] = field(default_factory=list)
 
 
-def make_trainer(batch: int) -> Trainer:
+def make_trainer(batch: int, device: str = "cpu", image: int = 32) -> Trainer:
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10)
+    model = torchvision.models.resnet18(num_classes=10).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    trainer = Trainer(model, opt, torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
+    x = torch.randn(batch, 3, image, image, device=device)
+    trainer = Trainer(model, opt, x, torch.randint(0, 10, (batch,), device=device))
     for _ in range(3):  # momentum buffers exist, allocator warm
         trainer.step()
     return trainer
