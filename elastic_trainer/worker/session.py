@@ -26,6 +26,7 @@ from elastic_trainer.worker.context import WorkerContext
 from elastic_trainer.worker.handoff import await_handoff, say_aware, say_handed_off
 from elastic_trainer.worker.interval import Interval
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier as ShardedTier
+from elastic_trainer.worker.memory.step_mark import SETTLE_S
 from elastic_trainer.worker.progress import (
     RESTART_STOPS,
     STOP_MAX_STEPS,
@@ -451,7 +452,7 @@ class TrainingSession:
         if memory.due(self.step):
             held = memory.holds(self.step)
         elif self._on_failure is not None:  # replicated state on every rank, or on none
-            held = self._on_failure.copy()  # at a step's end: consistent
+            held = self._on_failure.copy(settle_s=SETTLE_S)  # at a step's end: consistent
         else:
             return False
         return D.all_reduce_ints([int(held)], op=dist.ReduceOp.MIN)[0] == 1
@@ -535,7 +536,7 @@ class TrainingSession:
         A consistent state is first copied into the node's memory (``on_failure``): the
         group's failure is what the copy is for."""
         if self._on_failure is not None:
-            self._on_failure.copy()
+            self._on_failure.copy(settle_s=SETTLE_S)  # the training thread: let a GPU finish
             self._on_failure.close()
         self._signals.uninstall()
         if self._memory is not None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from elastic_trainer.contract import protocol
-from elastic_trainer.worker.memory.step_mark import StepMark, step_mark_for
+from elastic_trainer.worker.memory.step_mark import SETTLE_S, StepMark, step_mark_for
 from snapshots.format.rng import FrozenRNGState
 
 
@@ -59,7 +59,7 @@ def copy_all() -> None:
     """The copies of this process's open sessions: for a script that raised out of its
     loop without ``with TrainingSession(...)`` (``bootstrap`` calls it before exiting)."""
     for failure_copy in list(_open):
-        failure_copy.copy()
+        failure_copy.copy(settle_s=SETTLE_S)
 
 
 class FailureCopy:
@@ -102,15 +102,16 @@ class FailureCopy:
     def counted(self) -> None:
         self.phase = Phase.CLEAN
 
-    def copy(self) -> bool:
+    def copy(self, settle_s: float = 0.0) -> bool:
         """Write the consistent state once (not when torn); True when this rank's copy of
-        the state's step exists."""
+        the state's step exists. On a GPU, ``settle_s``: how long to let the device finish
+        the last step first (the training thread's copy after the script raised)."""
         with self.lock:
             if self.phase is Phase.TORN:
                 return False
             if self._mark is None:
                 return self._copy_now()
-            if not self._mark.done():  # the update is still queued on the device
+            if not self._mark.done(settle_s):  # the update is still queued on the device
                 return False
             with self._mark.reading():
                 return self._copy_now()

@@ -12,14 +12,25 @@ So the optimizer's post-hook records a CUDA event on the training stream, and a 
 the state on a stream of its own, ordered after that event only: it neither waits for
 whatever was queued after the step nor reads a step the device has not finished (the copy is
 declined then, and storage or another node's copy serves).
+
+A copy the training thread makes after the script raised (a healthy device, most often, a
+step or less behind the host) first lets the device finish, for at most ``SETTLE_S``; the
+supervisor's request (a peer lost: the stream may never move again) waits for nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
+
+# How long a copy made on the training thread waits for the device to finish the last step:
+# a healthy GPU finishes a step's queued work well within it; a stream stuck behind a dead
+# peer never does, and the copy is declined then.
+SETTLE_S = 5.0
+SETTLE_POLL_S = 0.001
 
 
 class StepMark:
@@ -36,9 +47,16 @@ class StepMark:
         self._event.record(torch.cuda.current_stream(self._device))
         self._recorded = True
 
-    def done(self) -> bool:
-        """Has the device finished the last recorded step (True before any)?"""
-        return not self._recorded or self._event.query()
+    def done(self, within_s: float = 0.0) -> bool:
+        """Has the device finished the last recorded step (True before any), waiting at most
+        ``within_s`` for it? (Polled: ``Event.synchronize`` would wait for ever on a stream
+        that never moves again.)"""
+        deadline = time.monotonic() + within_s
+        while self._recorded and not self._event.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(SETTLE_POLL_S)
+        return True
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:

@@ -194,12 +194,16 @@ class FakeMark:
 
     def __init__(self) -> None:
         self.finished, self.records, self.inside = False, 0, False
+        self.finishes_within: float | None = None  # seconds the device still needs
+        self.waits: list[float] = []
 
     def record(self) -> None:
         self.records += 1
 
-    def done(self) -> bool:
-        return self.finished
+    def done(self, within_s: float = 0.0) -> bool:
+        self.waits.append(within_s)
+        due = self.finishes_within
+        return self.finished or (due is not None and due <= within_s)
 
     @contextlib.contextmanager
     def reading(self):
@@ -227,6 +231,35 @@ def test_on_a_gpu_a_step_still_queued_on_the_device_is_not_copied(monkeypatch):
     mark.finished = True
     assert copy.copy() and written == [(6, True)]
     copy.close()
+
+
+def test_the_training_threads_copy_lets_the_device_finish_the_step_first(monkeypatch):
+    """After the script raised, the device is most often healthy and a step or less behind
+    the host: that copy waits for it (bounded); the supervisor's request does not wait."""
+    mark = FakeMark()
+    mark.finishes_within = 0.01
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    written = []
+    copy = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
+    model, optimizer = _parts()
+    copy.attach([optimizer])
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert not copy.copy() and written == []  # the watcher's: no wait
+    on_failure.copy_all()  # bootstrap's, for a script that raised
+    assert written == [6] and mark.waits == [0.0, on_failure.SETTLE_S]
+    copy.close()
+
+
+def test_a_session_aborted_by_an_error_copies_with_the_settle_wait(tmp_path, monkeypatch):
+    waits = []
+    monkeypatch.setattr(
+        FailureCopy, "copy", lambda self, settle_s=0.0: waits.append(settle_s) or True
+    )
+    model, optimizer = _parts()
+    with pytest.raises(Boom), _session(tmp_path, model, optimizer) as session:
+        _train(session, model, optimizer, 2, fail_at="counting")
+    assert waits == [on_failure.SETTLE_S]
 
 
 def test_on_a_cpu_no_step_mark_is_made():
