@@ -101,6 +101,8 @@ def main() -> None:
     )
     print(f"whole loop, session defaults  {on / args.steps * 1e3:10.2f} ms/step")
     print(f"ratio defaults / off          {on / off:10.3f}x")
+    pairs = sorted(a / b for a, b in zip(with_session, without, strict=True))
+    print(f"  block by block              {pairs[0]:10.3f}x .. {pairs[-1]:.3f}x")
 
 
 def whole_loops(
