@@ -40,19 +40,18 @@ class StepMark:
         self._device = device
         self._event = torch.cuda.Event()
         self._stream = torch.cuda.Stream(device=device)  # a pool stream: non-blocking
-        self._recorded = False
+        self.record()  # the state as restored: its copies to the device may still be queued
 
     def record(self) -> None:
         """At the optimizer's step end (its post-hook), on the stream that ran the step."""
         self._event.record(torch.cuda.current_stream(self._device))
-        self._recorded = True
 
     def done(self, within_s: float = 0.0) -> bool:
-        """Has the device finished the last recorded step (True before any), waiting at most
-        ``within_s`` for it? (Polled: ``Event.synchronize`` would wait for ever on a stream
-        that never moves again.)"""
+        """Has the device finished the last recorded step, waiting at most ``within_s`` for
+        it? (Polled: ``Event.synchronize`` would wait for ever on a stream that never moves
+        again.)"""
         deadline = time.monotonic() + within_s
-        while self._recorded and not self._event.query():
+        while not self._event.query():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(SETTLE_POLL_S)
