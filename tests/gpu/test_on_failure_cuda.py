@@ -114,3 +114,29 @@ def test_a_step_still_queued_on_the_device_is_never_copied(tmp_path: Path):
     finally:
         copy.close()
         torch.cuda.synchronize()
+
+
+def test_a_copy_before_the_first_step_waits_for_the_restore_on_the_device(tmp_path: Path):
+    """The copy opens after the restore, whose copies to the device may still be queued: a
+    copy then describes the restored state only once the device has it."""
+    model, optimizer, x = parts()
+    for _ in range(3):
+        train_step(model, optimizer, x)
+    restored = [torch.zeros_like(p) for p in model.parameters()]  # before: no cudaMalloc later
+    torch.cuda.synchronize()
+    stuck = stuck_stream()
+    with torch.no_grad():  # the restore, queued behind the stuck work
+        for param, value in zip(model.parameters(), restored, strict=True):
+            param.copy_(value)
+    counted = [3]
+    copy, copies = failure_copy(tmp_path, model, optimizer, counted)
+    try:
+        assert not copy.copy()
+        assert not stuck.query(), "the copy waited for the stuck stream"
+        torch.cuda.synchronize()
+        assert copy.copy() and copies.newest() == 3
+        saved = copies.read(3)["state"]["model"]
+        assert all(not saved[k].any() for k in saved if k.endswith(("weight", "bias")))
+    finally:
+        copy.close()
+        torch.cuda.synchronize()
