@@ -23,11 +23,10 @@ if not torch.cuda.is_available():
     raise SystemExit("gpu_check: no CUDA device visible to torch; run this on a GPU machine")
 names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: {names}")
-from elastic_trainer.torch_compat import TESTED_TORCH
+from elastic_trainer.torch_compat import untested_torch
 
-low, high = (tuple(map(int, v.split("."))) for v in TESTED_TORCH)
-if not low <= tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) <= high:
-    print(f"gpu_check: torch {torch.__version__} is outside the tested range {TESTED_TORCH}")
+if untested := untested_torch(torch.__version__):
+    print(f"gpu_check: {untested}")
 PY
 status=0
 timeout 600 "$PYTHON" -m pytest -m gpu tests/gpu -v -rs --timeout 300 || status=$?

@@ -35,6 +35,25 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 # The oldest and newest torch release this module was checked against (pyproject's range).
 TESTED_TORCH = ("2.14", "2.15")
 
+
+def untested_torch(version: str) -> str | None:
+    """One line when torch ``version`` (``torch.__version__``) is outside ``TESTED_TORCH``:
+    GPU images often carry an older torch than pip would install, and a user who keeps it
+    should know before a failure that may be the release's; None inside the range."""
+    low, high = TESTED_TORCH
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if _release(low) <= release <= _release(high):
+        return None
+    return (
+        f"torch {version} is outside the range elastic-train is tested with ({low} to "
+        f"{high}); a failure may be the release's: pip install 'torch>={low},<={high}.*'"
+    )
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
 # --- torch/distributed/elastic/rendezvous/dynamic_rendezvous.py --------------------------
 # _PeriodicTimer: the handler's own heartbeat timer class. We restart heartbeats at half the
 #   keep-alive interval (torch ticks at the interval and skips a beat that is not yet due, so

@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = prepare_node(cfg)
         claimed = claim_store_port(cfg)
         preflight(cfg)
+        warn_untested_torch()
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
         serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
     except signals.StopRequested:
@@ -146,6 +147,7 @@ def preflight(cfg: RunConfig) -> None:
     world_sizes = [cfg.nproc_per_node * n for n in range(cfg.min_nodes, cfg.max_nodes + 1)]
     for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
         emit("preflight.warning", level="warning", warning=warning)
+
     if cfg.worker.snapshot_dir:
         storage = check_snapshot_dir(
             cfg.worker.snapshot_dir, storage_timeout=cfg.worker.storage_timeout_s
@@ -155,6 +157,17 @@ def preflight(cfg: RunConfig) -> None:
             emit("preflight.warning", level="warning", warning=reused)
     if not hosts_store(cfg):
         check_endpoint(cfg.rdzv_host, cfg.rdzv_port, read_timeout_s=cfg.rdzv.read_timeout)
+
+
+def warn_untested_torch() -> None:
+    """GPU images often carry an older torch than pip would install: a user who keeps it
+    hears so once, before a failure that may be the release's."""
+    import torch
+
+    from elastic_trainer import torch_compat
+
+    if (untested := torch_compat.untested_torch(torch.__version__)) is not None:
+        emit("preflight.warning", level="warning", warning=untested)
 
 
 def _check_log_file(path: str | None) -> None:

@@ -18,9 +18,25 @@ def test_private_piece_still_exists(name: str) -> None:
 
 def test_installed_torch_is_in_the_tested_range() -> None:
     """pyproject declares the range we test; a torch outside it must not pass silently."""
-    low, high = torch_compat.TESTED_TORCH
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    assert tuple(map(int, low.split("."))) <= version <= tuple(map(int, high.split(".")))
+    assert torch_compat.untested_torch(torch.__version__) is None, torch.__version__
+
+
+@pytest.mark.parametrize(
+    ("version", "untested"),
+    [
+        ("2.14.1", False),
+        ("2.15.0+cu132", False),
+        ("2.15.0a0+git1234", False),
+        ("2.11.0+cu130", True),
+        ("2.16.0.dev20261101", True),
+        ("3.0.0", True),
+    ],
+)
+def test_a_torch_outside_the_tested_range_gets_one_line_with_the_fix(version, untested) -> None:
+    line = torch_compat.untested_torch(version)
+    assert (line is not None) == untested
+    if untested:
+        assert f"torch {version} is outside" in line and "pip install 'torch>=2.14" in line
 
 
 def test_pyproject_pins_the_tested_range() -> None:
