@@ -44,9 +44,10 @@ def untested_torch(version: str) -> str | None:
     release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
     if _release(low) <= release <= _release(high):
         return None
+    major, minor = _release(high)[:2]
     return (
         f"torch {version} is outside the range elastic-train is tested with ({low} to "
-        f"{high}); a failure may be the release's: pip install 'torch>={low},<={high}.*'"
+        f"{high}); a failure may be the release's: pip install 'torch>={low},<{major}.{minor + 1}'"
     )
 
 
