@@ -61,11 +61,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     optimizer.step()
 
 
-def host(state: dict) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
-
-
-def test_a_copy_does_not_wait_for_a_stuck_collective_queued_after_its_step(tmp_path: Path):
+def three_steps_counted(
+    tmp_path: Path,
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, FailureCopy, NodeCopies]:
     model, optimizer, x = parts()
     counted = [0]
     copy, copies = failure_copy(tmp_path, model, optimizer, counted)
@@ -73,6 +71,15 @@ def test_a_copy_does_not_wait_for_a_stuck_collective_queued_after_its_step(tmp_p
         train_step(model, optimizer, x)  # would wait for the stuck stream on the host
     counted[0] = 3
     copy.counted()
+    return model, optimizer, x, copy, copies
+
+
+def host(state: dict) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def test_a_copy_does_not_wait_for_a_stuck_collective_queued_after_its_step(tmp_path: Path):
+    model, optimizer, x, copy, copies = three_steps_counted(tmp_path)
     torch.cuda.synchronize()
     expected = host(model.state_dict())
     stuck = stuck_stream()  # the next step's all-reduce, waiting for a dead peer
@@ -94,13 +101,7 @@ def test_a_step_still_queued_on_the_device_is_never_copied(tmp_path: Path):
     """The host has stepped (phase STEPPED) but the update waits behind the stuck kernel:
     no copy (it would describe a step the device has not reached); once the device is done,
     the copy is of that step and equals the device's state."""
-    model, optimizer, x = parts()
-    counted = [0]
-    copy, copies = failure_copy(tmp_path, model, optimizer, counted)
-    for _ in range(3):  # the allocator holds what a step needs: no cudaMalloc later, which
-        train_step(model, optimizer, x)  # would wait for the stuck stream on the host
-    counted[0] = 3
-    copy.counted()
+    model, optimizer, x, copy, copies = three_steps_counted(tmp_path)
     stuck = stuck_stream()
     train_step(model, optimizer, x)  # step 4: queued behind the stuck kernel
     try:

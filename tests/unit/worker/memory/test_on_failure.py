@@ -172,13 +172,18 @@ def test_a_graceful_restart_resumes_from_the_copy_made_at_the_steps_end(tmp_path
     assert not list((tmp_path / "snapshots").glob("step-*"))  # no storage save to wait for
 
 
-def test_phases_order_the_copy_against_the_step():
-    written = []
-    copy = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
+def _one_step(copy: FailureCopy) -> None:
+    """Attach ``copy`` to a fresh optimizer and take one step: phase STEPPED."""
     model, optimizer = _parts()
     copy.attach([optimizer])
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
+
+
+def test_phases_order_the_copy_against_the_step():
+    written = []
+    copy = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
+    _one_step(copy)
     assert copy.phase is Phase.STEPPED
     assert copy.copy() and written == [6]
     assert copy.copy() and written == [6]  # once per step
@@ -222,10 +227,7 @@ def test_on_a_gpu_a_step_still_queued_on_the_device_is_not_copied(monkeypatch):
     copy = FailureCopy(
         lambda stepped: (5 + stepped, {}), lambda *a: written.append((a[0], mark.inside)) or 1
     )
-    model, optimizer = _parts()
-    copy.attach([optimizer])
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
+    _one_step(copy)
     assert mark.records == 1 and copy.phase is Phase.STEPPED
     assert not copy.copy() and written == []  # queued on the device: declined, at once
     mark.finished = True
@@ -241,10 +243,7 @@ def test_the_training_threads_copy_lets_the_device_finish_the_step_first(monkeyp
     monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
     written = []
     copy = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
-    model, optimizer = _parts()
-    copy.attach([optimizer])
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
+    _one_step(copy)
     assert not copy.copy() and written == []  # the watcher's: no wait
     on_failure.copy_all()  # bootstrap's, for a script that raised
     assert written == [6] and mark.waits == [0.0, on_failure.SETTLE_S]
