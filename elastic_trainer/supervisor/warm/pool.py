@@ -60,8 +60,14 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
 
 
 def receive(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the fds that came with it; (None, []) at EOF (the peer is gone)."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, max_fds)
+    """One message and the fds that came with it; (None, []) when the peer is gone: at EOF,
+    or reset (it closed with a message of ours unread: a supervisor that ended while its
+    pool imported, on a bad flag, would otherwise leave the pool's traceback on its stderr
+    beside its one-line error)."""
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, max_fds)
+    except ConnectionResetError:
+        return None, []
     if not data:
         for fd in fds:
             os.close(fd)
@@ -175,7 +181,10 @@ def serve(sock: socket.socket, modules: list[str]) -> int:
     gc.freeze()
     ready = {"ready": True, "pid": os.getpid(), "loaded": loaded, "warm_up_s": warm_s}
     ready["threads"] = _native_threads()
-    send(sock, {**ready, "import_s": time.monotonic() - began})
+    try:
+        send(sock, {**ready, "import_s": time.monotonic() - began})
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the supervisor ended while we imported: nothing to start
     while True:
         request, fds = receive(sock, max_fds=STDIO_FDS)
         if request is None:

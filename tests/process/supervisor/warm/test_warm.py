@@ -444,3 +444,27 @@ def test_the_start_processes_swap_is_undone_even_on_error():
         raise RuntimeError("boom")
     assert seen == [(original, {"name": "x"})]
     assert local_elastic_agent.start_processes is original
+
+
+def test_a_pool_whose_supervisor_left_while_it_imported_ends_quietly():
+    """Regression: a supervisor that ends on a bad flag while its pool still imports torch
+    (the pool starts first) got the pool's ConnectionResetError traceback on its stderr,
+    glued to its own one-line error."""
+    import socket
+
+    from elastic_trainer.supervisor.warm.launcher import POOL_MODULE
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pool = subprocess.Popen(
+        [sys.executable, "-u", "-m", POOL_MODULE, str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    ours.close()  # the supervisor is gone before the pool could say it is ready
+    _, stderr = pool.communicate(timeout=120)
+    assert pool.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
