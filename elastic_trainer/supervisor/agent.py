@@ -144,6 +144,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             )
         self._membership = membership
         self._peer_stop_seen: float | None = None
+        self._reported_lost: set[Any] = set()  # lost members a peer.lost event has named
         self._oom_kills_at_start: int | None = None
         self._error: str | None = None
         # SIGTERM -> SIGKILL when we stop workers to restart them (torchrun's
@@ -395,9 +396,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         if outcome.verdict == Verdict.CHECK_PEERS:  # a closed connection needs no wait
             lost = bool(self._membership.lost_peers())
             lost = lost or self._membership.wait_for_lost_peer(self._stop.wait)
-            if peers := self._membership.lost_peers():  # our worker saw it die first
-                emit("peer.lost", level="warning", nodes=sorted(node_name(p) for p in peers),
-                     how="connection_closed")  # fmt: skip
+            self._report_lost_peers()  # our worker saw it die first
             outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=lost)
         if outcome.verdict == Verdict.CONFIG_ERROR:
             self._error = self._config_error_line(outcome, result)
@@ -428,17 +427,28 @@ class ElasticTrainAgent(LocalElasticAgent):
         """Members are gone: lost (their agent's connection closed: the process died) or
         silent (no heartbeat and no reset: frozen, partitioned; our workers would block in a
         collective until its timeout). Re-form without them now."""
-        nodes = sorted(node_name(p) for p in peers)
         if silent:
+            nodes = sorted(node_name(p) for p in peers)
             emit("peer.silent", level="warning", nodes=nodes, silent_s=self._cfg.rdzv.dead_after_s)
         else:
-            emit("peer.lost", level="warning", nodes=nodes, how="connection_closed")
+            self._report_lost_peers()
         self.ledger.failed(
             cause=MembershipReason.NODE_LOST.value,
             now=time.time(),
             world_size=self._state.world_size or 0,
         )
         return decisions.on_peers_gone(self._policy, self._state)
+
+    def _report_lost_peers(self) -> None:
+        """``peer.lost`` for members found gone that no event has named yet: once each,
+        whenever we learn of it -- also after a restart that our worker's failure started
+        before the peer's connection had closed (its workers died a moment before its
+        agent), at the latest when we re-form."""
+        peers = self._membership.lost_peers() - self._reported_lost
+        if peers:
+            self._reported_lost |= peers
+            nodes = sorted(node_name(p) for p in peers)
+            emit("peer.lost", level="warning", nodes=nodes, how="connection_closed")
 
     def _on_hang(self, verdict: HangVerdict) -> decisions.Outcome:
         rank = self._global_rank(verdict.local_rank)
@@ -565,6 +575,7 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
+        self._report_lost_peers()
         self._membership.before_rejoin()
         if not self._joined_once:
             self._announce_first_round()
@@ -576,7 +587,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             if not self._move_store_if_host_gone(handler, store_failed=True):
                 raise
             self._join_round(worker_group)
+        self._report_lost_peers()  # found while the round formed (the handler's dead_now)
         self._membership.round_formed()
+        self._reported_lost.clear()  # the lost are not members of the new round
         world_size = worker_group.workers[0].world_size
         emit(
             "rendezvous.completed",

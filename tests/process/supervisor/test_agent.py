@@ -589,6 +589,28 @@ def test_a_peer_whose_connection_closes_while_we_check_is_a_lost_node(tmp_path) 
     assert named(logs, "membership.changed")[0]["reason"] == "node_lost"
 
 
+def test_a_peer_whose_connection_closes_after_our_restart_began_is_still_named(tmp_path):
+    """Regression (a flaky e2e test): the lost node's workers died a moment before its agent,
+    so our worker failed first and the restart began (budget left: no peer check) before its
+    connection closed. ``peer.lost`` still names it, once, when we re-form."""
+    rounds = [Round(nodes=2, ticks=[{0: 1}]), Round(nodes=1, ticks=[{0: OK}])]
+
+    def closes_as_we_restart(agent: ScriptedAgent) -> None:
+        stop_workers = agent._stop_workers
+
+        def stopping(worker_group: Any, *args: Any, **kwargs: Any) -> None:
+            agent.script.closed = ("node1",)
+            stop_workers(worker_group, *args, **kwargs)
+
+        agent._stop_workers = stopping
+
+    outcome, logs, _ = run(rounds, tmp_path, prepare=closes_as_we_restart)
+    assert outcome.status == "succeeded"
+    assert named(logs, "worker.failed") and named(logs, "group.restarting")
+    (lost,) = named(logs, "peer.lost")
+    assert (lost["nodes"], lost["how"]) == (["node1"], "connection_closed")
+
+
 def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     """Stale on one check only (a loaded machine): no re-formation."""
     from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
