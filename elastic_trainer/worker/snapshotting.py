@@ -28,7 +28,7 @@ from elastic_trainer.private_files import NotOursError, private_dirs
 from elastic_trainer.worker import distributed as D
 from elastic_trainer.worker.context import WorkerContext
 from elastic_trainer.worker.memory.interface import InMemoryTier
-from elastic_trainer.worker.memory.on_failure import Capture, FailureCopy
+from elastic_trainer.worker.memory.on_failure import Capture, FailureCopy, Write
 from elastic_trainer.worker.memory.plan import Source
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier
 from elastic_trainer.worker.memory.slots import refused
@@ -204,7 +204,7 @@ def open_memory_tier(
     group, or sharded state with ``every`` 0. Sharded (FSDP2) state: each rank keeps its own
     shards every ``every`` steps (``shards``; unset: ``DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY``);
     replicated state: one copy per node (``tier``), every ``every`` steps, and unset or 0 only
-    just in time, when the group ends (``open_failure_copy``)."""
+    just in time, when the group ends (``open_failure_copy``; HSDP shards too)."""
     from snapshots.sharded.state import has_dtensors
 
     if not (directory and dist.is_initialized()):
@@ -220,7 +220,7 @@ def open_memory_tier(
     if D.all_reduce_ints([int(_private_folder(directory))], op=dist.ReduceOp.MIN) != [1]:
         return None
     if sharded:
-        return ShardedMemoryTier(directory, every=every)
+        return ShardedMemoryTier(directory, every=every, state=state)
     return MemoryTier(directory, every=every)
 
 
@@ -230,13 +230,21 @@ def open_failure_copy(
     capture: Capture,
     context: WorkerContext,
 ) -> FailureCopy | None:
-    """The just-in-time copy of replicated state (``on_failure``), when the state names its
-    optimizer: only its hooks tell a consistent state from one torn by a step. Not beside
-    periodic copies (``every`` > 0): those are the node's copies then."""
+    """The just-in-time copy (``on_failure``), when the state names its optimizer: only its
+    hooks tell a consistent state from one torn by a step. Replicated state: unless periodic
+    copies (``every`` > 0) are the node's copies. Sharded state: only where every shard is
+    also held by another rank (HSDP), beside the periodic copies: a lost rank's replica
+    copies it just in time for it. The same decision on every rank."""
     optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
-    if not isinstance(memory, MemoryTier) or memory.every > 0 or not optimizers:
+    if isinstance(memory, MemoryTier) and memory.every == 0:
+        write: Write = memory.dump
+    elif isinstance(memory, ShardedMemoryTier) and memory.replicated_shards:
+        write = memory.dump
+    else:
         return None
-    copy = FailureCopy(capture, memory.dump)
+    if not optimizers:
+        return None
+    copy = FailureCopy(capture, write)
     copy.attach(optimizers)
     copy.watch(context.control_dir, context.local_rank)
     return copy
@@ -266,7 +274,7 @@ def restore_state(
     survivors' in-memory copies are first written to storage, then loaded from there."""
     reason, source = None, Source.STORAGE
     if memory is not None:
-        newest = snapshots.newest_step if snapshots is not None else lambda: None
+        newest = snapshots.newest_step if snapshots is not None else None
         plan, restored = memory.restore(into, {"rng": RNGState()}, newest)
         if restored is not None:
             return restored.step, restored.state

@@ -7,13 +7,19 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from structlog.testing import capture_logs
 
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier
-from elastic_trainer.worker.snapshotting import SessionSnapshots, restore_state
+from elastic_trainer.worker.snapshotting import (
+    SessionSnapshots,
+    open_failure_copy,
+    restore_state,
+)
 from elastic_trainer.worker.bootstrap import exit_without_finalizing
 from snapshots import RNGState
 from snapshots.storage import faults
@@ -44,7 +50,10 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
     model = fsdp_model(world)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
-    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1)
+    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1, state=_state(model, optimizer, 0))
+    context = SimpleNamespace(control_dir=None, local_rank=rank)
+    # FSDP without replicas: a lost rank's shards are nowhere else, no copy just in time
+    failure_copy = open_failure_copy(tier, _state(model, optimizer, 0), lambda _: None, context)  # type: ignore[arg-type]
     for step in range(1, args["steps"] + 1):
         sharded_workers.train(model, optimizer, 1, rank)
         tier.save(step, _state(model, optimizer, step), {"rng": RNGState()})
@@ -61,18 +70,73 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
     if args.get("kill_at") is not None:  # the peer is dead: no collective, no result
         exit_without_finalizing(0)
     snapshots.close()
-    return {"skipped": tier.skipped}
+    return {"skipped": tier.skipped, "failure_copy": failure_copy is not None}
+
+
+def train_hsdp(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
+    """HSDP on two nodes (ranks 0-1 and 2-3; ranks r and r + 2 are replicas): 5 steps, a
+    periodic copy every 3 steps, a storage snapshot at step 2. Then node 0's ranks make the
+    copy just in time (``on_failure``), as when node 1 is lost: first with rank 1 inside its
+    optimizer's step (its copy is declined; the node's folder is kept as ``node0-torn``),
+    then consistent. Rank 0 saves the full state of steps 3 and 5."""
+    model = fsdp_model(world, replicas=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
+    state = _state(model, optimizer, 0)
+    tier = ShardedMemoryTier(f"{tmp}/node{rank // 2}", every=3, state=state)
+    counted = 0
+
+    def capture(stepped: bool) -> tuple[int, dict[str, Any]]:
+        return counted + stepped, _state(model, optimizer, counted + stepped)
+
+    context = SimpleNamespace(control_dir=None, local_rank=rank)  # no supervisor to ask
+    failure_copy = open_failure_copy(tier, state, capture, context)  # type: ignore[arg-type]
+    assert failure_copy is not None  # HSDP: the copy made just in time is on
+    for step in range(1, 6):
+        sharded_workers.train(model, optimizer, 1, rank)
+        with failure_copy.lock:
+            counted = step
+            failure_copy.counted()
+        if tier.due(step):
+            tier.save(step, _state(model, optimizer, step), {"rng": RNGState()})
+            tier.flush()
+        if step == 2:
+            snapshots.save(step, _state(model, optimizer, step), epoch=0, blocking=True)
+        if step in (3, 5):
+            gathered = full_state(model, optimizer)
+            if rank == 0:
+                torch.save(gathered, Path(tmp, f"expected-{step}.pt"))
+    dist.barrier()  # every periodic copy made
+    copied = [None, None]
+    if rank == 0:
+        copied[0] = failure_copy.copy()
+    if rank == 1:
+        failure_copy._entering()  # inside optimizer.step(), as the group ends
+        copied[0] = failure_copy.copy()
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(Path(tmp, "node0"), Path(tmp, "node0-torn"))
+        shutil.copytree(Path(tmp, "snaps"), Path(tmp, "snaps-torn"))
+    dist.barrier()
+    if rank == 1:
+        failure_copy.counted()  # the step is done: its state is consistent again
+        copied[1] = failure_copy.copy()
+    failure_copy.close()
+    tier.close()
+    snapshots.close()
+    return {"copied": copied, "replicas": list(tier.replicas), "targets": tier.targets}
 
 
 def resume(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, Any]:
     """The surviving node(s) restore at the new world size; ``lose`` lists node folders
-    (``node1``, or a mirror folder too) gone with the lost node."""
+    (``node1``, or a mirror folder too) gone with the lost node. ``folder``: every rank's
+    node folder (one node), else ``node<rank>``; ``snaps``: the storage folder."""
     for lost in args.get("lose", []):
         shutil.rmtree(Path(tmp, lost), ignore_errors=True)
     model = fsdp_model(world, seed=1)  # other weights: the restore must replace them all
     optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
-    snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
-    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1)
+    snapshots = SessionSnapshots(f"{tmp}/{args.get('snaps', 'snaps')}", keep=None)
+    tier = ShardedMemoryTier(f"{tmp}/{args.get('folder', f'node{rank}')}", every=1)
     with capture_logs() as logs:
         restored = restore_state(tier, snapshots, {"model": model, "optimizer": optimizer})
     tier.after_restore(None if restored is None else restored[0])
@@ -87,5 +151,6 @@ def resume(rank: int, world: int, tmp: str, args: dict[str, Any]) -> dict[str, A
 
 PHASES: dict[str, sharded_workers.Phase] = {
     "train_with_copies": train_with_copies,
+    "train_hsdp": train_hsdp,
     "resume": resume,
 }

@@ -48,13 +48,19 @@ def spawn_phase(rank: int, world: int, tmp: str, phase: str, args: dict[str, Any
     exit_without_finalizing(0)
 
 
-def fsdp_model(world: int, *, seed: int = 0) -> torch.nn.Module:
-    """Odd sizes, so that shards are uneven at 2 and 3 ranks; one FSDP unit per block."""
+def fsdp_model(world: int, *, seed: int = 0, replicas: int = 1) -> torch.nn.Module:
+    """Odd sizes, so that shards are uneven at 2 and 3 ranks; one FSDP unit per block.
+    ``replicas`` > 1: HSDP, a (replicate, shard) mesh: ranks r and r + world/replicas hold
+    the same shards."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5), torch.nn.LayerNorm(5)
     )
-    mesh = init_device_mesh("cpu", (world,))
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        shape, names = (replicas, world // replicas), ("replicate", "shard")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     for block in (model[0], model[2]):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

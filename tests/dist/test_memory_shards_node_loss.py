@@ -34,7 +34,8 @@ def run_phase(tmp: Path, phase: str, world: int, **args: Any) -> list[dict[str, 
 
 
 def test_a_lost_node_s_shards_are_rebuilt_from_its_mirror_losing_no_step(tmp_path):
-    run_phase(tmp_path, "train_with_copies", 2, steps=STEPS)
+    trained = run_phase(tmp_path, "train_with_copies", 2, steps=STEPS)
+    assert [r["failure_copy"] for r in trained] == [False, False]  # no replicas: no JIT copy
     (survivor,) = run_phase(tmp_path, "resume", 1, lose=["node1"], tag="lost")
     assert survivor["step"] == STEPS
     (event,) = survivor["restored"]

@@ -34,6 +34,22 @@ def test_fsdp_worker_crash_restores_every_rank_from_memory_bit_identical(
     assert_bit_identical(tmp_path, reference(*FSDP))  # shards, momentum and RNG restored
 
 
+# HSDP, a (replicate, shard) mesh: ranks 1 and 3 hold the same shards; periodic copies every
+# 3 steps (storage: 6), and the copy made just in time by the survivors when rank 3 crashes
+HSDP = ("--fsdp", "--hsdp", "--width", "8", "--lr", "0.01", "--memory-every", "3")
+
+
+def test_hsdp_worker_crash_restores_the_replicas_just_in_time_copies_bit_identical(
+    tmp_path, reference, worker_env_module
+):
+    result = run(tmp_path, worker_env_module, 4, *HSDP, "--crash-at-step", "8", "--crash-rank", "3")
+    events = restored(result)
+    assert [(e["source"], e["step"]) for e in events] == [("mirror", 8)] * 4, events
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] == 0
+    assert_bit_identical(tmp_path, reference(*HSDP, nproc=4))
+
+
 def test_fsdp_a_damaged_copy_on_one_rank_sends_every_rank_to_storage(
     tmp_path, reference, worker_env_module
 ):

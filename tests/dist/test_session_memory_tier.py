@@ -58,14 +58,14 @@ EVERY_STEP = ("--memory-every", "1")  # periodic copies (replicated state's defa
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, worker_env_module):
     """The uninterrupted run's folder, for the given extra arguments (one run each)."""
-    runs: dict[tuple[str, ...], Path] = {}
+    runs: dict[tuple[int | str, ...], Path] = {}
 
-    def get(*extra: str) -> Path:
-        if extra not in runs:
+    def get(*extra: str, nproc: int = 2) -> Path:
+        if (nproc, *extra) not in runs:
             root = tmp_path_factory.mktemp("reference")
-            assert run(root, worker_env_module, 2, *extra).named("snapshot.restored") == []
-            runs[extra] = root
-        return runs[extra]
+            assert run(root, worker_env_module, nproc, *extra).named("snapshot.restored") == []
+            runs[nproc, *extra] = root
+        return runs[nproc, *extra]
 
     return get
 

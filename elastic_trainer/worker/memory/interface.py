@@ -29,9 +29,10 @@ class InMemoryTier(Protocol):
         self,
         into: Mapping[str, Any],
         rank_into: Mapping[str, Any],
-        storage_newest: Callable[[], int | None],
+        storage_newest: Callable[[], int | None] | None,
     ) -> tuple[RestorePlan, MemoryRestored | None]:
-        """Collective: restore from memory when every rank can, else say why not."""
+        """Collective: restore from memory when every rank can, else say why not.
+        ``storage_newest``: the newest storage snapshot's step (None: no storage)."""
         ...
 
     def after_restore(self, step: int | None) -> None:

@@ -57,15 +57,17 @@ def mirror_folder(directory: str, rank: int) -> str:
     return os.path.join(directory, "shards", f"mirror-{rank:05d}")
 
 
-def held_on_node(directory: str) -> list[tuple[int, int, int]]:
-    """(old rank, step, saved world size) of every copy in the node's folder, own or mirror."""
+def held_on_node(directory: str) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(old rank, step, saved world size, its replicas) of every copy in the node's folder,
+    own or mirror (``shard_plan.RankCopy``)."""
     out = set()
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(os.path.join(directory, "shards")):
             match = _FOLDER.match(name)
             if match is not None:
                 slots = RankSlots(os.path.join(directory, "shards", name))
-                out.update((int(match[2]), c.step, c.world_size) for c in slots.copies())
+                old = int(match[2])
+                out.update((old, c.step, c.world_size, c.replicas) for c in slots.copies())
     return sorted(out)
 
 
@@ -199,12 +201,14 @@ def rebuild(
 ) -> str | None:
     """Collective: write the copies of ``rebuild_plan.step`` as a sharded storage snapshot at
     the old world size; None once committed, else the reason (the same on every rank)."""
-    step = rebuild_plan.step
+    step, sources = rebuild_plan.step, rebuild_plan.sources
     mine = [old for old, holder in enumerate(rebuild_plan.holders) if holder == rank]
     staged, per_rank, skeletons, problem = None, {}, None, None
     try:
-        payloads = {old: read_any(directory, old, step) for old in mine}  # type: ignore[arg-type]
-        staged = stage(payloads)
+        wanted = {sources[old] for old in mine}  # a replica's copy may stand in for several
+        read = {s: read_any(directory, s, step) for s in wanted}  # type: ignore[arg-type]
+        payloads = {old: read[sources[old]] for old in mine}
+        staged = stage({old: payloads[old] for old in mine if rebuild_plan.writes[old]})
         per_rank = {old: p["per_rank"] for old, p in payloads.items()}
         skeletons = payloads[0]["skeletons"] if 0 in payloads else None
     except Exception as exc:  # never raise before the agreement: the peers wait in it
@@ -239,8 +243,9 @@ def _epoch(skeleton: Mapping[str, Any]) -> int:
 
 
 def stage(payloads: Mapping[int, Mapping[str, Any]]) -> StagedShard:
-    """One shard file of the old ranks' copies this rank holds: each old rank's local shards
-    at their global offsets; the replicated tensors once, from old rank 0's copy."""
+    """One shard file of the old ranks' copies this rank writes: each old rank's local
+    shards at their global offsets (a replica's copy stands in for a lost rank: the same
+    shards at the same offsets); the replicated tensors once, from old rank 0's copy."""
     found: list[tuple[Piece, torch.Tensor]] = []
     for old, payload in sorted(payloads.items()):
         described = payload["layout"]

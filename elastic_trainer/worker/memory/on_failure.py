@@ -4,7 +4,8 @@ surviving rank whose state is consistent writes it once into its node's memory, 
 group restores the newest such copy any node holds (``tier``, ``plan``).
 
 With replicated (DDP) state every rank holds the whole model and optimizer, so the
-survivors' state *is* the checkpoint (JIT checkpointing, EuroSys 2024). What makes it safe
+survivors' state *is* the checkpoint (JIT checkpointing, EuroSys 2024); so it is, shard by
+shard, with HSDP replicas (``shards``). What makes it safe
 is knowing, at every instant, what the state is (``Phase``): the end of the session's step
 k (``CLEAN``: the next optimizer step has not begun), the end of step k+1 before the
 session has counted it (``STEPPED``: the optimizer stepped with gradients every rank

@@ -52,12 +52,27 @@ class RankSlots:
         except (OSError, ValueError):
             return []
 
-    def write(self, step: int, world_size: int, payload: Mapping[str, Any]) -> plan_.RankCopy:
-        """The copy, with one memory copy per tensor into the slot's mapping."""
+    def write(
+        self,
+        step: int,
+        world_size: int,
+        payload: Mapping[str, Any],
+        replicas: tuple[int, ...] = (),
+    ) -> plan_.RankCopy:
+        """The copy, with one memory copy per tensor into the slot's mapping; ``replicas``:
+        the ranks whose shards are the same (``shard_plan.RankCopy``)."""
         layout = byte_layout.plan(payload)  # before the slot is touched
         return self._write(
-            step, world_size, layout.size, lambda slot: byte_layout.write_into(layout, slot)
+            step,
+            world_size,
+            layout.size,
+            lambda slot: byte_layout.write_into(layout, slot),
+            replicas,
         )
+
+    def slot_to_write(self) -> str:
+        """The slot the next copy overwrites (``shard_plan.slot_to_write``)."""
+        return plan_.slot_to_write(self.copies())[0]
 
     def receive(
         self,
@@ -82,14 +97,24 @@ class RankSlots:
         return self.slots[copy.slot].tensor(copy.nbytes)[: copy.nbytes]
 
     def _write(
-        self, step: int, world_size: int, size: int, put: Callable[[torch.Tensor], str]
+        self,
+        step: int,
+        world_size: int,
+        size: int,
+        put: Callable[[torch.Tensor], str],
+        replicas: tuple[int, ...] = (),
     ) -> plan_.RankCopy:
         private_dirs(self.directory)
         slot, kept = plan_.slot_to_write(self.copies())
         self._commit(kept)  # the slot about to be overwritten is no longer listed
         digest = put(self.slots[slot].tensor(size))
         new = plan_.RankCopy(
-            step=step, slot=slot, nbytes=size, digest=digest, world_size=world_size
+            step=step,
+            slot=slot,
+            nbytes=size,
+            digest=digest,
+            world_size=world_size,
+            replicas=replicas,
         )
         self._commit(plan_.after_write(kept, new))
         return new

@@ -8,12 +8,18 @@ written matters here: the ranks write in the background, each at its own pace, s
 usually finds one rank with step ``s`` committed and another still writing it; both still
 hold ``s - 1``, and the group restores the newest step every rank holds.
 
-A restore from memory needs the same world size (the same shards per rank); a changed world
-(a node lost or joined) restores from storage, and ``snapshot.restored`` says why.
+A restore in place needs the same world size (the same shards per rank). Otherwise (a node
+lost or joined), or when a newer step survives elsewhere, the survivors' copies are rebuilt
+into a storage snapshot (``plan_rebuild``): a rank's copy counts wherever it is, its own
+folder or its mirror on the next node, and under HSDP (a replicate dimension in the mesh)
+the copy of any rank holding the same shards stands in for it (``RankCopy.replicas``); that
+is what makes the copy made just in time when the group ends (``on_failure``) useful for
+sharded state, since the lost ranks' replicas make it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +40,9 @@ class RankCopy:
     nbytes: int
     digest: str
     world_size: int
+    # the ranks (of that world) whose shards are the same as this rank's, itself included
+    # (HSDP replicas); empty: not known (a mirror's copy), only the rank's own
+    replicas: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -42,6 +51,7 @@ class RankCopy:
             "bytes": self.nbytes,
             "digest": self.digest,
             "world_size": self.world_size,
+            "replicas": list(self.replicas),
         }
 
 
@@ -62,10 +72,24 @@ def _copy(entry: Any) -> RankCopy | None:
         return None
     step, slot, size = entry.get("step"), entry.get("slot"), entry.get("bytes")
     digest, world = entry.get("digest"), entry.get("world_size")
-    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (step, size, world))
+    replicas = entry.get("replicas", [])
+    ints = all(_int(v) for v in (step, size, world))
     if not (ints and slot in SLOTS and isinstance(digest, str)):
         return None
-    return RankCopy(step=step, slot=slot, nbytes=size, digest=digest, world_size=world)
+    if not (isinstance(replicas, list) and all(_int(r) and 0 <= r < world for r in replicas)):
+        return None
+    return RankCopy(
+        step=step,
+        slot=slot,
+        nbytes=size,
+        digest=digest,
+        world_size=world,
+        replicas=tuple(sorted(set(replicas))),
+    )
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def marker_json(copies: Sequence[RankCopy]) -> str:
@@ -155,10 +179,19 @@ def layout_problem(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str 
 
 
 # --- mirrors: each rank's copy also lives on another node -------------------------------------
-def mirror_targets(node_keys: Sequence[str]) -> list[int | None]:
+def mirror_targets(
+    node_keys: Sequence[str], replicas: Sequence[Sequence[int]] | None = None
+) -> list[int | None]:
     """Per rank: the rank (of another node) that keeps a mirror of its copies. Nodes in order
     of their lowest rank form a ring; a rank's mirror is the rank with the same local index
-    on the next node (modulo that node's size). None when there is one node."""
+    on the next node (modulo that node's size). None when there is one node, and for a rank
+    whose shards another node holds already (``replicas[rank]``: HSDP across nodes)."""
+    if replicas is not None:
+        out = mirror_targets(node_keys)
+        for rank, group in enumerate(replicas):
+            if any(node_keys[r] != node_keys[rank] for r in group):
+                out[rank] = None
+        return out
     nodes: dict[str, list[int]] = {}
     for rank, key in enumerate(node_keys):
         nodes.setdefault(key, []).append(rank)
@@ -175,28 +208,38 @@ def mirror_targets(node_keys: Sequence[str]) -> list[int | None]:
 
 @dataclass(frozen=True, kw_only=True)
 class RebuildPlan:
-    """A lost node's shards from the survivors' copies (their own and their mirrors): which
-    rank of the new world reads which old rank's copy of ``step`` (``holders[old rank]``)."""
+    """The shards of ``step``'s world (``saved_world_size``) from the survivors' copies: per
+    old rank, which rank of the new world reads (``holders``) which old rank's copy
+    (``sources``: its own, or under HSDP a replica's), and whether its shards are written
+    (``writes``: replicas' shards are the same bytes, written once, by the lowest of them)."""
 
     step: int | None
     saved_world_size: int | None = None
     holders: tuple[int, ...] = ()
+    sources: tuple[int, ...] = ()
+    writes: tuple[bool, ...] = ()
     reason: str | None = None
 
 
-def plan_rebuild(
-    held: Sequence[Sequence[tuple[int, int, int]]], storage_newest: int | None
-) -> RebuildPlan:
-    """``held[r]``: (old rank, step, saved world size) of every copy rank r's node holds. The
-    newest step whose copies of every old rank survive somewhere, newer than storage's; each
-    old rank's copy is read by the lowest rank holding it."""
-    cover: dict[tuple[int, int], dict[int, int]] = {}
+# What a node holds, per copy: (old rank, step, saved world size[, replicas]) (``held_on_node``)
+Held = Sequence[Sequence[tuple[Any, ...]]]
+
+
+def plan_rebuild(held: Held, storage_newest: int | None) -> RebuildPlan:
+    """``held[r]``: the copies rank r's node holds. The newest step whose copies of every old
+    rank (or of a replica of it) survive somewhere, newer than storage's; each old rank's
+    copy is read by the lowest rank holding it, its own copy before a replica's."""
+    by_old: dict[tuple[int, int], dict[int, int]] = {}
+    groups: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
     for rank, copies in enumerate(held):
-        for old, step, world in copies:
-            cover.setdefault((step, world), {}).setdefault(old, rank)
-    complete = [k for k, by_old in cover.items() if set(by_old) >= set(range(k[1]))]
+        for old, step, world, *rest in copies:
+            by_old.setdefault((step, world), {}).setdefault(old, rank)
+            for member in rest[0] if rest else ():
+                groups.setdefault((step, world), {}).setdefault(member, tuple(rest[0]))
+    readers = {k: _readers(k[1], by_old[k], groups.get(k, {})) for k in by_old}
+    complete = [k for k, found in readers.items() if isinstance(found, RebuildPlan)]
     if not complete:
-        return RebuildPlan(step=None, reason=_why_not_rebuilt(cover))
+        return RebuildPlan(step=None, reason=_why_not_rebuilt(readers))
     step, world = max(complete)
     if storage_newest is not None and storage_newest >= step:
         return RebuildPlan(
@@ -204,39 +247,67 @@ def plan_rebuild(
             reason=f"the storage snapshot of step {storage_newest} is as new as the newest "
             f"step the survivors' in-memory copies make whole (step {step})",
         )
-    holders = tuple(cover[(step, world)][old] for old in range(world))
-    return RebuildPlan(step=step, saved_world_size=world, holders=holders)
+    found = readers[(step, world)]
+    assert isinstance(found, RebuildPlan)
+    return dataclasses.replace(found, step=step, saved_world_size=world)
 
 
-def _why_not_rebuilt(cover: Mapping[tuple[int, int], Mapping[int, int]]) -> str:
-    if not cover:
+def _readers(
+    world: int, by_old: Mapping[int, int], groups: Mapping[int, tuple[int, ...]]
+) -> RebuildPlan | list[int]:
+    """Who reads what for one step (a plan without its step), or the old ranks whose
+    copies, and their replicas', are all lost."""
+    holders, sources, writes, lost = [], [], [], []
+    for old in range(world):
+        group = groups.get(old, (old,))
+        source = old if old in by_old else next((r for r in group if r in by_old), None)
+        if source is None:
+            lost.append(old)
+            continue
+        holders.append(by_old[source])
+        sources.append(source)
+        writes.append(old == min(group))
+    if lost:
+        return lost
+    return RebuildPlan(
+        step=None, holders=tuple(holders), sources=tuple(sources), writes=tuple(writes)
+    )
+
+
+def _why_not_rebuilt(readers: Mapping[tuple[int, int], RebuildPlan | list[int]]) -> str:
+    if not readers:
         return "no rank holds an in-memory copy of its shards (none made yet, or lost)"
-    step, world = max(cover)
-    lost = [old for old in range(world) if old not in cover[(step, world)]]
+    step, world = max(readers)
+    lost = readers[(step, world)]
+    assert isinstance(lost, list)
     return (
-        f"the world changed and the in-memory copies of step {step} (world size {world}) of "
-        f"rank(s) {_ranks(lost)} were lost with their node, mirror included"
+        f"the in-memory copies of step {step} (world size {world}) of rank(s) {_ranks(lost)} "
+        "were lost with their nodes, mirrors and replicas included"
     )
 
 
 def plan_sharded(
     own: Sequence[RankFacts],
-    node_held: Sequence[Sequence[tuple[int, int, int]]],
+    node_held: Held,
     world_size: int,
     storage_newest: int | None,
+    *,
+    storage: bool = True,
 ) -> tuple[RestorePlan, RebuildPlan | None]:
-    """Every rank's own copies at this world size first (a worker crash: restored in place);
-    else, when the world changed, the survivors' copies and mirrors rebuilt into a storage
-    snapshot (``Source.MIRROR``); else storage, with the reason."""
+    """Every rank's own copies at this world size (a worker crash: restored in place), unless
+    the survivors' copies, mirrors and replicas make a newer step whole, or the world
+    changed: then those are rebuilt into a storage snapshot (``Source.MIRROR``); else
+    storage, with the reason. Without ``storage`` to rebuild into, the own copies only."""
     plan = plan_restore(own, world_size, storage_newest)
+    rebuild = plan_rebuild(node_held, storage_newest)
+    newer = rebuild.step is not None and (plan.step is None or rebuild.step > plan.step)
+    if newer and storage:
+        return RestorePlan(source=Source.MIRROR, step=rebuild.step), rebuild
     if plan.source is Source.MEMORY:
         return plan, None
     changed = any(not f.copies for f in own) or any(
         w != world_size for f in own for _, w in f.copies
     )
-    if not changed:
+    if not changed or rebuild.reason is None:
         return plan, None
-    rebuild = plan_rebuild(node_held, storage_newest)
-    if rebuild.step is None:
-        return RestorePlan(source=Source.STORAGE, step=None, reason=rebuild.reason), None
-    return RestorePlan(source=Source.MIRROR, step=rebuild.step), rebuild
+    return RestorePlan(source=Source.STORAGE, step=None, reason=rebuild.reason), None

@@ -20,11 +20,20 @@ node lost, or replaced), the survivors' own copies and mirrors are written as a 
 storage snapshot of the newest step they make whole, which the caller then loads with the
 normal resharding load (``snapshotting.restore_state``; ``snapshot.restored`` says
 ``source=mirror``). Without a mirror of every lost rank, storage serves, with the reason.
+
+Under HSDP (a replicate dimension in the mesh) the ranks holding the same shards are found
+when the tier opens (``replicas``); each copy names them, every rank also copies its shards
+just in time when the group ends (``dump``, from ``on_failure``), and a replica's copy stands
+in for a lost rank's (``shard_plan.plan_rebuild``). A rank with a replica on another node
+needs no mirror.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,17 +81,33 @@ class ShardedMemoryTier:
     """Collective: every rank of the group calls ``save`` and ``restore`` at the same step.
     The same interface as ``tier.MemoryTier`` (the session uses either)."""
 
-    def __init__(self, directory: str, *, every: int) -> None:
+    def __init__(
+        self, directory: str, *, every: int, state: Mapping[str, Any] | None = None
+    ) -> None:
         self.every, self.directory = every, directory
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.slots = RankSlots(mirror.own_folder(directory, self.rank))
-        self.node_keys = self._all_gather(os.path.realpath(directory))
-        self.targets = plan_.mirror_targets(self.node_keys)
+        gathered = self._all_gather((os.path.realpath(directory), _shards_key(state)))
+        self.node_keys = [node for node, _ in gathered]
+        # the ranks holding the same shards as this one (HSDP replicas; () without a state)
+        holding: dict[str, list[int]] = {}  # the ranks holding each set of shards
+        for rank, (_, key) in enumerate(gathered):
+            holding.setdefault(key or f"rank {rank}", []).append(rank)
+        groups = [holding[key or f"rank {rank}"] for rank, (_, key) in enumerate(gathered)]
+        # the ranks holding the same shards as this one (HSDP replicas; () without a state)
+        self.replicas = tuple(groups[self.rank]) if gathered[self.rank][1] else ()
+        # the same on every rank: each rank's shards are held by another rank too (HSDP)
+        self.replicated_shards = all(len(group) > 1 for group in groups)
+        self.targets = plan_.mirror_targets(self.node_keys, groups)
         self._link = mirror.MirrorLink(directory, self.targets, self.rank)
         self.rebuild_plan: plan_.RebuildPlan | None = None  # set by restore: see rebuild()
         self.skipped = 0  # steps whose copy was skipped because the previous write still ran
         self._writer = BackgroundWriter(self.slots.directory, name="memory-shards")
         self._layout: tuple[Any, dict[str, Any]] | None = None  # (key, description), reused
+        # one slot write at a time: the training thread's periodic copy, or the copy made
+        # just in time from the watcher thread (``dump``)
+        self._writing = threading.Lock()
+        self._sending: str | None = None  # the slot the writer thread sends to the mirror
 
     # --- save -------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -93,11 +118,40 @@ class ShardedMemoryTier:
         tensor, checksummed while hot) and hands the committed copy to its thread, which
         sends it to the mirror rank; while the previous send still runs, this step's copy is
         skipped, never waited for (its slot is the one the next copy would overwrite)."""
-        if self._writer.busy():
-            self.skipped += 1
-            return
+        with self._writing:
+            if self._writer.busy():
+                self.skipped += 1
+                return
+            payload = self._payload(step, state, per_rank)
+            copy = self._writer.attempt(step, lambda: self._write(step, payload))
+            if copy is not None and self._link.target is not None:
+                self._sending = copy.slot
+                self._writer.start(step, lambda: self._link.send(self.slots, copy))
+
+    def dump(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> bool:
+        """No collective, from any thread: this rank's copy of ``step`` written now, not sent
+        to the mirror (under HSDP the lost ranks' replicas hold theirs): the copy made just
+        in time when the group ends (``on_failure``). Declined (False) where it would
+        overwrite the slot the writer thread is sending, and for an optimizer without state
+        (not stepped yet, or stateless): DCP's optimizer state dict would create it with a
+        zero-gradient step of its own, on this thread, under the training's feet (checked
+        first: a periodic copy being written then steps it too, and its hooks wait for the
+        copy that called this). A failure is reported, never raised."""
+        if any(isinstance(v, torch.optim.Optimizer) and not v.state for v in state.values()):
+            return False
+        with self._writing:
+            if any(c.step == step for c in self.slots.copies()):
+                return True
+            if self._writer.busy() and self.slots.slot_to_write() == self._sending:
+                return False
+            payload = self._payload(step, state, per_rank)
+            return self._writer.attempt(step, lambda: self._write(step, payload)) is not None
+
+    def _payload(
+        self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]
+    ) -> dict[str, Any]:
         skeletons, tensors = _sharded_state.split_state(state)
-        payload = {
+        return {
             "step": step,
             "world_size": self.world_size,
             "rank": self.rank,
@@ -106,9 +160,9 @@ class ShardedMemoryTier:
             "tensors": {n: _local(t) for n, t in tensors.items()},  # empty shards too
             "per_rank": {k: v.state_dict() if is_stateful(v) else v for k, v in per_rank.items()},
         }
-        copy = self._writer.attempt(step, lambda: self.slots.write(step, self.world_size, payload))
-        if copy is not None and self._link.target is not None:
-            self._writer.start(step, lambda: self._link.send(self.slots, copy))
+
+    def _write(self, step: int, payload: Mapping[str, Any]) -> plan_.RankCopy:
+        return self.slots.write(step, self.world_size, payload, self.replicas)
 
     def _describe(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The description changes only with the layout: worked out again only then."""
@@ -137,16 +191,22 @@ class ShardedMemoryTier:
         self,
         into: Mapping[str, Any],
         rank_into: Mapping[str, Any],
-        storage_newest: Callable[[], int | None],
+        storage_newest: Callable[[], int | None] | None,
     ) -> tuple[RestorePlan, MemoryRestored | None]:
-        """Collective: agree on a step (``shard_plan.plan_restore``), load and check on
-        every rank, agree on success, restore. Any rank's failure: storage on every rank."""
+        """Collective: agree on a step (``shard_plan.plan_sharded``), load and check on
+        every rank, agree on success, restore. Any rank's failure: storage on every rank.
+        ``storage_newest`` None: no storage (nothing to rebuild into)."""
         held = tuple((c.step, c.world_size) for c in self.slots.copies())
         node = mirror.held_on_node(self.directory)
-        facts = self._all_gather((held, node, storage_newest() if self.rank == 0 else None))
+        newest = storage_newest() if self.rank == 0 and storage_newest is not None else None
+        facts = self._all_gather((held, node, newest))
         own = [plan_.RankFacts(copies=f[0]) for f in facts]
         plan, self.rebuild_plan = plan_.plan_sharded(
-            own, [f[1] for f in facts], self.world_size, facts[0][2]
+            own,
+            [f[1] for f in facts],
+            self.world_size,
+            facts[0][2],
+            storage=storage_newest is not None,
         )
         if plan.source is not Source.MEMORY or plan.step is None:
             return plan, None  # MIRROR: the caller rebuilds the snapshot (``rebuild``)
@@ -211,6 +271,22 @@ class ShardedMemoryTier:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
+
+
+def _shards_key(state: Mapping[str, Any] | None) -> str | None:
+    """A digest of where this rank's shards lie (global shape, placements, offsets of each
+    sharded parameter): ranks with the same one hold the same shards, replicas under HSDP.
+    None without a state (each rank then counts as holding its own)."""
+    if state is None:
+        return None
+    params = {
+        f"{key}.{name}": p
+        for key, value in state.items()
+        if _sharded_state.is_sharded_module(value)
+        for name, p in value.named_parameters()
+    }
+    text = json.dumps(describe(params), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -251,14 +251,15 @@ class MemoryTier:
         self,
         into: Mapping[str, Any],
         rank_into: Mapping[str, Any],
-        storage_newest: Callable[[], int | None],
+        storage_newest: Callable[[], int | None] | None,
     ) -> tuple[RestorePlan, MemoryRestored | None]:
         """Collective. All ranks agree on a plan (``plan.plan_restore``); on a memory or
         mirror plan every rank loads, agrees on success, then restores. A copy that fails to
         load on any rank turns the plan into a storage one, on every rank, with the reason."""
         self.flush()
         mine = self.copies.newest()
-        facts = self._all_gather((mine, storage_newest() if self.rank == 0 else None))
+        newest = storage_newest() if self.rank == 0 and storage_newest is not None else None
+        facts = self._all_gather((mine, newest))
         held = [f[0] for f in facts]
         plan = plan_restore(held, facts[0][1])
         if plan.source is Source.STORAGE or plan.step is None:

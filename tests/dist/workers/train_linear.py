@@ -78,6 +78,9 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
+    parser.add_argument(
+        "--hsdp", action="store_true", help="with --fsdp: two replicas of the shards (HSDP)"
+    )
     parser.add_argument("--rss-out", default=None, help="rank 0: RSS and tier bytes per step")
     return parser.parse_args()
 
@@ -123,14 +126,19 @@ def damage_memory(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
 
 
-def wrap(module: nn.Module, fsdp: bool) -> nn.Module:
-    """DDP, or FSDP2 with the root as the one unit (its parameters become DTensors)."""
+def wrap(module: nn.Module, fsdp: bool, hsdp: bool = False) -> nn.Module:
+    """DDP, or FSDP2 with the root as the one unit (its parameters become DTensors); HSDP:
+    a (replicate, shard) mesh of two replicas."""
     if not fsdp:
         return DDP(module)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    world = torch.distributed.get_world_size()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     return fully_shard(module, mesh=mesh)
 
 
@@ -174,7 +182,7 @@ def main() -> None:
     drop_memory(args)
     damage_memory(args)
     torch.manual_seed(0)
-    model = wrap(build_model(args.width, args.dropout), args.fsdp)
+    model = wrap(build_model(args.width, args.dropout), args.fsdp, args.hsdp)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     data = dataset(args.samples)
     sampler = et.ElasticSampler(  # + (was DistributedSampler)

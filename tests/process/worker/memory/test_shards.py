@@ -75,6 +75,15 @@ def test_a_malformed_marker_lists_no_copy():
     ]
     assert plan.copies_of({"copies": [{**good, "step": True}]}) == []
     assert plan.copies_of(["not", "a", "marker"]) == []
+    assert plan.copies_of({"copies": [{**good, "replicas": [1, 2]}]}) == []  # world of 2
+    assert plan.copies_of({"copies": [{**good, "replicas": "0"}]}) == []
+
+
+def test_a_copy_names_the_ranks_holding_the_same_shards_and_a_marker_keeps_them(tmp_path):
+    slots = RankSlots(str(tmp_path / "rank-00001"))
+    slots.write(4, 4, payload(4), replicas=(1, 3))
+    slots.write(5, 4, payload(5))  # unknown (a mirror's copy): only its own rank
+    assert [(c.step, c.replicas) for c in slots.copies()] == [(5, ()), (4, (1, 3))]
 
 
 def test_layout_problems_name_the_tensor():
@@ -144,6 +153,10 @@ def test_each_rank_is_mirrored_by_the_same_local_rank_of_the_next_node():
     assert plan.mirror_targets(["a", "b", "c"]) == [1, 2, 0]
     assert plan.mirror_targets(["a", "a", "a", "b"]) == [3, 3, 3, 0]  # uneven nodes
     assert plan.mirror_targets(["a", "a"]) == [None, None]  # one node: nowhere else
+    # HSDP: a rank whose replica is on another node needs no mirror; one on its own node does
+    across, within = [[0, 2], [1, 3], [0, 2], [1, 3]], [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert plan.mirror_targets(["a", "a", "b", "b"], across) == [None] * 4
+    assert plan.mirror_targets(["a", "a", "b", "b"], within) == [2, 3, 0, 1]
 
 
 def test_a_lost_node_s_shards_are_read_from_the_lowest_rank_holding_them():
@@ -161,13 +174,64 @@ def test_a_mirror_lost_with_its_node_names_the_lost_ranks():
     assert "rank(s) 1 were lost with their node" in (rebuild.reason or "")
 
 
-def test_a_changed_world_is_rebuilt_from_mirrors_a_same_world_crash_is_not():
+def test_a_changed_world_is_rebuilt_from_mirrors_a_same_world_crash_restores_in_place():
     own = facts([(9, 2)])
     chosen, rebuild = plan.plan_sharded(own, [[(0, 9, 2), (1, 9, 2)]], 1, storage_newest=6)
     assert (chosen.source, chosen.step) == (Source.MIRROR, 9) and rebuild is not None
-    same = facts([(9, 2)], [(7, 2)])  # no step in common: not a world change, no rebuild
-    chosen, rebuild = plan.plan_sharded(same, [[(0, 9, 2), (1, 9, 2)]] * 2, 2, None)
+    same = facts([(9, 2), (8, 2)], [(8, 2)])  # rank 1 crashed writing 9: 8 in place
+    chosen, rebuild = plan.plan_sharded(same, [[(0, 9, 2), (0, 8, 2), (1, 8, 2)]] * 2, 2, 6)
+    assert (chosen.source, chosen.step, rebuild) == (Source.MEMORY, 8, None)
+    # no step in common, and none whole elsewhere either: storage, with the own copies' reason
+    apart = facts([(9, 2)], [(7, 2)])
+    chosen, rebuild = plan.plan_sharded(apart, [[(0, 9, 2), (1, 7, 2)]] * 2, 2, None)
     assert chosen.source is Source.STORAGE and rebuild is None
+    assert "no step is held in memory by every rank" in (chosen.reason or "")
+
+
+# --- HSDP: a replica's copy stands in for a lost rank's ----------------------------------------
+# world 4 as a 2x2 mesh (replicate, shard): ranks 0 and 2 hold the same shards, 1 and 3 too;
+# nodes (0, 1) and (2, 3). The copy made just in time (step 9) is mirrored nowhere.
+R02, R13 = (0, 2), (1, 3)
+
+
+def test_a_lost_node_s_shards_come_from_their_replicas_each_written_once():
+    held = [
+        [(0, 9, 4, R02), (0, 6, 4, R02), (2, 6, 4, ())],
+        [(1, 9, 4, R13), (1, 6, 4, R13), (3, 6, 4, ())],
+    ]
+    rebuild = plan.plan_rebuild(held, storage_newest=6)
+    assert (rebuild.step, rebuild.saved_world_size) == (9, 4)
+    assert (rebuild.holders, rebuild.sources) == ((0, 1, 0, 1), (0, 1, 0, 1))
+    assert rebuild.writes == (True, True, False, False)  # the replicas' shards: once
+    # without the replicas' names (copies of an older version) only the mirrors serve: step 6
+    plain = [[(o, s, w) for o, s, w, _ in copies] for copies in held]
+    assert plan.plan_rebuild(plain, storage_newest=None).step == 6
+
+
+def test_a_rank_s_own_copy_is_read_before_a_replica_s():
+    held = [[(0, 9, 4, R02)], [(1, 9, 4, R13), (2, 9, 4, ())], [(3, 9, 4, R13)]]
+    rebuild = plan.plan_rebuild(held, storage_newest=None)
+    assert (rebuild.holders, rebuild.sources) == ((0, 1, 1, 2), (0, 1, 2, 3))
+    assert rebuild.writes == (True, True, False, False)
+
+
+def test_shards_lost_with_every_replica_name_the_ranks_and_storage_serves():
+    rebuild = plan.plan_rebuild([[(0, 9, 4, R02)], [(2, 9, 4, R02)]], storage_newest=6)
+    assert rebuild.step is None
+    assert "rank(s) 1, 3 were lost with their nodes, mirrors and replicas" in (rebuild.reason or "")
+
+
+def test_a_worker_crash_under_hsdp_restores_the_survivors_newer_step_from_a_replica():
+    # rank 3 crashed: the others copied step 9 just in time; every rank holds 6 in place
+    own = facts([(9, 4), (6, 4)], [(9, 4), (6, 4)], [(9, 4), (6, 4)], [(6, 4)])
+    node = [(0, 9, 4, R02), (1, 9, 4, R13), (2, 9, 4, R02)]
+    node += [(r, 6, 4, g) for r, g in enumerate((R02, R13, R02, R13))]
+    chosen, rebuild = plan.plan_sharded(own, [node] * 4, 4, storage_newest=6)
+    assert (chosen.source, chosen.step) == (Source.MIRROR, 9) and rebuild is not None
+    assert rebuild.sources == (0, 1, 2, 1)
+    # with no storage to rebuild into, the step every rank holds in place
+    chosen, rebuild = plan.plan_sharded(own, [node] * 4, 4, None, storage=False)
+    assert (chosen.source, chosen.step, rebuild) == (Source.MEMORY, 6, None)
 
 
 def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, one_rank, monkeypatch):
@@ -183,6 +247,28 @@ def test_a_rank_holds_a_step_only_once_its_copy_is_committed(tmp_path, one_rank,
     monkeypatch.setattr(rank_slots.RankSlots, "write", full)
     tier.save(2, state, {})
     assert not tier.holds(2) and tier.holds(1)
+    tier.close()
+
+
+def test_the_copy_made_just_in_time_is_written_at_once_and_never_over_a_slot_being_sent(
+    tmp_path, one_rank, monkeypatch
+):
+    tier = ShardedMemoryTier(str(tmp_path / "memory"), every=3)
+    weight = torch.nn.Parameter(torch.arange(4.0))
+    optimizer = torch.optim.Adam([weight])
+    state = {"model": {"w": weight}, "optimizer": optimizer}
+    assert not tier.dump(1, state, {}) and not optimizer.state  # no state yet: never stepped
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    assert tier.dump(1, state, {}) and tier.holds(1) and tier.dump(1, state, {})  # once
+    sending = tier.slots.slot_to_write()  # as if the writer thread still sent that slot
+    monkeypatch.setattr(tier._writer, "busy", lambda: True)
+    tier._sending = sending
+    assert not tier.dump(2, state, {}) and not tier.holds(2)
+    tier._sending = next(slot for slot in SLOTS if slot != sending)
+    assert tier.dump(2, state, {})
+    monkeypatch.undo()
+    assert [c.step for c in tier.slots.copies()] == [2, 1]
     tier.close()
 
 
