@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from snapshots import SnapshotStore
-from tests.dist import memory_shard_workers
+from tests.dist import spawning, memory_shard_workers
 from tests.dist.test_snapshot_sharded import assert_state_equal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -24,7 +23,7 @@ STEPS = 5  # storage has step 2 only
 
 def run_phase(tmp: Path, phase: str, world: int, **args: Any) -> list[dict[str, Any]]:
     tag = args.setdefault("tag", f"w{world}")
-    mp.spawn(
+    spawning.spawn(
         memory_shard_workers.spawn_phase,
         args=(world, str(tmp), phase, args),
         nprocs=world,
@@ -71,7 +70,7 @@ def test_a_mirror_lost_with_its_node_restores_from_storage_and_says_why(tmp_path
 def test_a_sender_killed_mid_transfer_leaves_the_previous_mirror_which_is_used(tmp_path):
     """Rank 1 (its node) dies halfway through sending its copy of the last step: the mirror
     never commits a half copy, and the survivor rebuilds the step before (one step lost)."""
-    context = mp.spawn(
+    context = spawning.spawn(
         memory_shard_workers.spawn_phase,
         args=(2, str(tmp_path), "train_with_copies", {"steps": STEPS, "kill_at": STEPS,
               "expect_at": STEPS - 1, "tag": "kill"}),

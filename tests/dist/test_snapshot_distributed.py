@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from structlog.testing import capture_logs
 
 from snapshots import NoValidSnapshotError, RNGState, SnapshotStore
 from snapshots.format import layout
 from snapshots.distributed import DistributedSnapshotter
+from tests.dist import spawning
 from tests.tamper import evil_bytes, resign
 
 WORLD = 2
@@ -69,7 +69,7 @@ def _scenario(rank: int, tmp: str) -> dict:
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_two_ranks_save_once_gather_rng_and_agree(tmp_path: Path) -> None:
-    mp.spawn(_run, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    spawning.spawn(_run, args=(str(tmp_path),), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(WORLD)]
     for rank, res in enumerate(results):
         assert res["empty_load"] is True
@@ -131,7 +131,7 @@ def _fallback_scenario(rank: int, tmp: Path) -> dict:
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_all_ranks_fall_back_together_when_one_rank_cannot_load(tmp_path: Path) -> None:
-    mp.spawn(_run_fallback, args=(str(tmp_path),), nprocs=FALLBACK_WORLD, join=True)
+    spawning.spawn(_run_fallback, args=(str(tmp_path),), nprocs=FALLBACK_WORLD, join=True)
     results = [
         json.loads((tmp_path / f"fallback-{r}.json").read_text()) for r in range(FALLBACK_WORLD)
     ]

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from snapshots import SnapshotStore
 from snapshots.format import layout, sharding
 from snapshots.cli import main
-from tests.dist import sharded_workers
+from tests.dist import spawning, sharded_workers
 from tests.tamper import damage
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def run_phase(tmp: Path, phase: str, world: int, **args: Any) -> list[dict[str, Any]]:
     tag = args.setdefault("tag", f"w{world}")
-    mp.spawn(
+    spawning.spawn(
         sharded_workers.spawn_phase, args=(world, str(tmp), phase, args), nprocs=world, join=True
     )
     return [json.loads((tmp / f"result-{phase}-{tag}-{r}.json").read_text()) for r in range(world)]
