@@ -7,7 +7,9 @@ before any thread or process group of the tests, so nothing but imports is forke
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -17,4 +19,14 @@ PRELOAD = ["torch", "torch.distributed", "tests.dist.memory_shard_workers"]
 
 def spawn(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, join: bool = True) -> Any:
     multiprocessing.set_forkserver_preload(PRELOAD)
-    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+    try:
+        return mp.start_processes(fn, args, nprocs, join, start_method="forkserver")
+    except ChildProcessError:
+        # The fork server is gone and someone else reaped it: a test that ran the supervisor
+        # in this process (it reaps and kills its children) took it, and the standard
+        # library, which asks waitpid whether its server lives, cannot tell and start another.
+        server = forkserver._forkserver  # type: ignore[attr-defined]
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = server._forkserver_address = None
+        server._forkserver_pid = None
+        return mp.start_processes(fn, args, nprocs, join, start_method="forkserver")

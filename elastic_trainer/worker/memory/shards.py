@@ -89,7 +89,6 @@ class ShardedMemoryTier:
         self.slots = RankSlots(mirror.own_folder(directory, self.rank))
         gathered = self._all_gather((os.path.realpath(directory), _shards_key(state)))
         self.node_keys = [node for node, _ in gathered]
-        # the ranks holding the same shards as this one (HSDP replicas; () without a state)
         holding: dict[str, list[int]] = {}  # the ranks holding each set of shards
         for rank, (_, key) in enumerate(gathered):
             holding.setdefault(key or f"rank {rank}", []).append(rank)
