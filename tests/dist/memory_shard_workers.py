@@ -50,10 +50,11 @@ def train_with_copies(rank: int, world: int, tmp: str, args: dict[str, Any]) -> 
     model = fsdp_model(world)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     snapshots = SessionSnapshots(f"{tmp}/snaps", keep=None)
-    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1, state=_state(model, optimizer, 0))
+    state = _state(model, optimizer, 0)
+    tier = ShardedMemoryTier(f"{tmp}/node{rank}", every=1, state=state)
     context = SimpleNamespace(control_dir=None, local_rank=rank)
     # FSDP without replicas: a lost rank's shards are nowhere else, no copy just in time
-    failure_copy = open_failure_copy(tier, _state(model, optimizer, 0), lambda _: None, context)  # type: ignore[arg-type]
+    failure_copy = open_failure_copy(tier, state, lambda _: None, context)  # type: ignore[arg-type]
     for step in range(1, args["steps"] + 1):
         sharded_workers.train(model, optimizer, 1, rank)
         tier.save(step, _state(model, optimizer, step), {"rng": RNGState()})

@@ -237,7 +237,7 @@ def plan_rebuild(held: Held, storage_newest: int | None) -> RebuildPlan:
             for member in rest[0] if rest else ():
                 groups.setdefault((step, world), {}).setdefault(member, tuple(rest[0]))
     readers = {k: _readers(k[1], by_old[k], groups.get(k, {})) for k in by_old}
-    complete = [k for k, found in readers.items() if isinstance(found, RebuildPlan)]
+    complete = [k for k, (found, _) in readers.items() if found is not None]
     if not complete:
         return RebuildPlan(step=None, reason=_why_not_rebuilt(readers))
     step, world = max(complete)
@@ -247,16 +247,15 @@ def plan_rebuild(held: Held, storage_newest: int | None) -> RebuildPlan:
             reason=f"the storage snapshot of step {storage_newest} is as new as the newest "
             f"step the survivors' in-memory copies make whole (step {step})",
         )
-    found = readers[(step, world)]
-    assert isinstance(found, RebuildPlan)
-    return dataclasses.replace(found, step=step, saved_world_size=world)
+    found, _ = readers[(step, world)]
+    return dataclasses.replace(found, step=step, saved_world_size=world)  # type: ignore[arg-type]
 
 
 def _readers(
     world: int, by_old: Mapping[int, int], groups: Mapping[int, tuple[int, ...]]
-) -> RebuildPlan | list[int]:
-    """Who reads what for one step (a plan without its step), or the old ranks whose
-    copies, and their replicas', are all lost."""
+) -> tuple[RebuildPlan | None, list[int]]:
+    """(who reads what for one step: a plan without its step, or None; the old ranks whose
+    copies, and their replicas', are all lost)."""
     holders, sources, writes, lost = [], [], [], []
     for old in range(world):
         group = groups.get(old, (old,))
@@ -268,18 +267,18 @@ def _readers(
         sources.append(source)
         writes.append(old == min(group))
     if lost:
-        return lost
-    return RebuildPlan(
+        return None, lost
+    plan = RebuildPlan(
         step=None, holders=tuple(holders), sources=tuple(sources), writes=tuple(writes)
     )
+    return plan, []
 
 
-def _why_not_rebuilt(readers: Mapping[tuple[int, int], RebuildPlan | list[int]]) -> str:
+def _why_not_rebuilt(readers: Mapping[tuple[int, int], tuple[Any, list[int]]]) -> str:
     if not readers:
         return "no rank holds an in-memory copy of its shards (none made yet, or lost)"
     step, world = max(readers)
-    lost = readers[(step, world)]
-    assert isinstance(lost, list)
+    lost = readers[(step, world)][1]
     return (
         f"the in-memory copies of step {step} (world size {world}) of rank(s) {_ranks(lost)} "
         "were lost with their nodes, mirrors and replicas included"
