@@ -696,6 +696,9 @@ class ElasticTrainAgent(LocalElasticAgent):
         if action == PeerStop.WAIT:
             return RunResult(state=WorkerState.HEALTHY)
         if action == PeerStop.KILL_REST:
+            # the survivors' just-in-time copies first: a kill's grace (1 s) is shorter than
+            # a large state's copy, which the next group would otherwise restore from storage
+            self._await_copies()
             self._procs.kill(grace_s=1.0)  # torch would SIGTERM them and wait up to 30 s
         return self._collect(worker_group)
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import clean_worker_env
 from tests.dist.workers.launcher import Launch, launch_workers
-from tests.dist.workers.train_linear import KILL_MEMORY_WRITE_ENV
+from tests.dist.workers.train_linear import KILL_MEMORY_WRITE_ENV, SLOW_MEMORY_WRITE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -81,6 +81,22 @@ def test_worker_crash_restores_the_just_in_time_copy_bit_identical(
     """The default: no copy until the failure; the survivor copies step 9 then. Without
     dropout: the crashed rank's own RNG streams die with it (it keeps its fresh ones)."""
     result = run(tmp_path, worker_env_module, 2, "--crash-at-step", "9", "--crash-rank", "1")
+    events = restored(result)
+    assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] == 0
+    assert_bit_identical(tmp_path, reference())
+
+
+def test_a_survivor_whose_copy_outlasts_the_kill_grace_is_waited_for(
+    tmp_path, reference, worker_env_module
+):
+    """Regression: when a rank crashed, the supervisor gave the rest of its node SIGTERM and
+    1 s, then SIGKILL: a survivor still writing its just-in-time copy (a large state; here
+    one made 3 s slow) was killed in it, and the next group restored step 6 from storage.
+    The supervisor now asks for the copies and waits for their answers first."""
+    env = {**worker_env_module, SLOW_MEMORY_WRITE_ENV: "9:3"}
+    result = run(tmp_path, env, 2, "--crash-at-step", "9", "--crash-rank", "1")
     events = restored(result)
     assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
     (recovery,) = result.named("recovery.completed")

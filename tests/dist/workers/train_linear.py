@@ -28,6 +28,22 @@ from snapshots.storage import faults
 # This script's own switch for the crash tests: SIGKILL each rank halfway through its part
 # of the in-memory copy of this step, in the first attempt.
 KILL_MEMORY_WRITE_ENV = "TRAIN_LINEAR_KILL_MEMORY_WRITE"
+# "STEP:SECONDS": each rank's in-memory copy of that step takes SECONDS longer, in the first
+# attempt: a state too large to copy within the supervisor's kill grace.
+SLOW_MEMORY_WRITE_ENV = "TRAIN_LINEAR_SLOW_MEMORY_WRITE"
+
+
+class SlowCopyAt:
+    """A fault injector that delays the first copy of ``step`` by ``seconds``."""
+
+    def __init__(self, spec: str) -> None:
+        step, _, seconds = spec.partition(":")
+        self.step, self.seconds, self.slowed = int(step), float(seconds), False
+
+    def __call__(self, point: str, *, step: int | None = None, **_where: object) -> None:
+        if point == "mid_memory_write" and step == self.step and not self.slowed:
+            self.slowed = True
+            time.sleep(self.seconds)
 
 
 def parse() -> argparse.Namespace:
@@ -178,6 +194,9 @@ def main() -> None:
     kill_at = os.environ.get(KILL_MEMORY_WRITE_ENV)
     if kill_at and restart_count() == 0:  # the injected crash of the copy's write happens once
         faults.inject(faults.KillAt("mid_memory_write", step=int(kill_at)))
+    slow_at = os.environ.get(SLOW_MEMORY_WRITE_ENV)
+    if slow_at and restart_count() == 0:
+        faults.inject(SlowCopyAt(slow_at))
     ctx = et.init_worker()  # + (replaces dist.init_process_group)
     drop_memory(args)
     damage_memory(args)

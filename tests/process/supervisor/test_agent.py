@@ -4,6 +4,7 @@ rendezvous rounds and what the workers do, then checks the events and the outcom
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -864,3 +865,37 @@ def test_a_round_that_moves_on_before_the_new_workers_are_ready_keeps_the_old_on
     assert handed["ready"] is True
     restarts = named(logs, "group.restarting")
     assert [e["reason"] for e in restarts] == ["membership", "membership"]  # no failure
+
+
+def test_a_crash_asks_the_survivors_for_their_copies_before_killing_them(tmp_path):
+    """Regression: a rank's crash gave the rest of the node SIGTERM and 1 s, then SIGKILL,
+    without asking for their just-in-time copies: a survivor still writing one (a large
+    state) was killed in it and the next group restored from storage."""
+    fifo = tmp_path / protocol.copy_now_fifo(1)
+    os.mkfifo(fifo)
+    reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the survivor's watcher
+    (tmp_path / protocol.copier_file(1)).touch()
+    (tmp_path / protocol.copied_file(1)).write_text("copied")  # its answer: no wait
+    requested_at_kill: list[bytes] = []
+
+    def kill(*, grace_s: float) -> None:
+        try:
+            requested_at_kill.append(os.read(reading, 8))
+        except BlockingIOError:
+            requested_at_kill.append(b"")
+
+    agent = SimpleNamespace(
+        _poll_codes=lambda: {0: 1, 1: RUNNING},  # rank 0 crashed, rank 1 runs on
+        _peer_stop_seen=None,
+        _cfg=RunConfig(),
+        _stop=SimpleNamespace(control_dir=str(tmp_path)),
+        _procs=SimpleNamespace(kill=kill),
+        _collect=lambda wg: RunResult(state=WorkerState.FAILED),
+    )
+    agent._await_copies = lambda: ElasticTrainAgent._await_copies(agent)
+    try:
+        result = ElasticTrainAgent._monitor_workers(agent, None)
+    finally:
+        os.close(reading)
+    assert result.state == WorkerState.FAILED
+    assert requested_at_kill == [b"x"]  # the copy was asked for before the kill
