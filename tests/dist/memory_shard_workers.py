@@ -4,7 +4,6 @@ node of its own, with its own memory folder ``<tmp>/node<rank>``."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,13 +13,13 @@ import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
+from elastic_trainer.worker.bootstrap import exit_without_finalizing
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier
 from elastic_trainer.worker.snapshotting import (
     SessionSnapshots,
     open_failure_copy,
     restore_state,
 )
-from elastic_trainer.worker.bootstrap import exit_without_finalizing
 from snapshots import RNGState
 from snapshots.storage import faults
 from tests.dist import sharded_workers

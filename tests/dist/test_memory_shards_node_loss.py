@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snapshots import SnapshotStore
-from tests.dist import spawning, memory_shard_workers
+from tests.dist import memory_shard_workers, spawning
 from tests.dist.test_snapshot_sharded import assert_state_equal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -61,11 +61,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory, worker_env_module):
     runs: dict[tuple[int | str, ...], Path] = {}
 
     def get(*extra: str, nproc: int = 2) -> Path:
-        if (nproc, *extra) not in runs:
+        key = (nproc, *extra)
+        if key not in runs:
             root = tmp_path_factory.mktemp("reference")
             assert run(root, worker_env_module, nproc, *extra).named("snapshot.restored") == []
-            runs[nproc, *extra] = root
-        return runs[nproc, *extra]
+            runs[key] = root
+        return runs[key]
 
     return get
 

@@ -86,9 +86,7 @@ def test_a_peer_nodes_restart_is_no_preemption_and_saves_nothing_to_storage(tmp_
     assert stopping == {0: "restarting"}, result.output[-3000:]
     out = result.output[-4000:]
     failed = result.named("worker.failed")
-    assert [(e["rank"], e["exit_code"]) for e in failed] == [
-        (1, protocol.EXIT_PEER_PREEMPTED)
-    ], out
+    assert [(e["rank"], e["exit_code"]) for e in failed] == [(1, protocol.EXIT_PEER_PREEMPTED)], out
     restored = result.named("snapshot.restored")
     assert {(e["step"], e["source"]) for e in restored} == {(4, "memory")}, out
     steps = _steps_by_attempt(tmp_path)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from structlog.testing import capture_logs
 
 from snapshots import NoValidSnapshotError, RNGState, SnapshotStore
-from snapshots.format import layout
 from snapshots.distributed import DistributedSnapshotter
+from snapshots.format import layout
 from tests.dist import spawning
 from tests.tamper import evil_bytes, resign
 

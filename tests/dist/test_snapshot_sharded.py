@@ -11,9 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from snapshots import SnapshotStore
-from snapshots.format import layout, sharding
 from snapshots.cli import main
-from tests.dist import spawning, sharded_workers
+from snapshots.format import layout, sharding
+from tests.dist import sharded_workers, spawning
 from tests.tamper import damage
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -252,11 +252,11 @@ def _maybe_request_stop(args: argparse.Namespace, ctx: et.WorkerContext, step: i
         open(ctx.stop_file, "w").close()
     # ... or its restart of the group (agent._mark_restarting, then SIGTERM): once only
     once = f"{args.out}.restarted"  # (a membership restart keeps restart_count)
-    if args.restart_at_step == step and ctx.rank == 0 and ctx.restart_file:
-        if not os.path.exists(once):
-            open(once, "w").close()
-            open(ctx.restart_file, "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
+    restart_file = ctx.restart_file if args.restart_at_step == step and ctx.rank == 0 else None
+    if restart_file and not os.path.exists(once):
+        open(once, "w").close()
+        open(restart_file, "w").close()
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _maybe_crash(args: argparse.Namespace, ctx: et.WorkerContext, step: int) -> None:
