@@ -6,6 +6,10 @@ Two workloads, each started both ways in alternation (``--trials`` each):
 - ``builtin``: the built-in job (``-m elastic_trainer.jobs.default --help``): every import of
   the job and its argument parsing, measured from the start request to its exit.
 
+- ``launch``: end to end through the CLI, the built-in job on one node: from the command to
+  its ``workers.started`` event (the supervisor's imports, the job's preflight -- forked from
+  the pool where there is one -- and the workers' start), ``--warm-workers`` against
+  ``--no-warm-workers``.
 - ``restart``: end to end through the CLI, the e2e tests' proto job (2 workers, gloo) with one
   worker SIGKILLed at step 7, ``--warm-workers`` against ``--no-warm-workers``: the
   ``recovery.completed`` downtime (from the failure to the first step after the restart).
@@ -28,12 +32,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 from elastic_trainer.supervisor.processes import procs
 from elastic_trainer.supervisor.processes.workerenv import BOOTSTRAP_MODULE
-from elastic_trainer.supervisor.warm import client as warm_workers
 from elastic_trainer.supervisor.warm.decisions import modules_to_preload
 from elastic_trainer.supervisor.warm.launcher import WarmPool
+from elastic_trainer.supervisor.warm.process import WarmProcess
 
 TINY = "import torch\nimport sys, time\nprint(time.time(), flush=True)\n"
 
@@ -71,7 +76,7 @@ def warm(pool: WarmPool, argv: list[str], *, until_exit: bool) -> float:
     pid = pool.spawn(argv, dict(os.environ), [0, w, null])
     os.close(w)
     os.close(null)
-    return _timed(began, r, warm_workers.WarmProcess(pid).wait, until_exit=until_exit)
+    return _timed(began, r, WarmProcess(pid).wait, until_exit=until_exit)
 
 
 def measure(name: str, argv: list[str], *, until_exit: bool, trials: int) -> None:
@@ -110,6 +115,33 @@ def restart_downtime(warm_flag: str) -> float:
     return float(recovery["downtime_s"])
 
 
+def launch_to_workers(warm_flag: str) -> float:
+    """Seconds from the built-in job's command to its workers.started event."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "events.jsonl")
+        cmd = [sys.executable, "-m", "elastic_trainer", "--min-nodes", "1", "--max-nodes", "1"]
+        cmd += [warm_flag, "--log-file", log, "--snapshot-dir", os.path.join(tmp, "snap"), "--"]
+        cmd += ["--max-steps", "1", "--train-samples", "256", "--val-samples", "64"]
+        began = time.time()
+        subprocess.run(
+            cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        with open(log) as f:
+            events = [json.loads(line) for line in f]
+    (started,) = [e for e in events if e["event"] == "workers.started"]
+    at = datetime.fromisoformat(started["timestamp"].replace("Z", "+00:00")).timestamp()
+    return at - began
+
+
+def measure_launch(trials: int) -> None:
+    fresh_s, warm_s = [], []
+    for _ in range(trials):
+        fresh_s.append(launch_to_workers("--no-warm-workers"))
+        warm_s.append(launch_to_workers("--warm-workers"))
+    f, w = statistics.median(fresh_s), statistics.median(warm_s)
+    print(f"| built-in job, launch to workers started | {f:.3f} | {w:.3f} | {w / f:.3f} |")
+
+
 def measure_restart(trials: int) -> None:
     fresh_s, warm_s = [], []
     for _ in range(trials):
@@ -134,6 +166,7 @@ def main() -> None:
         measure("tiny torch script, to its first line", [script], until_exit=False, trials=trials)
         builtin = ["-m", "elastic_trainer.jobs.default", "--help"]
         measure("built-in job, imports + --help", builtin, until_exit=True, trials=trials)
+    measure_launch(trials)
     measure_restart(trials)
 
 

@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_entrypoint(cfg)  # a typo in the script's name: one line at once, no pool
         pool = prepare_node(cfg)
         claimed = claim_store_port(cfg)
-        preflight(cfg)
-        warn_untested_torch()
+        warn_untested_torch()  # our own import of torch, while the pool imports its own
+        preflight(cfg, pool)  # forked from the pool once it is ready
         stop.interruptible = False  # from here on the supervisor stops its workers gracefully
         serving = _start_metrics(cfg)  # a taken port is bad input: found before any worker
     except signals.StopRequested:
@@ -141,11 +141,12 @@ def _start_metrics(cfg: RunConfig) -> Any:
 
 
 # ---- checks before any worker starts ----------------------------------------------------
-def preflight(cfg: RunConfig) -> None:
+def preflight(cfg: RunConfig, pool: WarmPool | None = None) -> None:
     # the script's own flags and data, at every world size it may run at: a typo is one line
-    # and exit 2 here, not a crash in every worker (supervisor/cli/preflight.py)
+    # and exit 2 here, not a crash in every worker (supervisor/cli/preflight.py; forked from
+    # the warm pool where there is one)
     world_sizes = [cfg.nproc_per_node * n for n in range(cfg.min_nodes, cfg.max_nodes + 1)]
-    for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes):
+    for warning in entrypoint_preflight.run(cfg.entrypoint, world_sizes, pool=pool):
         emit("preflight.warning", level="warning", warning=warning)
 
     if cfg.worker.snapshot_dir:

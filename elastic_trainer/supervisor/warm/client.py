@@ -19,12 +19,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import select
 import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
@@ -32,64 +29,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 
 from elastic_trainer.supervisor.warm.decisions import import_env_mismatch, pool_argv
 from elastic_trainer.supervisor.warm.launcher import WarmPool, WarmPoolUnavailable
-
-# The exit status of a worker someone else reaped: unknown, so never a false success.
-STATUS_LOST = 255
-
-
-# ---- a worker of ours --------------------------------------------------------------------
-class WarmProcess:
-    """What torch and ``ProcessTracker`` use of ``subprocess.Popen``, for a worker the pool
-    forked. It is our child (re-parented to us), so ``waitpid`` reaps it as Popen would."""
-
-    def __init__(self, pid: int, args: Sequence[str] = ()) -> None:
-        self.pid = pid
-        self.args = list(args)
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped behind our back: its status is lost
-                self.returncode = STATUS_LOST
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-            _until_exit(self.pid, 0.5 if left is None else min(left, 0.5))
-        return self.returncode  # type: ignore[return-value]  # set by poll
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _until_exit(pid: int, timeout: float) -> None:
-    """Block until ``pid`` exits or ``timeout`` passes (a pidfd where the kernel has one)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        time.sleep(min(timeout, 0.02))
-        return
-    try:
-        select.select([fd], [], [], timeout)
-    finally:
-        os.close(fd)
+from elastic_trainer.supervisor.warm.process import WarmProcess
 
 
 class WarmHandler:

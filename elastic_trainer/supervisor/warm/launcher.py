@@ -24,6 +24,7 @@ from elastic_trainer.errors import ElasticTrainError
 from elastic_trainer.supervisor.processes.procs import is_subreaper
 from elastic_trainer.supervisor.warm import pool as warm_pool
 from elastic_trainer.supervisor.warm.decisions import modules_to_preload, pool_refusal
+from elastic_trainer.supervisor.warm.process import WarmProcess
 
 POOL_MODULE = "elastic_trainer.supervisor.warm.pool"
 # The pool imports torch while the supervisor starts and the first rendezvous runs, which on
@@ -75,6 +76,7 @@ class WarmPool:
         self._sock = sock
         self._ready = False
         self._import_s: float | None = None  # what the pool's imports took: a worker's too
+        self._unannounced: dict[str, Any] | None = None  # its ready message, not emitted yet
 
     @classmethod
     def start(cls, modules: Sequence[str], env: Mapping[str, str] | None = None) -> WarmPool:
@@ -105,9 +107,17 @@ class WarmPool:
         """Known ready (``wait_ready`` read its message): forks can be asked for now."""
         return self._ready and self.failure is None
 
-    def wait_ready(self, timeout: float, cancelled: Callable[[], bool] = lambda: False) -> bool:
+    def wait_ready(
+        self,
+        timeout: float,
+        cancelled: Callable[[], bool] = lambda: False,
+        *,
+        announce: bool = True,
+    ) -> bool:
         """True once the pool has imported its modules; False if it failed or ``timeout``
-        passed (it is then given up) or ``cancelled()`` turned true (it is not)."""
+        passed (it is then given up) or ``cancelled()`` turned true (it is not).
+        ``announce``: emit ``warm_pool.ready`` (once); not for the preflight's fork, which
+        may end the start with one line on stderr and nothing else (a refused flag)."""
         deadline = time.monotonic() + timeout
         while not self._ready and self.failure is None:
             left = deadline - time.monotonic()
@@ -119,7 +129,18 @@ class WarmPool:
                 self._ready = self._read_ready(min(left, 0.2))
             except WarmPoolUnavailable:
                 return False
-        return self._ready and self.failure is None
+        ready = self._ready and self.failure is None
+        if ready and announce and self._unannounced is not None:
+            message, self._unannounced = self._unannounced, None
+            emit(
+                "warm_pool.ready",
+                pid=self.pid,
+                import_s=round(float(message.get("import_s", 0.0)), 3),
+                modules=list(message.get("loaded", [])),
+                warm_up_s=round(float(message.get("warm_up_s", 0.0)), 3),
+                threads=message.get("threads"),
+            )
+        return ready
 
     def _read_ready(self, timeout: float) -> bool:
         try:
@@ -131,14 +152,7 @@ class WarmPool:
         if not message.get("ready"):
             self._fail(f"it answered {message!r} instead of ready")
         self._import_s = float(message.get("import_s", 0.0))
-        emit(
-            "warm_pool.ready",
-            pid=self.pid,
-            import_s=round(self._import_s, 3),
-            modules=list(message.get("loaded", [])),
-            warm_up_s=round(float(message.get("warm_up_s", 0.0)), 3),
-            threads=message.get("threads"),
-        )
+        self._unannounced = message
         return True
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stdio: Sequence[int]) -> int:
@@ -155,6 +169,33 @@ class WarmPool:
         if "pid" not in answer:
             self._fail(str(answer.get("error", answer)))
         return int(answer["pid"])
+
+    def run(
+        self, argv: Sequence[str], env: Mapping[str, str], timeout_s: float
+    ) -> subprocess.CompletedProcess[str]:
+        """What ``subprocess.run(capture_output=True, text=True)`` gives for ``python -m
+        bootstrap ARGV``, forked from the pool once it is ready: without the interpreter's
+        start and imports (seconds, beside the pool's own import on a loaded machine).
+        WarmPoolUnavailable if the pool cannot fork it; subprocess.TimeoutExpired, the
+        process killed, past ``timeout_s``. Its output goes to anonymous memory files, never
+        a path another user could reach."""
+        if not self.wait_ready(READY_TIMEOUT_S, announce=False):
+            raise WarmPoolUnavailable(self.failure or "the warm pool is not ready")
+        out = os.memfd_create("stdout", os.MFD_CLOEXEC)
+        err = os.memfd_create("stderr", os.MFD_CLOEXEC)
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            proc = WarmProcess(self.spawn(argv, env, [null, out, err]), argv)
+            try:
+                code = proc.wait(timeout_s)
+            except BaseException:  # the timeout, or a stop signal meanwhile: it ends with us
+                proc.kill()
+                proc.wait()
+                raise
+            return subprocess.CompletedProcess(list(argv), code, _text(out), _text(err))
+        finally:
+            for fd in (out, err, null):
+                os.close(fd)
 
     def _receive(self, timeout: float) -> dict[str, Any]:
         self._sock.settimeout(timeout)
@@ -201,3 +242,10 @@ class WarmPool:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _text(fd: int) -> str:
+    """The whole content of the memory file ``fd``, as text."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    with os.fdopen(os.dup(fd), "rb") as handle:
+        return handle.read().decode(errors="replace")

@@ -22,7 +22,6 @@ from elastic_trainer.contract.config import Entrypoint, RunConfig
 from elastic_trainer.supervisor.processes import procs
 from elastic_trainer.supervisor.processes.workerenv import BOOTSTRAP_MODULE
 from elastic_trainer.supervisor.warm import client as warm_workers
-from elastic_trainer.supervisor.warm.client import WarmProcess
 from elastic_trainer.supervisor.warm.decisions import (
     BASE_MODULES,
     SESSION_MODULES,
@@ -32,6 +31,7 @@ from elastic_trainer.supervisor.warm.decisions import (
     pool_refusal,
 )
 from elastic_trainer.supervisor.warm.launcher import WarmPool, WarmPoolUnavailable
+from elastic_trainer.supervisor.warm.process import WarmProcess
 from tests import ROOT as TESTS_ROOT
 
 ROOT = str(TESTS_ROOT)
@@ -226,6 +226,54 @@ def test_a_worker_killed_reports_the_signal_and_wait_times_out_while_it_runs(poo
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_run_gives_what_subprocess_run_gives_without_a_new_interpreter(pool, tmp_path):
+    body = """
+        import os, sys
+        print("out", os.getppid(), sys.argv[1:])
+        print("err", file=sys.stderr)
+        sys.exit(3)
+    """
+    script = _script(tmp_path, body)
+    done = pool.run([script, "--x"], _env(), timeout_s=60)
+    assert (done.returncode, done.stderr) == (3, "err\n")
+    assert done.stdout == f"out {os.getpid()} ['--x']\n"  # forked, re-parented to us
+
+
+def test_run_kills_and_reaps_what_outlasts_its_timeout(pool, tmp_path):
+    pid_file = tmp_path / "pid"
+    body = (
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        pool.run([_script(tmp_path, body)], _env(), timeout_s=2)
+    with pytest.raises(ProcessLookupError):  # killed and reaped: not even a zombie is left
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_run_leaves_the_ready_event_to_the_first_workers_start(subreaper, tmp_path):
+    """The preflight's fork comes before any worker, and a refused flag must end the start
+    with its one line on stderr: no warm_pool.ready before it."""
+    pool = WarmPool.start([], env=_env())
+    try:
+        with capture_logs() as logs:
+            assert pool.run([_script(tmp_path, REPORT)], _env(), timeout_s=60).returncode == 0
+            assert logs == []
+            assert pool.wait_ready(60) and pool.wait_ready(60)
+        assert [e["event"] for e in logs] == ["warm_pool.ready"]  # once
+        assert logs[0]["pid"] == pool.pid and logs[0]["import_s"] >= 0
+    finally:
+        pool.close()
+
+
+def test_run_on_a_pool_given_up_raises_for_the_caller_to_start_it_fresh(subreaper, tmp_path):
+    pool = WarmPool.start([], env=_env())
+    pool.proc.kill()
+    pool.proc.wait()
+    with capture_logs(), pytest.raises(WarmPoolUnavailable):
+        pool.run([_script(tmp_path, REPORT)], _env(), timeout_s=60)
+    pool.close()
 
 
 def test_a_pool_with_a_thread_refuses_to_fork_and_is_given_up(subreaper, tmp_path):
