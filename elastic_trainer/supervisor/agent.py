@@ -460,6 +460,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             stalled_s=round(verdict.stalled_s, 1),
             local_rank=verdict.local_rank,
         )
+        # a rank hung in a collective (a peer's device gone silent) still has the end of its
+        # last step: its watcher thread copies it (never a torn step), then the kill
+        self._await_copies()
         self._procs.kill(grace_s=0)
         emit(
             "worker.failed",

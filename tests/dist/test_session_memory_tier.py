@@ -7,6 +7,7 @@ restore from storage loses up to 5 steps where one from memory loses at most 1.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ SCRIPT = str(Path(__file__).parent / "workers" / "train_linear.py")
 STORAGE_EVERY = 6
 
 
-def run(root: Path, env: dict[str, str], nproc: int, *extra: str) -> Launch:
+def run(
+    root: Path, env: dict[str, str], nproc: int, *extra: str, supervisor: Sequence[str] = ()
+) -> Launch:
     args = [
         "--snapshot-dir", str(root / "snapshots"),
         "--snapshot-every", str(STORAGE_EVERY),
@@ -31,7 +34,9 @@ def run(root: Path, env: dict[str, str], nproc: int, *extra: str) -> Launch:
         "--out", str(root / "final.pt"),
         *extra,
     ]  # fmt: skip
-    result = launch_workers(SCRIPT, nproc, args, env=env, max_restarts=1, timeout=150)
+    result = launch_workers(
+        SCRIPT, nproc, args, env=env, max_restarts=1, timeout=150, supervisor_args=supervisor
+    )
     assert result.returncode == 0, result.output[-4000:]
     return result
 
@@ -98,6 +103,24 @@ def test_a_survivor_whose_copy_outlasts_the_kill_grace_is_waited_for(
     The supervisor now asks for the copies and waits for their answers first."""
     env = {**worker_env_module, SLOW_MEMORY_WRITE_ENV: "9:3"}
     result = run(tmp_path, env, 2, "--crash-at-step", "9", "--crash-rank", "1")
+    events = restored(result)
+    assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] == 0
+    assert_bit_identical(tmp_path, reference())
+
+
+def test_a_hang_restores_the_just_in_time_copy_of_the_rank_blocked_in_a_collective(
+    tmp_path, reference, worker_env_module
+):
+    """Rank 1 freezes after step 9 (SIGSTOP); rank 0 blocks in the next step's all-reduce.
+    The watchdog calls it a hang; before the kill the supervisor asks for the copies: rank 0's
+    watcher thread copies step 9 (rank 1 cannot answer: the wait is bounded). Killed at once,
+    the group restored step 6 from storage."""
+    result = run(
+        tmp_path, worker_env_module, 2, "--freeze-at-step", "9", supervisor=("--hang-timeout", "3")
+    )
+    assert result.named("worker.hung")
     events = restored(result)
     assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
     (recovery,) = result.named("recovery.completed")

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ def launch_workers(
     env: dict[str, str],
     timeout: float = 90,
     max_restarts: int = 0,
+    supervisor_args: Sequence[str] = (),
 ) -> Launch:
     """Run ``script`` on ``nproc`` local workers (gloo, 127.0.0.1) through elastic-train."""
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
@@ -52,6 +54,7 @@ def launch_workers(
             "json",
             "--log-file",
             str(log_file),
+            *supervisor_args,
             script,
             *args,
         ]

@@ -82,6 +82,8 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--crash-at-step", type=int, default=None, help="first attempt only")
     parser.add_argument("--crash-rank", type=int, default=1)
+    parser.add_argument("--freeze-at-step", type=int, default=None, help="first attempt only")
+    parser.add_argument("--freeze-rank", type=int, default=1)
     parser.add_argument(
         "--drop-memory-on-restart",
         default="",
@@ -262,6 +264,8 @@ def _maybe_request_stop(args: argparse.Namespace, ctx: et.WorkerContext, step: i
 def _maybe_crash(args: argparse.Namespace, ctx: et.WorkerContext, step: int) -> None:
     if args.crash_at_step == step and ctx.rank == args.crash_rank and restart_count() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.freeze_at_step == step and ctx.rank == args.freeze_rank and restart_count() == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # silent: its peers block in the next collective
 
 
 def folder_bytes(folder: str) -> int:

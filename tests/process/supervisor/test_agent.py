@@ -415,6 +415,43 @@ def test_a_hang_kills_and_restarts_with_reason_hang(tmp_path) -> None:
     assert named(logs, "group.restarting")[0]["reason"] == "hang"
 
 
+def test_a_hang_asks_the_workers_for_their_copies_before_the_kill(tmp_path) -> None:
+    """A rank hung in a collective never returns to its loop, but its watcher thread copies
+    the end of its last step when asked: a hang killed at once lost the steps since the last
+    storage snapshot."""
+    requested_at_kill: list[bytes] = []
+
+    def answering_session(agent: ScriptedAgent) -> None:
+        observe = agent._observe
+
+        def announce_then_observe() -> HangVerdict | None:
+            control = Path(agent._stop.control_dir or "")
+            if not (control / protocol.copier_file(0)).exists():
+                os.mkfifo(control / protocol.copy_now_fifo(0))
+                fifo = os.open(control / protocol.copy_now_fifo(0), os.O_RDONLY | os.O_NONBLOCK)
+                agent.fifos.append(fifo)
+                (control / protocol.copier_file(0)).touch()
+                (control / protocol.copied_file(0)).write_text("copied")
+            return observe()
+
+        def kill(*, grace_s: float) -> None:
+            try:
+                requested_at_kill.append(os.read(agent.fifos[0], 8))
+            except BlockingIOError:
+                requested_at_kill.append(b"")
+
+        agent.fifos = []  # type: ignore[attr-defined]
+        agent._observe = announce_then_observe  # type: ignore[method-assign]
+        agent.procs.kill = kill  # type: ignore[method-assign]
+
+    rounds = [Round(nodes=1, ticks=[{0: RUNNING}], hang_at=0), Round(nodes=1, ticks=[{0: OK}])]
+    outcome, logs, agent = run(rounds, tmp_path, prepare=answering_session)
+    for fd in agent.fifos:  # type: ignore[attr-defined]
+        os.close(fd)
+    assert outcome.restarts == 1 and named(logs, "worker.hung")
+    assert requested_at_kill[0] == b"x"  # asked before the hung worker was killed
+
+
 def test_a_lost_store_is_reported_once_and_the_workers_go_on(tmp_path) -> None:
     def lose_store(agent: ScriptedAgent) -> None:
         agent.script.store_lost = True
