@@ -129,9 +129,14 @@ def prepare_node(cfg: RunConfig) -> WarmPool | None:
 
 def _close(pool: WarmPool | None, *, at_once: bool = False) -> None:
     """``at_once``: a start that ends before any worker: the pool, likely still importing
-    torch and deaf to its socket, is killed instead of given its grace."""
+    torch and deaf to its socket, is killed instead of given its grace, and so is the node
+    sentinel."""
     if pool is not None:
         pool.close(grace_s=0 if at_once else None)
+    if at_once:
+        from elastic_trainer.supervisor.processes import procs
+
+        procs.end_node_sentinel()
 
 
 def _start_metrics(cfg: RunConfig) -> Any:

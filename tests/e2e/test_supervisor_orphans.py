@@ -83,6 +83,22 @@ def test_sigkill_of_the_supervisor_alone_ends_workers_and_their_children(
     wait_for(lambda: not _alive(pool), GONE_WITHIN_S, "the warm pool to be gone")
 
 
+def test_after_a_restart_a_sigkill_of_the_supervisor_still_ends_the_workers_children(
+    tmp_path, worker_env, agents
+):
+    """Regression: the first restart reaped the node sentinel as a stray child, so a later
+    SIGKILL of the supervisor left the new workers' own children running."""
+    agent = _start(tmp_path, worker_env, nproc=1, flags=("--max-restarts", "1"))
+    agents.append(agent)
+    (first,) = _workers(tmp_path, 1)
+    os.kill(first["worker"], signal.SIGKILL)  # a worker crash: the group restarts
+    again = [row for row in _workers(tmp_path, 2) if row["worker"] != first["worker"]]
+    _assert_were_alive(again)
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait(timeout=10)
+    _assert_all_gone(tmp_path)
+
+
 def test_sigkill_of_the_supervisors_process_group_ends_the_whole_node(tmp_path, worker_env, agents):
     # a scheduler's `kill -9 -PGID`: torch starts each worker in a session of its own, so
     # the signal reaches the supervisor only

@@ -29,23 +29,45 @@ import psutil
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
+# This process's node sentinel (``guard_node``): a child of ours, but never a stray to reap.
+_sentinel: subprocess.Popen | None = None
+
 
 def guard_node() -> subprocess.Popen | None:
     """Make every process this supervisor starts die with it, on every exit path.
 
-    Call once, before starting workers: subreaper, the supervisor pid for the workers'
+    Call before starting workers: subreaper, the supervisor pid for the workers'
     parent-death check, and the node sentinel (None where it could not start: the other
-    guards still hold). The sentinel is a child like any other: ``reap_strays`` ends it.
+    guards still hold), one per process: it lives until this process exits, and
+    ``reap_strays`` spares it (``ProcessTracker._keep``).
     """
     from elastic_trainer.supervisor.processes import sentinel
     from elastic_trainer.worker import bootstrap
 
+    global _sentinel
     become_subreaper()
     os.environ[bootstrap.ENV_SUPERVISOR_PID] = str(os.getpid())
-    try:
-        return sentinel.start()
-    except OSError:
-        return None
+    if _sentinel is None or _sentinel.poll() is not None:
+        try:
+            _sentinel = sentinel.start()
+        except OSError:
+            _sentinel = None
+    return _sentinel
+
+
+def end_node_sentinel() -> None:
+    """End the sentinel of a start that ends before any worker (bad input, a stop): nothing
+    of ours is left for its sweep, and a caller of ``run.main`` that goes on (a test, a
+    wrapper) would otherwise keep one sentinel per call, each scanning every 0.25 s."""
+    guard = node_sentinel()
+    if guard is not None:
+        guard.kill()
+        guard.wait()
+
+
+def node_sentinel() -> subprocess.Popen | None:
+    """The sentinel ``guard_node`` started in this process (None: none, or it ended)."""
+    return _sentinel if _sentinel is not None and _sentinel.poll() is None else None
 
 
 def become_subreaper(enable: bool = True) -> bool:
@@ -192,7 +214,10 @@ class ProcessTracker:
         return {p.pid for p in self._popens.values()}
 
     def _keep(self) -> set[int]:
-        return self.root_pids | self._spared
+        # the node sentinel too: reaped as a stray at the first restart, it left every later
+        # SIGKILL of the supervisor with the workers' own children alive
+        guard = node_sentinel()
+        return self.root_pids | self._spared | ({guard.pid} if guard is not None else set())
 
     def refresh(self) -> None:
         """Remember descendants that appeared since the last call."""

@@ -63,6 +63,9 @@ DRIVER = textwrap.dedent(
             seen["pool_after_main"] = os.waitpid(seen["pool_pid"], os.WNOHANG)[0] == 0
         except ChildProcessError:  # reaped: it ended
             seen["pool_after_main"] = False
+    import psutil
+
+    seen["children_after_main"] = [" ".join(c.cmdline()) for c in psutil.Process().children()]
     with open(record, "w") as f:
         json.dump(seen, f)
     sys.exit(code)
@@ -129,6 +132,14 @@ def test_a_start_that_fails_after_the_pool_started_ends_the_pool(early_failure) 
     done, seen = early_failure
     assert done.returncode == 2, done.stderr
     assert seen["pool_after_main"] is False, f"the warm pool outlived main's exit 2: {seen}"
+
+
+def test_a_start_that_fails_after_the_pool_started_leaves_no_child(early_failure) -> None:
+    """Regression: the node sentinel lived on, one per call, in a process that goes on after
+    ``run.main`` returns (the test suite: each scans the process tree every 0.25 s)."""
+    done, seen = early_failure
+    assert done.returncode == 2, done.stderr
+    assert seen["children_after_main"] == [], seen
 
 
 def test_a_loopback_store_port_is_claimed_before_torch_is_imported(early_failure) -> None:
