@@ -133,22 +133,14 @@ def launch_to_workers(warm_flag: str) -> float:
     return at - began
 
 
-def measure_launch(trials: int) -> None:
+def measure_cli(name: str, seconds: Callable[[str], float], trials: int) -> None:
+    """``seconds(flag)`` with ``--no-warm-workers`` and ``--warm-workers``, alternating."""
     fresh_s, warm_s = [], []
     for _ in range(trials):
-        fresh_s.append(launch_to_workers("--no-warm-workers"))
-        warm_s.append(launch_to_workers("--warm-workers"))
+        fresh_s.append(seconds("--no-warm-workers"))
+        warm_s.append(seconds("--warm-workers"))
     f, w = statistics.median(fresh_s), statistics.median(warm_s)
-    print(f"| built-in job, launch to workers started | {f:.3f} | {w:.3f} | {w / f:.3f} |")
-
-
-def measure_restart(trials: int) -> None:
-    fresh_s, warm_s = [], []
-    for _ in range(trials):
-        fresh_s.append(restart_downtime("--no-warm-workers"))
-        warm_s.append(restart_downtime("--warm-workers"))
-    f, w = statistics.median(fresh_s), statistics.median(warm_s)
-    print(f"| worker SIGKILLed, restart downtime | {f:.3f} | {w:.3f} | {w / f:.3f} |", flush=True)
+    print(f"| {name} | {f:.3f} | {w:.3f} | {w / f:.3f} |", flush=True)
 
 
 def main() -> None:
@@ -166,8 +158,8 @@ def main() -> None:
         measure("tiny torch script, to its first line", [script], until_exit=False, trials=trials)
         builtin = ["-m", "elastic_trainer.jobs.default", "--help"]
         measure("built-in job, imports + --help", builtin, until_exit=True, trials=trials)
-    measure_launch(trials)
-    measure_restart(trials)
+    measure_cli("built-in job, launch to workers started", launch_to_workers, trials)
+    measure_cli("worker SIGKILLed, restart downtime", restart_downtime, trials)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,17 @@ def restored(result: Launch) -> list[dict[str, Any]]:
     return sorted(result.named("snapshot.restored"), key=lambda e: e["rank"])
 
 
+def assert_every_rank_resumed_the_copy_of(
+    step: int, result: Launch, root: Path, reference: Path
+) -> None:
+    """Both ranks restored ``step`` from memory: no step lost, the run bit-identical."""
+    events = restored(result)
+    assert [(e["source"], e["step"]) for e in events] == [("memory", step), ("memory", step)]
+    (recovery,) = result.named("recovery.completed")
+    assert recovery["steps_lost"] == 0
+    assert_bit_identical(root, reference)
+
+
 DROPOUT = ("--dropout", "0.3")  # the steps draw from each rank's RNG
 EVERY_STEP = ("--memory-every", "1")  # periodic copies (replicated state's default: none)
 
@@ -87,11 +98,7 @@ def test_worker_crash_restores_the_just_in_time_copy_bit_identical(
     """The default: no copy until the failure; the survivor copies step 9 then. Without
     dropout: the crashed rank's own RNG streams die with it (it keeps its fresh ones)."""
     result = run(tmp_path, worker_env_module, 2, "--crash-at-step", "9", "--crash-rank", "1")
-    events = restored(result)
-    assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
-    (recovery,) = result.named("recovery.completed")
-    assert recovery["steps_lost"] == 0
-    assert_bit_identical(tmp_path, reference())
+    assert_every_rank_resumed_the_copy_of(9, result, tmp_path, reference())
 
 
 def test_a_survivor_whose_copy_outlasts_the_kill_grace_is_waited_for(
@@ -103,11 +110,7 @@ def test_a_survivor_whose_copy_outlasts_the_kill_grace_is_waited_for(
     The supervisor now asks for the copies and waits for their answers first."""
     env = {**worker_env_module, SLOW_MEMORY_WRITE_ENV: "9:3"}
     result = run(tmp_path, env, 2, "--crash-at-step", "9", "--crash-rank", "1")
-    events = restored(result)
-    assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
-    (recovery,) = result.named("recovery.completed")
-    assert recovery["steps_lost"] == 0
-    assert_bit_identical(tmp_path, reference())
+    assert_every_rank_resumed_the_copy_of(9, result, tmp_path, reference())
 
 
 def test_a_hang_restores_the_just_in_time_copy_of_the_rank_blocked_in_a_collective(
@@ -121,11 +124,7 @@ def test_a_hang_restores_the_just_in_time_copy_of_the_rank_blocked_in_a_collecti
         tmp_path, worker_env_module, 2, "--freeze-at-step", "9", supervisor=("--hang-timeout", "3")
     )
     assert result.named("worker.hung")
-    events = restored(result)
-    assert [(e["source"], e["step"]) for e in events] == [("memory", 9), ("memory", 9)]
-    (recovery,) = result.named("recovery.completed")
-    assert recovery["steps_lost"] == 0
-    assert_bit_identical(tmp_path, reference())
+    assert_every_rank_resumed_the_copy_of(9, result, tmp_path, reference())
 
 
 def test_worker_crash_restores_from_memory_bit_identical(tmp_path, reference, worker_env_module):
