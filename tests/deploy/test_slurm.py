@@ -6,9 +6,13 @@ The script's behaviour is tested on a real local Slurm in tests/e2e/test_store_s
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import stat
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "elastic-train.sbatch"
@@ -47,8 +51,11 @@ def test_supervisors_join_the_batch_host_store_as_clients() -> None:
 def test_the_warning_signal_reaches_the_supervisors_alone() -> None:
     """A signal Slurm delivers to a step reaches the workers too and kills them unsaved."""
     text = SCRIPT.read_text()
-    assert re.search(r"srun --overlap .*\\\n\s+bash -c 'kill -USR1 \"\$\(<\"\$0\"\)\"'", text)
-    assert 'echo "$$" >"$0" && exec "$@"' in text  # the supervisor's PID, per node
+    assert re.search(
+        r"srun --overlap .*\\\n\s+bash -c \"\$private_dir\"'kill -USR1 \"\$\(<\"\$d/\$0\"\)\"'",
+        text,
+    )
+    assert 'echo "$$" >"$d/$0" && exec "$@"' in text  # the supervisor's PID, per node
     assert 'kill -USR1 "$srun_pid"' not in text
 
 
@@ -85,7 +92,11 @@ def fake_bin(tmp_path: Path, addresses: str) -> Path:
     fakes = {
         "hostname": f'[[ "${{1:-}}" == -I ]] && echo "{addresses}" || echo node1',
         "getent": f'echo "{first}   STREAM node1"',
-        "srun": 'printf "%s\\n" "$*" >>"$FAKE_LOG/srun.args"',
+        # records its arguments; with FAKE_SRUN_RUNS set it also runs the step's command
+        "srun": 'args="$*"; printf "%s\\n" "${args//$\'\\n\'/ }" >>"$FAKE_LOG/srun.args"\n'
+        '[[ -n "${FAKE_SRUN_RUNS:-}" ]] || exit 0\n'
+        'while [[ $# -gt 0 && "$1" != bash ]]; do shift; done\n'
+        'exec "$@"',
         "elastic-train": FAKE_ELASTIC_TRAIN.removeprefix("#!/usr/bin/env bash\n"),
     }
     for name, body in fakes.items():
@@ -115,6 +126,48 @@ def run_script(tmp_path: Path, addresses: str, **env: str) -> subprocess.Complet
 def recorded(tmp_path: Path, name: str) -> list[str]:
     path = tmp_path / f"{name}.args"
     return path.read_text().splitlines() if path.exists() else []
+
+
+def test_each_node_keeps_its_supervisors_pid_in_a_private_folder(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "10.0.0.5", FAKE_SRUN_RUNS="1")
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / f"elastic-train-slurm-{os.getuid()}"
+    mode = folder.lstat()
+    assert stat.S_ISDIR(mode.st_mode) and stat.S_IMODE(mode.st_mode) == 0o700
+    assert mode.st_uid == os.getuid()
+    assert (folder / "77.0.pid").read_text().strip().isdigit()
+
+
+def _second_user() -> int:
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        pytest.skip("no second local user (nobody) to create the folder first")
+
+
+@pytest.mark.parametrize("made_first", ["another_users_folder", "link", "open_folder"])
+def test_a_pid_folder_someone_made_first_is_refused_with_one_line(
+    tmp_path: Path, made_first: str
+) -> None:
+    """Regression: the PID went to /tmp/elastic-train-JOB.N.pid, a name any local user could
+    create first: a link to one of our files (overwritten) or a file whose PID they choose
+    (then sent SIGUSR1 by us)."""
+    folder = tmp_path / f"elastic-train-slurm-{os.getuid()}"
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    if made_first == "link":
+        folder.symlink_to(victim)
+    else:
+        folder.mkdir(mode=0o700 if made_first == "another_users_folder" else 0o777)
+        folder.chmod(0o700 if made_first == "another_users_folder" else 0o777)
+    if made_first == "another_users_folder":
+        if os.getuid() != 0:
+            pytest.skip("creating a folder as another user needs root")
+        os.chown(folder, _second_user(), -1)
+    done = run_script(tmp_path, "10.0.0.5", FAKE_SRUN_RUNS="1")
+    assert done.returncode == 2
+    assert f"{folder} is not a private folder of ours" in done.stderr
+    assert list(victim.iterdir()) == [] and not list(folder.glob("*.pid"))
 
 
 def test_default_store_host_skips_the_debian_loopback_alias(tmp_path: Path) -> None:

@@ -198,8 +198,10 @@ def remove_stale_control_roots(base: str) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(base):
-            pid = name[len(CONTROL_ROOT_PREFIX) :].split("-", 1)[0]
-            if not name.startswith(CONTROL_ROOT_PREFIX) or not pid.isdigit():
+            # mkdtemp's name: the PID, a dash and a random part; not elastic-train-<uid> (the
+            # in-memory tier's root where there is no /dev/shm)
+            pid, _dash, random_part = name[len(CONTROL_ROOT_PREFIX) :].partition("-")
+            if not name.startswith(CONTROL_ROOT_PREFIX) or not pid.isdigit() or not random_part:
                 continue
             path = os.path.join(base, name)
             try:

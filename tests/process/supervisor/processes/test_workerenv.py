@@ -96,7 +96,10 @@ def test_stale_control_folders_of_dead_supervisors_go_and_nothing_else(tmp_path)
     link.symlink_to(target)
     pidfile = base / "elastic-train-1.0.pid"
     pidfile.touch()
-    kept += [link, pidfile]
+    # elastic-train-<uid>, the in-memory tier's root where there is no /dev/shm, named by
+    # a number that may be no running PID: it was taken for a stale control folder
+    memory_root = folder(f"elastic-train-{dead}")
+    kept += [link, pidfile, memory_root]
     if os.getuid() == 0:  # as root, a folder of another user's in the same place
         theirs = folder(f"elastic-train-{dead}-theirs")
         os.chown(theirs, 65534, 65534)
