@@ -129,7 +129,7 @@ def recorded(tmp_path: Path, name: str) -> list[str]:
 
 
 def test_each_node_keeps_its_supervisors_pid_in_a_private_folder(tmp_path: Path) -> None:
-    done = run_script(tmp_path, "10.0.0.5", FAKE_SRUN_RUNS="1")
+    done = run_script(tmp_path, "127.0.0.1", SLURM_JOB_NUM_NODES="1", FAKE_SRUN_RUNS="1")
     assert done.returncode == 0, done.stderr
     folder = tmp_path / f"elastic-train-slurm-{os.getuid()}"
     mode = folder.lstat()
@@ -157,14 +157,15 @@ def test_a_pid_folder_someone_made_first_is_refused_with_one_line(
     victim.mkdir(mode=0o700)
     if made_first == "link":
         folder.symlink_to(victim)
+    elif made_first == "open_folder":
+        folder.mkdir()
+        folder.chmod(0o777)
     else:
-        folder.mkdir(mode=0o700 if made_first == "another_users_folder" else 0o777)
-        folder.chmod(0o700 if made_first == "another_users_folder" else 0o777)
-    if made_first == "another_users_folder":
         if os.getuid() != 0:
             pytest.skip("creating a folder as another user needs root")
+        folder.mkdir(mode=0o700)
         os.chown(folder, _second_user(), -1)
-    done = run_script(tmp_path, "10.0.0.5", FAKE_SRUN_RUNS="1")
+    done = run_script(tmp_path, "127.0.0.1", SLURM_JOB_NUM_NODES="1", FAKE_SRUN_RUNS="1")
     assert done.returncode == 2
     assert f"{folder} is not a private folder of ours" in done.stderr
     assert list(victim.iterdir()) == [] and not list(folder.glob("*.pid"))
