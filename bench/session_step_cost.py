@@ -6,6 +6,12 @@ all-reduce of its counters, the sampler, the progress record) and the optimizer 
 the just-in-time copy (the phase, each step's RNG states), against the training step they
 ride on (ResNet-18, one process, a world of one).
 
+On a GPU the optimizer's pre-hook also holds the host's side of the state (``held``: the
+optimizers' and schedulers' state dicts, CPU tensors cloned) for a copy of a step the device
+has not begun; on a CPU nothing is held. ``--hold`` times that work on this host with the
+tensors on the meta device (what a GPU's are to it: referenced, never copied), for ResNet-18
+with SGD and AdamW and for 1000 parameter tensors (a large transformer's count) with AdamW.
+
 Then the whole loop, side by side: blocks of ``--steps`` steps of a trainer with a session
 and of an identical trainer with none (fault tolerance off), interleaved, each block
 timed from a synchronised start to a synchronised end. On a GPU this is the figure that
@@ -14,6 +20,7 @@ queue of kernels, which the per-call timings above cannot see.
 
     python bench/session_step_cost.py [--steps 30] [--batch 32] [--blocks 5]
     python bench/session_step_cost.py --device cuda --batch 128 --image 224
+    python bench/session_step_cost.py --hold
 """
 
 from __future__ import annotations
@@ -46,7 +53,11 @@ def main() -> None:
     parser.add_argument("--image", type=int, default=32, help="input height and width")
     parser.add_argument("--blocks", type=int, default=5, help="interleaved blocks per arm")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--hold", action="store_true", help="time the GPU's pre-step hold only")
     args = parser.parse_args()
+    if args.hold:
+        hold_costs()
+        return
     trainer = make_trainer(args.batch, args.device, args.image)
     bare = make_trainer(args.batch, args.device, args.image)
     folder = tempfile.mkdtemp(prefix="session-step-cost-")
@@ -128,6 +139,42 @@ def whole_loops(
         for t, done, out in arms if i % 2 == 0 else arms[::-1]:
             out.append(block(t, done))
     return with_session, without
+
+
+def hold_costs(repeats: int = 200) -> None:
+    """Median host time of the pre-step hold, the state's tensors on the meta device."""
+    import torchvision
+    from torch import nn
+
+    from elastic_trainer.worker.memory.held import held_state
+
+    models = {
+        "ResNet-18": lambda: torchvision.models.resnet18(num_classes=10),
+        "1000 tensors": lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(500)]),
+    }
+    optimizers = {
+        "SGD momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "AdamW": lambda p: torch.optim.AdamW(p, lr=0.1),
+    }
+    for model_name, make_model in models.items():
+        for optimizer_name, make_optimizer in optimizers.items():
+            model = make_model().to("meta")
+            optimizer = make_optimizer(model.parameters())
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 100)
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+            optimizer.step()  # its state exists (AdamW: a CPU step counter per tensor)
+            scheduler.step()
+            state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+            times = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                held_state(state)
+                times.append(time.perf_counter() - began)
+            tensors = sum(1 for _ in model.parameters())
+            median_us = statistics.median(times) * 1e6
+            name = f"{model_name} {optimizer_name}"
+            print(f"hold {name:26} {tensors:5} tensors {median_us:8.0f} us")
 
 
 def synchronize() -> None:

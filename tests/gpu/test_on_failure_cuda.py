@@ -141,3 +141,50 @@ def test_a_copy_before_the_first_step_waits_for_the_restore_on_the_device(tmp_pa
     finally:
         copy.close()
         torch.cuda.synchronize()
+
+
+def test_a_step_still_queued_is_copied_as_it_began(tmp_path: Path):
+    """The host took step 4 (Adam's counters and the scheduler moved on) while the device
+    waits to begin it behind the stuck kernel: the copy is of step 3, the state the device
+    still holds, with the host's side as the optimizer's pre-hook held it; it does not wait
+    for the stuck stream."""
+    model, optimizer, x = parts()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    copies = NodeCopies(str(tmp_path))
+    counted = [0]
+
+    def capture(stepped: bool):
+        return counted[0] + stepped, {"model": model, "optimizer": optimizer}
+
+    def write_held(step: int, state, _per_rank, *, valid) -> bool:
+        states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
+        copies.write(step, {"step": step, "state": states}, valid=valid)
+        return True
+
+    copy = FailureCopy(capture, lambda *a: False, write_held=write_held)
+    copy.attach([optimizer])
+    for _ in range(3):
+        train_step(model, optimizer, x)
+        scheduler.step()
+    counted[0] = 3
+    copy.counted()
+    torch.cuda.synchronize()
+    expected = host(model.state_dict())
+    expected_moments = [host(s)["exp_avg"] for s in optimizer.state_dict()["state"].values()]
+    stuck = stuck_stream()
+    train_step(model, optimizer, x)  # step 4: its update queued behind the stuck kernel
+    scheduler.step()
+    try:
+        assert copy.copy()
+        assert not stuck.query(), "the copy waited for the stuck stream"
+        back = copies.read(3)
+        saved = back["state"]["model"]
+        assert all(torch.equal(saved[k], v) for k, v in expected.items())
+        moments = back["state"]["optimizer"]["state"]
+        assert {s["step"].item() for s in moments.values()} == {3.0}
+        assert all(torch.equal(moments[i]["exp_avg"], m) for i, m in enumerate(expected_moments))
+        assert back["state"]["optimizer"]["param_groups"][0]["lr"] == 0.01 * 0.5**3
+    finally:
+        copy.close()
+        torch.cuda.synchronize()

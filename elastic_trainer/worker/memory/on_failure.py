@@ -16,6 +16,12 @@ thread never sees either half done. The RNG states go with the step they belong 
 when the optimizer has stepped (and at the start), since by the time of a failure the next
 step's forward pass (dropout, augmentation) may have drawn from them already.
 
+On a GPU the device runs behind the host: the copy reads the state only after the device has
+finished the step it describes (``step_mark``). When the step the host took is still queued
+(a peer lost in its gradient all-reduce), the device still holds the state as that step
+began, and the copy is of that one: the host's side of it is held at each step's pre-hook
+(``held``), where the optimizers' counters and the schedulers have not moved on yet.
+
 The copy is made on the training thread when the script raises (the session's ``abort``,
 or ``bootstrap`` for a script without ``with``), or on a watcher thread when the supervisor
 asks (it writes a byte into the rank's ``protocol.copy_now_fifo``: ``protocol.request_copy``;
@@ -31,11 +37,13 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from elastic_trainer.contract import protocol
+from elastic_trainer.worker.memory.held import held_state, thawed
 from elastic_trainer.worker.memory.step_mark import SETTLE_S, StepMark, step_mark_for
 from snapshots.format.rng import FrozenRNGState
 
@@ -50,7 +58,31 @@ class Phase(enum.Enum):
 # session has not counted yet. None: no consistent copy can be described. The per-rank part
 # (the RNG states of that step) is this module's.
 Capture = Callable[[bool], "tuple[int, Mapping[str, Any]] | None"]
+# Write (step, state, per-rank state) into the node's memory; True when the node holds it.
 Write = Callable[[int, Mapping[str, Any], Mapping[str, Any]], bool]
+
+
+class WriteChecked(Protocol):
+    """A ``Write`` that asks ``valid`` after the tensors are read and before the copy is
+    committed: False throws the copy away (the device moved on while it was read)."""
+
+    def __call__(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        per_rank: Mapping[str, Any],
+        *,
+        valid: Callable[[], bool],
+    ) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Held:
+    """The state as the step in progress began, its host side frozen (``held``)."""
+
+    step: int
+    state: Mapping[str, Any]
+    rng: FrozenRNGState
 
 
 _open: weakref.WeakSet[FailureCopy] = weakref.WeakSet()
@@ -67,7 +99,9 @@ class FailureCopy:
     """One rank's just-in-time copy. ``attach`` the optimizers; the session calls
     ``counted`` (under ``lock``) once it has counted a step."""
 
-    def __init__(self, capture: Capture, write: Write) -> None:
+    def __init__(
+        self, capture: Capture, write: Write, *, write_held: WriteChecked | None = None
+    ) -> None:
         self.lock = threading.RLock()
         self.phase = Phase.CLEAN
         self.copied: int | None = None  # the step this rank copied
@@ -80,6 +114,10 @@ class FailureCopy:
         # session opens this copy once its restore is done) or the optimizer's last step
         self._rng = FrozenRNGState()
         self._mark: StepMark | None = None  # on a GPU: the step's end on the device
+        # on a GPU, given ``write_held``: the state as the step in progress began
+        # (``_copy_held``); a tier that cannot check a copy before its commit holds nothing
+        self._write_held = write_held
+        self._held: Held | None = None
         _open.add(self)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -91,7 +129,19 @@ class FailureCopy:
 
     def _entering(self, *_: Any) -> None:
         with self.lock:  # waits for a copy being taken from the watcher
+            # the step's first optimizer (a second one's pre-hook finds the phase moved on)
+            mark = self._mark
+            if mark is not None and self._write_held is not None and self.phase is Phase.CLEAN:
+                self._held = self._held_now()
+                mark.begin()
             self.phase = Phase.TORN
+
+    def _held_now(self) -> Held | None:
+        captured = self._capture(False)
+        if captured is None:
+            return None
+        step, state = captured
+        return Held(step, held_state(state), self._rng)
 
     def _stepped(self, *_: Any) -> None:
         with self.lock:
@@ -113,9 +163,24 @@ class FailureCopy:
             if self._mark is None:
                 return self._copy_now()
             if not self._mark.done(settle_s):  # the update is still queued on the device
-                return False
+                return self._copy_held()
             with self._mark.reading():
                 return self._copy_now()
+
+    def _copy_held(self) -> bool:
+        """The state as the last step began, which the device still holds: read after the
+        step before it ended, and kept only if the device has not begun the step meanwhile."""
+        held, mark, write = self._held, self._mark, self._write_held
+        if held is None or mark is None or write is None or not mark.before_done():
+            return False
+        if self.copied is not None and self.copied >= held.step:
+            return True
+        with mark.reading(before=True):
+            state = thawed(held.state)
+            done = write(held.step, state, {"rng": held.rng}, valid=lambda: not mark.began())
+        if done:
+            self.copied = held.step
+        return done
 
     def _copy_now(self) -> bool:
         captured = self._capture(self.phase is Phase.STEPPED)

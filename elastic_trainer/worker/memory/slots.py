@@ -55,6 +55,10 @@ GRAIN_BYTES = 1 << 16
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map the pages at once, not one fault each
 
 
+class StaleRead(Exception):
+    """A copy's source changed while it was read (``NodeCopies.write``'s ``valid``)."""
+
+
 class FailureStreak:
     """``snapshot.memory_failed`` once per streak of failed copies (a full tmpfs fails every
     step), not once per step; a copy that succeeds ends the streak. The copy is not made;
@@ -185,9 +189,11 @@ class NodeCopies:
         replicated: Callable[[torch.Tensor], bool] | None = None,
         *,
         defer: bool = False,
+        valid: Callable[[], bool] | None = None,
     ) -> Callable[[], None] | None:
         """Copy this rank's part into the slot not holding the newest whole copy, then commit
-        the part by replacing its marker. ``replicated``: ``byte_layout.plan``'s.
+        the part by replacing its marker. ``replicated``: ``byte_layout.plan``'s. ``valid``:
+        asked after the copy, before the commit; False raises ``StaleRead``, nothing committed.
 
         ``defer``: copy now only the tensors ``replicated`` does not select (they go first in
         the layout; the others change only at the optimizer's step) and return the rest of
@@ -212,6 +218,8 @@ class NodeCopies:
         def finish() -> None:
             digest = byte_layout.write_into(layout, mapped, start, stop, copied_below=copied_below)
             _mid_write(step, mapped, start, stop)
+            if valid is not None and not valid():
+                raise StaleRead(f"the state of step {step} changed while it was copied")
             body = {
                 "step": step, "slot": slot, "bytes": layout.size, "part": self.part,
                 "parts": self.parts, "start": start, "stop": stop,

@@ -16,6 +16,15 @@ declined then, and storage or another node's copy serves).
 A copy the training thread makes after the script raised (a healthy device, most often, a
 step or less behind the host) first lets the device finish, for at most ``SETTLE_S``; the
 supervisor's request (a peer lost: the stream may never move again) waits for nothing.
+
+The step the host has taken may still be queued when a peer is lost: the host runs ahead
+until ``step_done``'s all-reduce, while the device waits in that step's gradient all-reduce.
+The device then still holds the state as the step began. The optimizer's pre-hook records a
+second event where the step's kernels begin (``begin``): a copy read after the previous
+step's end (``reading(before=True)``) describes that state as long as the device has not
+reached the step's beginning once the read is over (``began``), and is thrown away otherwise.
+Its host side (optimizer counters, learning rates) is the one held at the pre-hook
+(``on_failure.Held``).
 """
 
 from __future__ import annotations
@@ -34,33 +43,57 @@ SETTLE_POLL_S = 0.001
 
 
 class StepMark:
-    """The CUDA event of the optimizer's last step on ``device``, and the stream copies use."""
+    """The CUDA events of the optimizer's last step on ``device`` (its beginning and its end,
+    and the end of the step before it), and the stream copies use."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._event = torch.cuda.Event()
         self._stream = torch.cuda.Stream(device=device)  # a pool stream: non-blocking
-        self.record()  # the state as restored: its copies to the device may still be queued
+        self._end = self._event()  # the state as restored: its copies may still be queued
+        self._before: torch.cuda.Event | None = None  # the end of the step before the last
+        self._begun: torch.cuda.Event | None = None  # where the last step's kernels begin
+
+    def _event(self) -> torch.cuda.Event:
+        # a new event each time: one recorded again would name only its newest point
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     def record(self) -> None:
         """At the optimizer's step end (its post-hook), on the stream that ran the step."""
-        self._event.record(torch.cuda.current_stream(self._device))
+        self._end = self._event()
+
+    def begin(self) -> None:
+        """At a step's beginning (the pre-hook of its first optimizer), before its kernels."""
+        self._before, self._begun = self._end, self._event()
 
     def done(self, within_s: float = 0.0) -> bool:
         """Has the device finished the last recorded step, waiting at most ``within_s`` for
         it? (Polled: ``Event.synchronize`` would wait for ever on a stream that never moves
         again.)"""
         deadline = time.monotonic() + within_s
-        while not self._event.query():
+        while not self._end.query():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(SETTLE_POLL_S)
         return True
 
+    def before_done(self) -> bool:
+        """Has the device finished the step before the one that began last?"""
+        return self._before is not None and self._before.query()
+
+    def began(self) -> bool:
+        """Has the device reached the beginning of the last step (its kernels may run)?"""
+        return self._begun is None or self._begun.query()
+
     @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Inside: tensor copies go on the copy stream, after the last step only."""
-        self._stream.wait_event(self._event)
+    def reading(self, *, before: bool = False) -> Iterator[None]:
+        """Inside: tensor copies go on the copy stream, after the last step only (``before``:
+        after the step before it)."""
+        event = self._before if before else self._end
+        if event is None:
+            raise RuntimeError("reading(before=True) before any step began")
+        self._stream.wait_event(event)
         with torch.cuda.stream(self._stream):
             yield
         self._stream.synchronize()

@@ -42,7 +42,7 @@ from elastic_trainer.private_files import NotOursError, open_file, open_private,
 from elastic_trainer.worker.memory import byte_layout
 from elastic_trainer.worker.memory.plan import RestorePlan, Source, shares
 from elastic_trainer.worker.memory.plan import plan_restore as plan_restore
-from elastic_trainer.worker.memory.slots import FailureStreak, refused
+from elastic_trainer.worker.memory.slots import FailureStreak, StaleRead, refused
 from elastic_trainer.worker.memory.slots import NodeCopies as NodeCopies
 from snapshots.format.serialization import Stager, is_stateful
 from snapshots.store import restore_into
@@ -154,25 +154,38 @@ class MemoryTier:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def dump(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> bool:
+    def dump(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        per_rank: Mapping[str, Any],
+        *,
+        valid: Callable[[], bool] | None = None,
+    ) -> bool:
         """No collective, from any thread: this rank's per-rank state, and (unless the node
         already holds ``step`` or newer) the node's whole copy of ``step`` written by this
         rank alone, under the node's lock: the copy made just in time when the group ends
-        (``on_failure``). True when the node holds it; a failure is reported, never raised."""
+        (``on_failure``). True when the node holds it; a failure is reported, never raised.
+        ``valid``: asked once the tensors are read, before the commit; False: not committed
+        (a GPU that began the step while its state was read, ``on_failure._copy_held``)."""
         try:
             self.flush()
             self._streams.write(step, _plain(per_rank), None)
             with node_lock(self.copies.directory):
                 whole = NodeCopies(self.copies.directory)  # one part: this rank writes it all
-                newest = whole.newest()
-                if newest is None or newest < step:
-                    payload = {
-                        "step": step,
-                        "world_size": self.world_size,
-                        "state": self._walker.capture(state),
-                    }
-                    whole.write(step, payload)
-                whole.unmap()
+                try:
+                    newest = whole.newest()
+                    if newest is None or newest < step:
+                        payload = {
+                            "step": step,
+                            "world_size": self.world_size,
+                            "state": self._walker.capture(state),
+                        }
+                        whole.write(step, payload, valid=valid)
+                finally:
+                    whole.unmap()
+        except StaleRead:
+            return False
         except Exception as exc:  # tmpfs full, folder gone: storage stays the fallback
             self._failures.failed(step, exc, "just-in-time copy: ")
             return False

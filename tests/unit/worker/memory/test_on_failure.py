@@ -43,7 +43,13 @@ def _clean():
 
 
 def _session(
-    tmp_path: Path, model: nn.Module, optimizer, *, audit: Path | None = None, **settings
+    tmp_path: Path,
+    model: nn.Module,
+    optimizer,
+    *,
+    audit: Path | None = None,
+    more: dict | None = None,
+    **settings,
 ) -> TrainingSession:
     control = tmp_path / "control"
     control.mkdir(parents=True, exist_ok=True)
@@ -52,7 +58,7 @@ def _session(
     )
     sampler = ElasticSampler(list(range(64)), global_batch_size=8, shuffle=False)
     return TrainingSession(
-        {"model": model, "optimizer": optimizer},
+        {"model": model, "optimizer": optimizer, **(more or {})},
         sampler=sampler,
         context=WorkerContext(settings=worker),
         snapshot_dir=str(tmp_path / "snapshots"),
@@ -68,7 +74,9 @@ def _parts(seed: int = 0):
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _train(session, model, optimizer, steps: int, *, fail_at: str | None = None) -> None:
+def _train(
+    session, model, optimizer, steps: int, *, fail_at: str | None = None, scheduler=None
+) -> None:
     x = torch.arange(12.0).reshape(4, 3)
     for _ in range(steps):
         model(x).sum().backward()
@@ -76,6 +84,8 @@ def _train(session, model, optimizer, steps: int, *, fail_at: str | None = None)
             raise Boom
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         if fail_at == "counting":  # lost in step_done's all-reduce: stepped, not counted
             raise Boom
         session.step_done()
@@ -194,25 +204,39 @@ def test_phases_order_the_copy_against_the_step():
 
 
 class FakeMark:
-    """A GPU's step mark, scripted: whether the device has finished the last step, and
-    what ran inside ``reading``."""
+    """A GPU's step mark, scripted: whether the device has finished the last step (or the
+    one before it, or begun the last one), and what ran inside ``reading``."""
 
     def __init__(self) -> None:
         self.finished, self.records, self.inside = False, 0, False
         self.finishes_within: float | None = None  # seconds the device still needs
         self.waits: list[float] = []
+        self.begins, self.before_finished = 0, True
+        self.begins_while_read = False  # the device begins the step during a read
+        self.started = False
 
     def record(self) -> None:
         self.records += 1
+
+    def begin(self) -> None:
+        self.begins += 1
+        self.started = False
 
     def done(self, within_s: float = 0.0) -> bool:
         self.waits.append(within_s)
         due = self.finishes_within
         return self.finished or (due is not None and due <= within_s)
 
+    def before_done(self) -> bool:
+        return self.before_finished
+
+    def began(self) -> bool:
+        return self.started
+
     @contextlib.contextmanager
-    def reading(self):
-        self.inside = True
+    def reading(self, *, before: bool = False):
+        self.inside = "before" if before else True
+        self.started = self.started or self.begins_while_read
         yield
         self.inside = False
 
@@ -349,3 +373,133 @@ def test_a_request_before_the_watcher_runs_is_answered(tmp_path, monkeypatch):
     assert not _run_held_back().is_alive()
     assert (tmp_path / protocol.copied_file(0)).read_text() == "copied" and written == [1]
     copy.close()
+
+
+def _adam_parts(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def test_on_a_gpu_a_step_still_queued_is_copied_as_it_began(monkeypatch):
+    """The host took the step (Adam's counters moved on, then the scheduler) while the
+    device still waits to begin it (its gradient all-reduce waits for a lost peer): the
+    device holds the state as the step began, and the copy is of that state, read after
+    the step before it ended, with the host's side as the pre-hook held it."""
+    mark = FakeMark()
+    mark.finished = True
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    model, optimizer, scheduler = _adam_parts()
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    counted = [0]
+
+    def capture(stepped: bool):
+        return counted[0] + stepped, {**state, "session": {"step": counted[0] + stepped}}
+
+    written = []
+
+    def write_held(step, held, per_rank, *, valid):
+        written.append((step, held, mark.inside, valid()))
+        return True
+
+    copy = FailureCopy(
+        capture, lambda *a: pytest.fail("the device is behind"), write_held=write_held
+    )
+    copy.attach([optimizer])
+    x = torch.ones(2, 3)
+
+    def one_step() -> None:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    one_step()
+    counted[0] = 1
+    copy.counted()
+    lr_of_step_2 = optimizer.param_groups[0]["lr"]
+    mark.finished = False  # the device has not finished step 2 (nor begun it)
+    one_step()
+    assert copy.phase is Phase.STEPPED and mark.begins == 2
+    assert copy.copy()
+    ((step, held, inside, valid),) = written
+    assert step == 1 and inside == "before" and valid
+    assert held["model"] is model  # its tensors are the device's: read at the copy
+    assert {s["step"].item() for s in held["optimizer"]["state"].values()} == {1.0}
+    assert held["optimizer"]["param_groups"][0]["lr"] == lr_of_step_2
+    assert optimizer.param_groups[0]["lr"] == lr_of_step_2 / 2  # the host moved on
+    assert held["scheduler"]["last_epoch"] == 1 and held["session"] == {"step": 1}
+    assert copy.copy() and len(written) == 1  # once
+    copy.close()
+
+
+def test_on_a_gpu_a_copy_of_the_step_as_it_began_is_declined_where_it_cannot_be_sure(
+    monkeypatch,
+):
+    """No copy when the device has not finished the step before either, when nothing was
+    held (a tier that cannot check a copy before its commit), or when a step is torn."""
+    mark = FakeMark()
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    written = []
+    copy = FailureCopy(
+        lambda stepped: (5 + stepped, {}),
+        lambda *a: written.append(a[0]) or True,
+        write_held=lambda *a, valid: written.append(a[0]) or True,
+    )
+    _one_step(copy)
+    mark.before_finished = False
+    assert not copy.copy() and written == []
+    copy.close()
+    plain = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
+    _one_step(plain)
+    assert mark.begins == 1  # only the first copy holds
+    assert not plain.copy() and written == [] and plain._held is None
+    plain.close()
+
+
+def test_on_a_cpu_nothing_is_held(tmp_path):
+    model, optimizer, scheduler = _adam_parts()
+    with _session(tmp_path, model, optimizer, more={"scheduler": scheduler}) as session:
+        _train(session, model, optimizer, 2, scheduler=scheduler)
+        assert session._on_failure._write_held is not None and session._on_failure._held is None
+
+
+def _run_behind_the_host(tmp_path: Path, mark: FakeMark) -> None:
+    """Three steps, then a fourth the host takes while the device does not finish it, and
+    the script is lost in step_done's all-reduce (the session's copy after it raised)."""
+    mark.finished = True
+    model, optimizer, scheduler = _adam_parts()
+    more = {"scheduler": scheduler}
+    with pytest.raises(Boom), _session(tmp_path, model, optimizer, more=more) as session:
+        _train(session, model, optimizer, 3, scheduler=scheduler)
+        mark.finished = False
+        _train(session, model, optimizer, 1, fail_at="counting", scheduler=scheduler)
+
+
+def test_a_session_whose_device_is_behind_resumes_from_the_step_as_it_began(tmp_path, monkeypatch):
+    mark = FakeMark()
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    _run_behind_the_host(tmp_path, mark)
+    assert _copies(tmp_path).newest() == 3
+    model, optimizer, scheduler = _adam_parts(seed=1)
+    with _session(tmp_path, model, optimizer, more={"scheduler": scheduler}) as session:
+        assert session.restored_step == 3 and session.sampler.cursor == 8 * 3
+        steps = {s["step"].item() for s in optimizer.state_dict()["state"].values()}
+        assert steps == {3.0}  # not the 4th step's counters the host had moved on to
+        assert scheduler.last_epoch == 3
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_a_copy_the_device_began_the_step_under_is_never_committed(tmp_path, monkeypatch):
+    """The device reached the step's beginning while its state was read: the read may hold
+    some of the step's updates. Nothing is committed; the next group starts elsewhere."""
+    mark = FakeMark()
+    mark.begins_while_read = True
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    _run_behind_the_host(tmp_path, mark)
+    assert _copies(tmp_path).newest() is None
+    model, optimizer, scheduler = _adam_parts(seed=1)
+    with _session(tmp_path, model, optimizer, more={"scheduler": scheduler}) as session:
+        assert session.restored_step is None
