@@ -269,6 +269,8 @@ class TrainingSession:
     def step_done(self, num_samples: int | None = None) -> None:
         """Call after every ``optimizer.step()``. ``num_samples`` (this rank's samples of the
         step) is needed only without a global batch."""
+        if self._on_failure is not None:
+            self._on_failure.steps_ended()
         self._check_micro_batches()
         own_stop = self._own_stop_reason() if self._own_stop_requested() else None
         plain = self.sampler is not None and self.sampler.global_batch_size is None

@@ -10,7 +10,8 @@ is knowing, at every instant, what the state is (``Phase``): the end of the sess
 k (``CLEAN``: the next optimizer step has not begun), the end of step k+1 before the
 session has counted it (``STEPPED``: the optimizer stepped with gradients every rank
 all-reduced, so only the sampler and the counter lag behind, and they are advanced in a copy),
-or torn (``TORN``: inside ``optimizer.step()``), which is never copied. One lock orders the
+or torn (``TORN``: inside ``optimizer.step()``; with several optimizers, until the session's
+``step_done`` says all have stepped), which is never copied. One lock orders the
 copy against the optimizer's step and the session's count, so a copy taken from another
 thread never sees either half done. The RNG states go with the step they belong to: taken
 when the optimizer has stepped (and at the start), since by the time of a failure the next
@@ -118,6 +119,7 @@ class FailureCopy:
         # (``_copy_held``); a tier that cannot check a copy before its commit holds nothing
         self._write_held = write_held
         self._held: Held | None = None
+        self._optimizers = 0  # attached
         _open.add(self)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -126,6 +128,7 @@ class FailureCopy:
         for optimizer in optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._entering))
             self._handles.append(optimizer.register_step_post_hook(self._stepped))
+        self._optimizers += len(optimizers)
 
     def _entering(self, *_: Any) -> None:
         with self.lock:  # waits for a copy being taken from the watcher
@@ -144,6 +147,18 @@ class FailureCopy:
         return Held(step, held_state(state), self._rng)
 
     def _stepped(self, *_: Any) -> None:
+        # One optimizer: its step ends the training step. Several: the state stays torn from
+        # the first one's step until the session's step_done says all have stepped
+        # (``steps_ended``): which of them step, and in what order, is the script's.
+        if self._optimizers == 1:
+            self._step_ended()
+
+    def steps_ended(self) -> None:
+        """The session's ``step_done``, first: every optimizer of the step has stepped."""
+        if self.phase is Phase.TORN:
+            self._step_ended()
+
+    def _step_ended(self) -> None:
         with self.lock:
             self.phase = Phase.STEPPED
             self._rng = FrozenRNGState()

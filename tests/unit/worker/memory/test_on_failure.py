@@ -503,3 +503,64 @@ def test_a_copy_the_device_began_the_step_under_is_never_committed(tmp_path, mon
     model, optimizer, scheduler = _adam_parts(seed=1)
     with _session(tmp_path, model, optimizer, more={"scheduler": scheduler}) as session:
         assert session.restored_step is None
+
+
+def test_with_two_optimizers_the_state_between_their_steps_is_torn():
+    """Regression: the first optimizer's post-hook made the phase STEPPED, so a copy taken
+    before the second one stepped described step k+1 with half the parameters at step k."""
+    written = []
+    copy = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 1), nn.Linear(3, 1)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+    copy.attach(optimizers)
+    (first(torch.ones(1, 3)) + second(torch.ones(1, 3))).sum().backward()
+    optimizers[0].step()
+    assert copy.phase is Phase.TORN and not copy.copy() and written == []
+    optimizers[1].step()
+    assert not copy.copy() and written == []  # the script may step another one yet
+    copy.steps_ended()  # step_done: all have stepped
+    assert copy.phase is Phase.STEPPED and copy.copy() and written == [6]
+    copy.close()
+
+
+def test_a_session_with_two_optimizers_copies_the_step_once_step_done_began(tmp_path, monkeypatch):
+    """Lost in step_done's all-reduce, after both optimizers stepped: the copy is of that
+    step; lost between the two optimizers' steps: no copy (the state is torn)."""
+    from elastic_trainer.worker import distributed
+
+    def parts():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+        return model, [torch.optim.SGD(layer.parameters(), lr=0.1) for layer in model]
+
+    x = torch.arange(12.0).reshape(4, 3)
+
+    def run(folder: Path, *, lost_between: bool) -> None:
+        model, (a, b) = parts()
+        session = _session(folder, model, a, more={"second": b})
+        with pytest.raises(Boom), session:
+            for _ in range(2):
+                model(x).sum().backward()
+                a.step()
+                b.step()
+                a.zero_grad()
+                b.zero_grad()
+                session.step_done()
+            model(x).sum().backward()
+            a.step()
+            if lost_between:
+                raise Boom
+            b.step()
+            monkeypatch.setattr(distributed, "all_reduce_ints", _raise_boom)
+            session.step_done()
+
+    run(tmp_path / "in-step-done", lost_between=False)
+    monkeypatch.undo()
+    assert _copies(tmp_path / "in-step-done").newest() == 3
+    run(tmp_path / "between", lost_between=True)
+    assert _copies(tmp_path / "between").newest() is None
+
+
+def _raise_boom(*_, **__):
+    raise Boom
