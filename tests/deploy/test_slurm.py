@@ -138,6 +138,22 @@ def test_each_node_keeps_its_supervisors_pid_in_a_private_folder(tmp_path: Path)
     assert (folder / "77.0.pid").read_text().strip().isdigit()
 
 
+def test_the_pid_files_of_supervisors_no_longer_running_are_removed(tmp_path: Path) -> None:
+    """A node keeps no file per job and restart for ever: the wrapper removes those whose
+    supervisor has ended, and only those."""
+    folder = tmp_path / f"elastic-train-slurm-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its PID names no process now
+    (folder / "12.0.pid").write_text(f"{ended.pid}\n")
+    (folder / "77.0.pid").write_text(f"{ended.pid}\n")  # this job's, from an earlier run
+    (folder / "13.1.pid").write_text(f"{os.getpid()}\n")  # a supervisor still running
+    done = run_script(tmp_path, "127.0.0.1", SLURM_JOB_NUM_NODES="1", FAKE_SRUN_RUNS="1")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["13.1.pid", "77.0.pid"]
+    assert (folder / "77.0.pid").read_text().strip() != str(ended.pid)
+
+
 def _second_user() -> int:
     try:
         return pwd.getpwnam("nobody").pw_uid
