@@ -17,7 +17,7 @@ CPU the optimizer's step is done when it returns and nothing is held.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -76,25 +76,26 @@ def _frozen(tree: Any) -> Any:
         if not tree.is_cpu:
             return tree
         return Scalar(tree.item(), tree.dtype) if tree.dim() == 0 else tree.clone()
-    if isinstance(tree, dict):
-        return {key: _frozen(value) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_frozen(value) for value in tree]
-    if isinstance(tree, tuple):
-        values = (_frozen(value) for value in tree)
-        return kind(*values) if hasattr(tree, "_fields") else tuple(values)
-    return tree
+    return _each(tree, _frozen)
 
 
 def thawed(tree: Any) -> Any:
     """``frozen``'s ``tree`` with its ``Scalar``s tensors again: when a held copy is written."""
     if isinstance(tree, Scalar):
         return torch.tensor(tree.value, dtype=tree.dtype)
+    if is_stateful(tree):  # read at the copy (held_state left it live), whatever its type
+        return tree
+    return _each(tree, thawed)
+
+
+def _each(tree: Any, change: Callable[[Any], Any]) -> Any:
+    """``tree`` (a dict, list or tuple; anything else as it is) rebuilt from its items
+    ``change``d."""
     if isinstance(tree, dict):
-        return {key: thawed(value) for key, value in tree.items()}
+        return {key: change(value) for key, value in tree.items()}
     if isinstance(tree, list):
-        return [thawed(value) for value in tree]
+        return [change(value) for value in tree]
     if isinstance(tree, tuple):
-        values = (thawed(value) for value in tree)
+        values = (change(value) for value in tree)
         return type(tree)(*values) if hasattr(tree, "_fields") else tuple(values)
     return tree

@@ -86,3 +86,19 @@ def test_a_0d_cpu_tensor_is_held_as_a_number_and_thawed_exactly():
     for got, want in zip(back["values"], expected, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert torch.equal(back["vector"], torch.arange(3.0))
+
+
+class StatefulDict(dict):
+    """A Stateful that is also a dict: its state is what state_dict says, not its items."""
+
+    def state_dict(self) -> dict:
+        return {"kind": "state"}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_stateful_left_live_is_not_taken_apart_when_thawed():
+    stateful = StatefulDict(items="not the state")
+    back = thawed(held_state({"odd": stateful}))
+    assert back["odd"] is stateful
