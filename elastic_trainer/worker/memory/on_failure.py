@@ -186,7 +186,9 @@ class FailureCopy:
         """The state as the last step began, which the device still holds: read after the
         step before it ended, and kept only if the device has not begun the step meanwhile."""
         held, mark, write = self._held, self._mark, self._write_held
-        if held is None or mark is None or write is None or not mark.before_done():
+        if held is None or mark is None or write is None:
+            return False
+        if not mark.before_done() or mark.began():  # no read: it could only be thrown away
             return False
         if self.copied is not None and self.copied >= held.step:
             return True

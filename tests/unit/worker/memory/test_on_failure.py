@@ -438,8 +438,9 @@ def test_on_a_gpu_a_step_still_queued_is_copied_as_it_began(monkeypatch):
 def test_on_a_gpu_a_copy_of_the_step_as_it_began_is_declined_where_it_cannot_be_sure(
     monkeypatch,
 ):
-    """No copy when the device has not finished the step before either, when nothing was
-    held (a tier that cannot check a copy before its commit), or when a step is torn."""
+    """No copy when the device has not finished the step before either or has begun the
+    step already (nothing is read then), and when nothing was held (a tier that cannot check
+    a copy before its commit)."""
     mark = FakeMark()
     monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
     written = []
@@ -451,6 +452,8 @@ def test_on_a_gpu_a_copy_of_the_step_as_it_began_is_declined_where_it_cannot_be_
     _one_step(copy)
     mark.before_finished = False
     assert not copy.copy() and written == []
+    mark.before_finished, mark.started = True, True  # the device has begun the step
+    assert not copy.copy() and written == []  # not even read
     copy.close()
     plain = FailureCopy(lambda stepped: (5 + stepped, {}), lambda *a: written.append(a[0]) or 1)
     _one_step(plain)
