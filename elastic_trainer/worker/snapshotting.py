@@ -28,7 +28,13 @@ from elastic_trainer.private_files import NotOursError, private_dirs
 from elastic_trainer.worker import distributed as D
 from elastic_trainer.worker.context import WorkerContext
 from elastic_trainer.worker.memory.interface import InMemoryTier
-from elastic_trainer.worker.memory.on_failure import Capture, FailureCopy, Write, WriteChecked
+from elastic_trainer.worker.memory.on_failure import (
+    Capture,
+    Failed,
+    FailureCopy,
+    Write,
+    WriteChecked,
+)
 from elastic_trainer.worker.memory.plan import Source
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier
 from elastic_trainer.worker.memory.slots import refused
@@ -237,16 +243,17 @@ def open_failure_copy(
     copies it just in time for it. The same decision on every rank."""
     optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
     write_held: WriteChecked | None = None  # the state as a step began: a GPU behind the host
+    failed: Failed | None = None
     if isinstance(memory, MemoryTier) and memory.every == 0:
         write: Write = memory.dump
-        write_held = memory.dump
+        write_held, failed = memory.dump, memory.failed
     elif isinstance(memory, ShardedMemoryTier) and memory.replicated_shards:
         write = memory.dump  # DCP's optimizer state dict needs the optimizer itself: no hold
     else:
         return None
     if not optimizers:
         return None
-    copy = FailureCopy(capture, write, write_held=write_held)
+    copy = FailureCopy(capture, write, write_held=write_held, failed=failed)
     copy.attach(optimizers)
     copy.watch(context.control_dir, context.local_rank)
     return copy

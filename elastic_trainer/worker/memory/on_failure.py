@@ -59,6 +59,8 @@ class Phase(enum.Enum):
 # session has not counted yet. None: no consistent copy can be described. The per-rank part
 # (the RNG states of that step) is this module's.
 Capture = Callable[[bool], "tuple[int, Mapping[str, Any]] | None"]
+# Report a failure (step, the error, what failed) once per streak: ``slots.FailureStreak``.
+Failed = Callable[[int, Exception, str], None]
 # Write (step, state, per-rank state) into the node's memory; True when the node holds it.
 Write = Callable[[int, Mapping[str, Any], Mapping[str, Any]], bool]
 
@@ -101,7 +103,12 @@ class FailureCopy:
     ``counted`` (under ``lock``) once it has counted a step."""
 
     def __init__(
-        self, capture: Capture, write: Write, *, write_held: WriteChecked | None = None
+        self,
+        capture: Capture,
+        write: Write,
+        *,
+        write_held: WriteChecked | None = None,
+        failed: Failed | None = None,
     ) -> None:
         self.lock = threading.RLock()
         self.phase = Phase.CLEAN
@@ -119,6 +126,7 @@ class FailureCopy:
         # (``_copy_held``); a tier that cannot check a copy before its commit holds nothing
         self._write_held = write_held
         self._held: Held | None = None
+        self._failed = failed
         self._optimizers = 0  # attached
         _open.add(self)
 
@@ -140,11 +148,20 @@ class FailureCopy:
             self.phase = Phase.TORN
 
     def _held_now(self) -> Held | None:
+        """Never raises into the training step: a state dict that cannot be taken at every
+        step (ZeroRedundancyOptimizer's, before it is consolidated) turns holding off, once,
+        with a warning; the copies of finished steps go on."""
         captured = self._capture(False)
         if captured is None:
             return None
         step, state = captured
-        return Held(step, held_state(state), self._rng)
+        try:
+            return Held(step, held_state(state), self._rng)
+        except Exception as exc:
+            self._write_held = None
+            if self._failed is not None:
+                self._failed(step, exc, "holding the state as a step begins (now off): ")
+            return None
 
     def _stepped(self, *_: Any) -> None:
         # One optimizer: its step ends the training step. Several: the state stays torn from

@@ -187,10 +187,14 @@ class MemoryTier:
         except StaleRead:
             return False
         except Exception as exc:  # tmpfs full, folder gone: storage stays the fallback
-            self._failures.failed(step, exc, "just-in-time copy: ")
+            self.failed(step, exc, "just-in-time copy: ")
             return False
         self._committed(step)
         return True
+
+    def failed(self, step: int, exc: Exception, what: str) -> None:
+        """``snapshot.memory_failed`` for this tier (once per streak)."""
+        self._failures.failed(step, exc, what)
 
     def save(self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
         """No collective: every rank writes its per-rank state, then copies its part of the

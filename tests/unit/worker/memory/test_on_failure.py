@@ -567,3 +567,44 @@ def test_a_session_with_two_optimizers_copies_the_step_once_step_done_began(tmp_
 
 def _raise_boom(*_, **__):
     raise Boom
+
+
+class Unconsolidated(torch.optim.SGD):
+    """An optimizer whose state dict cannot be taken at every step, as
+    ZeroRedundancyOptimizer's before ``consolidate_state_dict()``."""
+
+    reads = 0
+
+    def state_dict(self):
+        Unconsolidated.reads += 1
+        raise RuntimeError("optimizer state has not been consolidated")
+
+
+def test_holding_never_breaks_the_training_step(monkeypatch):
+    """On a GPU the pre-hook takes the optimizer's state dict at every step: one that raises
+    turns holding off, reported once, and training goes on."""
+    mark = FakeMark()
+    mark.finished = True
+    monkeypatch.setattr(on_failure, "step_mark_for", lambda optimizers: mark)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = Unconsolidated(model.parameters(), lr=0.1)
+    reported = []
+    copy = FailureCopy(
+        lambda stepped: (1 + stepped, {"optimizer": optimizer}),
+        lambda *a: True,
+        write_held=lambda *a, valid: pytest.fail("nothing is held"),
+        failed=lambda step, exc, what: reported.append((step, str(exc), what)),
+    )
+    copy.attach([optimizer])
+    before = model.weight.detach().clone()
+    for _ in range(3):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()  # does not raise
+        copy.counted()
+    assert not torch.equal(model.weight, before)  # it trained
+    assert Unconsolidated.reads == 1 and len(reported) == 1
+    assert "now off" in reported[0][2] and "consolidated" in reported[0][1]
+    mark.finished = False
+    assert not copy.copy()  # nothing held: declined, as before the hold existed
+    copy.close()
