@@ -93,6 +93,7 @@ class Job:
             return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
                     "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "goodput",
+                    "--log-dir", str(tmp / "torchrun-logs"),  # not a folder left in /tmp
                     *restarts, *job]  # fmt: skip
         return [sys.executable, "-m", "elastic_trainer", "--min-nodes", "1", "--max-nodes", "2",
                 "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{self.port}",

@@ -74,6 +74,7 @@ def launcher_cmd(kind: str, worker: str, port: int, node: str, tmp: Path) -> lis
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
             "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
+            "--log-dir", str(tmp / "torchrun-logs"),  # not a folder left in /tmp each run
             *job,
         ]  # fmt: skip
     return [

@@ -220,6 +220,7 @@ def agent_command(launcher: str, endpoint: str, job_id: str, node: str, tmp: Pat
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id,
             "--rdzv-conf",
             "is_host=false,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+            "--log-dir", str(tmp / "torchrun-logs"),  # not its own folder in /tmp each run
             str(WORKER), out,
         ]  # fmt: skip
     return [
