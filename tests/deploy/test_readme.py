@@ -8,6 +8,7 @@ Not checked here: that torch's agent does not count new nodes waiting against
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -94,8 +95,13 @@ def test_the_worker_resources_the_readme_states_are_the_manifests() -> None:
 def test_torchruns_shutdown_timeout_is_what_the_comparison_says() -> None:
     """torchrun has --shutdown-timeout (default 30 s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
     pytest.importorskip("torch")
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.run import get_args_parser
+
+    def launch_config() -> LaunchConfig:  # its default logs make a folder in /tmp: none here
+        logs = DefaultLogsSpecs(log_dir=os.devnull)
+        return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, logs_specs=logs)
 
     row = next(line for line in README.splitlines() if line.startswith("| preemption (SIGTERM)"))
     assert "`--shutdown-timeout` (default 30 s, or `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)" in row
@@ -103,9 +109,9 @@ def test_torchruns_shutdown_timeout_is_what_the_comparison_says() -> None:
     assert args.shutdown_timeout == 7
     with pytest.MonkeyPatch.context() as env:
         env.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
-        assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 30
+        assert launch_config().shutdown_timeout == 30
         env.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
-        assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout == 45
+        assert launch_config().shutdown_timeout == 45
 
 
 def test_the_comparison_no_longer_says_torchrun_counts_membership_changes() -> None:
