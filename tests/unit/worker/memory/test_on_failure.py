@@ -21,6 +21,7 @@ from torch import nn
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.supervisor.core import decisions
+from elastic_trainer.worker import distributed
 from elastic_trainer.worker.audit import read_audit_log
 from elastic_trainer.worker.context import WorkerContext, WorkerSettings
 from elastic_trainer.worker.memory import on_failure
@@ -530,7 +531,6 @@ def test_with_two_optimizers_the_state_between_their_steps_is_torn():
 def test_a_session_with_two_optimizers_copies_the_step_once_step_done_began(tmp_path, monkeypatch):
     """Lost in step_done's all-reduce, after both optimizers stepped: the copy is of that
     step; lost between the two optimizers' steps: no copy (the state is torn)."""
-    from elastic_trainer.worker import distributed
 
     def parts():
         torch.manual_seed(0)
