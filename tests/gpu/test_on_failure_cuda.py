@@ -13,17 +13,18 @@ import torch
 from torch import nn
 
 from elastic_trainer.worker.memory.on_failure import FailureCopy
+from elastic_trainer.worker.memory.slots import StaleRead
 from elastic_trainer.worker.memory.tier import NodeCopies
 
 STUCK_PRODUCTS = 4000  # 8192^3 bf16 products: ~1.4 ms each on an H100/H200, seconds in all
 
 
-def stuck_stream() -> torch.cuda.Event:
+def stuck_stream(products: int = STUCK_PRODUCTS) -> torch.cuda.Event:
     """Queue seconds of work on the training stream (what a collective waiting for a dead
     peer is to the stream); the event completes only once that work has run."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(a)
-    for _ in range(STUCK_PRODUCTS):
+    for _ in range(products):
         torch.mm(a, a, out=out)
     stuck = torch.cuda.Event()
     stuck.record()
@@ -185,6 +186,48 @@ def test_a_step_still_queued_is_copied_as_it_began(tmp_path: Path):
         assert {s["step"].item() for s in moments.values()} == {3.0}
         assert all(torch.equal(moments[i]["exp_avg"], m) for i, m in enumerate(expected_moments))
         assert back["state"]["optimizer"]["param_groups"][0]["lr"] == 0.01 * 0.5**3
+    finally:
+        copy.close()
+        torch.cuda.synchronize()
+
+
+def test_a_held_copy_the_device_began_the_step_under_is_never_committed(tmp_path: Path):
+    """The device leaves the stuck work and begins step 4 while step 3's state is read: the
+    read may hold step 4's updates, so nothing is committed (the step's begin event, recorded
+    at the optimizer's pre-hook, says so on the real device)."""
+    model, optimizer, x = parts()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    copies = NodeCopies(str(tmp_path))
+    counted = [0]
+    checks: list[bool] = []
+
+    def capture(stepped: bool):
+        return counted[0] + stepped, {"model": model, "optimizer": optimizer}
+
+    def write_held(step: int, state, _per_rank, *, valid) -> bool:
+        states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
+        checks.append(valid())  # the device has not begun step 4 yet
+        torch.cuda.synchronize()  # it does now, while the copy is still being read
+        checks.append(valid())
+        try:
+            copies.write(step, {"step": step, "state": states}, valid=valid)
+        except StaleRead:
+            return False
+        return True
+
+    copy = FailureCopy(capture, lambda *a: False, write_held=write_held)
+    copy.attach([optimizer])
+    for _ in range(3):
+        train_step(model, optimizer, x)
+    counted[0] = 3
+    copy.counted()
+    torch.cuda.synchronize()
+    stuck_stream(products=400)
+    train_step(model, optimizer, x)  # step 4: queued behind the stuck kernel
+    try:
+        assert not copy.copy()
+        assert checks == [True, False]
+        assert copies.newest() is None
     finally:
         copy.close()
         torch.cuda.synchronize()
