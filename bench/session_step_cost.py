@@ -19,6 +19,7 @@ counts: a per-step host-side cost that forced a device synchronisation would sta
 queue of kernels, which the per-call timings above cannot see.
 
     python bench/session_step_cost.py [--steps 30] [--batch 32] [--blocks 5]
+    python bench/session_step_cost.py --steps 10 --blocks 200   # a 90% interval within 1%
     python bench/session_step_cost.py --device cuda --batch 128 --image 224
     python bench/session_step_cost.py --hold
 """
@@ -26,7 +27,9 @@ queue of kernels, which the per-call timings above cannot see.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -114,6 +117,22 @@ def main() -> None:
     print(f"ratio defaults / off          {on / off:10.3f}x")
     pairs = sorted(a / b for a, b in zip(with_session, without, strict=True))
     print(f"  block by block              {pairs[0]:10.3f}x .. {pairs[-1]:.3f}x")
+    mean, low, high = paired_interval(with_session, without)
+    print(f"  paired, geometric mean      {mean:10.3f}x, 90% interval {low:.3f}x .. {high:.3f}x")
+
+
+def paired_interval(
+    runs: list[float], base: list[float], resamples: int = 4000
+) -> tuple[float, float, float]:
+    """The geometric mean of the block-by-block ratios ``runs[i] / base[i]`` and a 90 %
+    bootstrap interval of it (its upper end bounds the ratio with 95 % confidence). Each
+    pair ran back to back, so a slow spell of the shared machine slows both and cancels in
+    the ratio, which the ratio of the two medians does not do."""
+    logs = [math.log(a / b) for a, b in zip(runs, base, strict=True)]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    low, high = means[resamples // 20], means[-resamples // 20 - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)
 
 
 def whole_loops(
