@@ -80,9 +80,11 @@ def _count(value: Any) -> bool:
 
 def stale_file(name: str, keep: Copy | None) -> bool:
     """Whether the file ``name`` of a node's folder goes when only ``keep`` is kept: the other
-    slot, its part markers, leftover temporary markers, parts beyond ``keep``'s."""
+    slot's part markers, leftover temporary markers, parts beyond ``keep``'s. The slot files
+    stay: without its markers a slot is no copy, and the next copy writes into the pages it
+    already has (a fresh file's pages cost ~2x the copy itself: bench/memory_copy_cost.py)."""
     if name in SLOTS:
-        return keep is None or name != keep.slot
+        return False
     marker, temporary, _ = name.partition(".json.")  # a marker's temporary file
     parsed = parse_part_marker(marker + ".json" if temporary else name)
     if parsed is None:

@@ -241,8 +241,9 @@ class NodeCopies:
             mapped.close()
 
     def keep_only(self, step: int | None) -> None:
-        """Forget every copy but ``step``'s (None: all), and free the other slot. Only while no
-        rank of the node writes (after a restore, before training goes on)."""
+        """Forget every copy but ``step``'s (None: all); the slot files stay for the next copy
+        (``plan.stale_file``). Only while no rank of the node writes (after a restore, before
+        training goes on)."""
         keep = self.newest_copy()
         if keep is not None and keep.step != step:
             keep = None

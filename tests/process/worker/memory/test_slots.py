@@ -106,11 +106,28 @@ def test_a_slot_removed_while_mapped_is_made_again(tmp_path):
     copies.write(1, {"step": 1, "w": torch.ones(10)})
     copies.write(2, {"step": 2, "w": torch.ones(10)})
     copies.keep_only(None)  # a restore from storage forgets every copy
-    assert os.listdir(tmp_path) == []
-    with open("/proc/self/maps") as f:  # no mapping keeps a removed slot's pages
+    assert sorted(os.listdir(tmp_path)) == sorted(SLOTS) and copies.newest() is None
+    with open("/proc/self/maps") as f:  # the folder can go: no mapping keeps its pages
         assert str(tmp_path) not in f.read()
+    for slot in SLOTS:
+        os.unlink(tmp_path / slot)
     copies.write(3, {"step": 3, "w": torch.full((10,), 3.0)})
     assert torch.equal(copies.read(3)["w"], torch.full((10,), 3.0))
+
+
+def test_the_copy_after_a_restore_writes_into_the_pages_the_node_has(tmp_path):
+    """A restore forgets the other copies but keeps their slot files: the next copy (the
+    just-in-time one at the next failure) writes into pages already there, not a new file."""
+    copies = NodeCopies(str(tmp_path))
+    for step in (3, 4):
+        copies.write(step, {"step": step, "w": torch.full((300_000,), float(step))})
+    copies.keep_only(4)  # the group resumed from step 4 (slot 1)
+    before = os.stat(tmp_path / SLOTS[0])
+    after_restore = NodeCopies(str(tmp_path))  # a new worker process
+    after_restore.write(5, {"step": 5, "w": torch.full((300_000,), 5.0)})
+    now = os.stat(tmp_path / SLOTS[0])
+    assert (now.st_ino, now.st_blocks) == (before.st_ino, before.st_blocks)
+    assert torch.equal(after_restore.read(5)["w"], torch.full((300_000,), 5.0))
 
 
 def test_a_slot_keeps_its_mapping_while_the_copy_changes_size_a_little():
@@ -278,12 +295,13 @@ def test_a_part_torn_or_missing_leaves_the_previous_whole_copy(tmp_path):
 def test_forgetting_copies_removes_other_parts_and_leftovers(tmp_path):
     keep = Copy(step=4, slot=SLOTS[1], size=10, parts=({},))
     names = {
-        SLOTS[0]: True, SLOTS[1]: False, part_marker(SLOTS[1], 0): False,
+        SLOTS[0]: False, SLOTS[1]: False, part_marker(SLOTS[1], 0): False,
         part_marker(SLOTS[1], 1): True, part_marker(SLOTS[0], 0): True,
         f"{part_marker(SLOTS[1], 0)}.abc.tmp": True, "ranks": False,
     }  # fmt: skip
     assert {name: stale_file(name, keep) for name in names} == names
-    assert stale_file(SLOTS[1], None) and not stale_file("ranks", None)
+    assert not stale_file(SLOTS[1], None) and not stale_file("ranks", None)
+    assert stale_file(part_marker(SLOTS[1], 0), None)
 
 
 def _bn_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
