@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import threading
 import uuid
@@ -131,7 +132,7 @@ class RankSlots:
         byte_layout.verify(data, copy.digest, f"{os.path.basename(self.directory)}/{copy.slot}")
         return byte_layout.read(data)
 
-    def raw(self, step: int) -> tuple[plan_.RankCopy, bytearray]:
+    def raw(self, step: int) -> tuple[plan_.RankCopy, bytearray | mmap.mmap]:
         """The committed copy of ``step`` and its bytes, not checked (``read`` checks)."""
         found = [c for c in self.copies() if c.step == step]
         if not found:
@@ -140,7 +141,7 @@ class RankSlots:
         path = self._path(copy.slot)
         if os.path.getsize(path) < copy.nbytes:  # a slot is rounded up to its mapping's
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {copy.nbytes}")
-        data = bytearray(copy.nbytes)
+        data = byte_layout.read_buffer(copy.nbytes)
         with open_file(path, "rb") as f:
             if f.readinto(data) != copy.nbytes:
                 raise ValueError(f"{copy.slot} changed while it was read")

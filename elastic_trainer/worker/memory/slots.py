@@ -170,7 +170,7 @@ class NodeCopies:
         path, size = self._path(copy.slot), copy.size
         if os.path.getsize(path) < size:  # a slot is rounded up to its mapping's size
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {size}")
-        data = bytearray(size)
+        data = byte_layout.read_buffer(size)
         with open_file(path, "rb") as f:
             if f.readinto(data) != size:
                 raise ValueError(f"{copy.slot} changed while it was read")

@@ -373,3 +373,28 @@ def test_a_closed_tier_is_not_kept_alive_by_its_optimizer(tmp_path, one_rank):
     gc.collect()
     assert gone() is None  # its pre-hook was removed, with the slot mappings it held
     optimizer.step()  # and the optimizer steps on without it
+
+
+def test_a_read_copy_owns_its_memory_and_outlives_its_buffer(tmp_path):
+    """The tensors read back live in anonymous memory of their own (``read_buffer``): the
+    next copy written into the same slot file leaves them as they were, and they stay valid
+    once nothing but them refers to that memory."""
+    copies = NodeCopies(str(tmp_path))
+    copies.write(1, {"step": 1, "w": torch.full((300_000,), 1.0)})
+    copies.keep_only(1)
+    back = copies.read(1)["w"]
+    copies.write(2, {"step": 2, "w": torch.full((300_000,), 2.0)})
+    copies.write(3, {"step": 3, "w": torch.full((300_000,), 3.0)})  # slot 0 again: step 1's
+    gc.collect()
+    assert torch.equal(back, torch.full((300_000,), 1.0))
+    back += 1  # writable, like any restored tensor
+    assert torch.equal(copies.read(3)["w"], torch.full((300_000,), 3.0))
+
+
+def test_the_read_buffer_is_zeroed_writable_memory_of_the_size_asked():
+    for size in (0, 1, 4097, 3 << 20):
+        buffer = byte_layout.read_buffer(size)
+        assert len(buffer) == size
+        view = memoryview(buffer)
+        assert not view.readonly and not any(view[:64]) and not any(view[-64:])
+        view.release()
