@@ -4,10 +4,10 @@ A survivor writes its state into its node's memory once, when the group ends (a 
 and the new group reads it back (``worker.memory.slots.NodeCopies``: the mapped slots in
 ``/dev/shm``, checksummed). The write is part of the downtime of every node loss; with
 CUDA tensors it includes the copy from the device. For each size (tensors of 16 MB,
-float32), ``--repeats`` times: the copies of a node's first, second and third failure (a
-restore between them), and the read the new group makes; medians, with the throughput in
-GB/s of state. The first two copies go into new slot files (their pages allocated then);
-the third into a file the node has, since a restore keeps the slot files.
+float32), ``--repeats`` times: a copy into a new slot file (its pages allocated by the
+copy), a copy into a slot whose pages were reserved beforehand (the session reserves them at
+an attempt's first step, and a restore keeps the slot files), and the read the new group
+makes; medians, with the throughput in GB/s of state.
 
     python bench/memory_copy_cost.py [--mb 64,256,1024] [--repeats 3]
     python bench/memory_copy_cost.py --device cuda --mb 256,1024,4096
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from elastic_trainer.worker.memory import byte_layout
 from elastic_trainer.worker.memory.slots import NodeCopies
 
 TENSOR_MB = 16
@@ -54,25 +55,31 @@ def timed(device: str, run: Callable[[], object]) -> float:
 
 
 def one_round(device: str, where: str, state: dict[str, torch.Tensor]) -> list[float]:
-    """Seconds of the copies of three failures in a row, each followed by the restore's
-    ``keep_only`` (which forgets the other copies), then of the last restore's read. Each
-    copy maps its slot afresh, as a just-in-time copy does (``MemoryTier.dump``, in a
-    process started since the last re-form); the slots alternate."""
+    """Seconds of a copy into a new slot file, of one into a slot reserved beforehand (what
+    the session does at an attempt's first step: ``MemoryTier.reserve``), and of the read.
+    Each copy maps its slot afresh, as a just-in-time copy does (``MemoryTier.dump``, in a
+    process started since the last re-form)."""
     folder = tempfile.mkdtemp(prefix="memory-copy-cost-", dir=where)
     try:
-        node = os.path.join(folder, "node")
-        seconds = []
-        for step in (1, 2, 3):
-            copies = NodeCopies(node)
-            seconds.append(timed(device, functools.partial(copies.write, step, {"state": state})))
-            copies.unmap()
-            copies.keep_only(step)
-        copies = NodeCopies(node)
-        seconds.append(timed(device, functools.partial(copies.read, 3)))
-        copies.unmap()
+        fresh, reserved = (
+            NodeCopies(os.path.join(folder, "a")),
+            NodeCopies(os.path.join(folder, "b")),
+        )
+        payload = {"step": 1, "state": state}
+        reserved.reserve(byte_layout.plan(payload).size)
+        seconds = [copy_once(device, copies, payload) for copies in (fresh, reserved)]
+        seconds.append(timed(device, functools.partial(reserved.read, 1)))
+        reserved.unmap()
         return seconds
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def copy_once(device: str, copies: NodeCopies, payload: dict[str, object]) -> float:
+    try:
+        return timed(device, functools.partial(copies.write, 1, payload))
+    finally:
+        copies.unmap()
 
 
 def main() -> None:
@@ -86,15 +93,16 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, folder under {args.dir}")
     print(
         f"{'state MB':>9}"
-        + "".join(f" {f'copy {n} s':>9} {'GB/s':>5}" for n in (1, 2, 3))
+        + "".join(f" {name:>13} {'GB/s':>5}" for name in ("new file s", "reserved s"))
         + f" {'read s':>7} {'GB/s':>5}"
     )
     for mb in (int(m) for m in args.mb.split(",")):
         state = state_of(mb, args.device)
         size_gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
         rounds = [one_round(args.device, args.dir, state) for _ in range(args.repeats)]
-        medians = [statistics.median(r[i] for r in rounds) for i in range(4)]
-        columns = "".join(f" {t:>9.3f} {size_gb / t:>5.2f}" for t in medians)
+        medians = [statistics.median(r[i] for r in rounds) for i in range(3)]
+        columns = "".join(f" {t:>13.3f} {size_gb / t:>5.2f}" for t in medians[:2])
+        columns += f" {medians[2]:>7.3f} {size_gb / medians[2]:>5.2f}"
         print(f"{size_gb * 1e3:>9.0f}{columns}")
 
 

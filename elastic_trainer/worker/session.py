@@ -27,6 +27,7 @@ from elastic_trainer.worker.handoff import await_handoff, say_aware, say_handed_
 from elastic_trainer.worker.interval import Interval
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier as ShardedTier
 from elastic_trainer.worker.memory.step_mark import SETTLE_S
+from elastic_trainer.worker.memory.tier import MemoryTier
 from elastic_trainer.worker.progress import (
     RESTART_STOPS,
     STOP_MAX_STEPS,
@@ -129,6 +130,8 @@ class TrainingSession:
         self._on_failure = open_failure_copy(
             self._memory, self.state, self._consistent_state, self.context
         )
+        # the node's memory for that copy, at the first counted step (``MemoryTier.reserve``)
+        self._reserve_memory = self._on_failure is not None and isinstance(self._memory, MemoryTier)
         self._started(url)
 
     # --- start ----------------------------------------------------------------------------
@@ -291,6 +294,9 @@ class TrainingSession:
             began = time.perf_counter()
             self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
             self._memory_cost_s = time.perf_counter() - began
+        if self._reserve_memory and isinstance(self._memory, MemoryTier):
+            self._reserve_memory = False
+            self._memory.reserve(self.step, self._snapshot_state())
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
         if votes:
             preempted = votes >= STOP_VOTE_PREEMPTED  # some node goes away: storage

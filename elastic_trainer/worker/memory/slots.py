@@ -235,6 +235,20 @@ class NodeCopies:
         finish()
         return None
 
+    def reserve(self, size: int) -> None:
+        """Give the slot the next copy goes into the pages of a ``size``-byte copy now, so
+        that the copy (a just-in-time one, in a failure's downtime) does not allocate them;
+        nothing where the slot file has them. OSError (ENOSPC) where tmpfs cannot hold it."""
+        private_dirs(self.directory)
+        nbytes = capacity(size)
+        fd = open_private(self._path(next_slot(self.newest_copy())), os.O_RDWR | os.O_CREAT)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+
     def unmap(self) -> None:
         """Let go of the slot mappings (the next copy maps its slot again)."""
         for mapped in self.slots.values():

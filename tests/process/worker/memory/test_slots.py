@@ -398,3 +398,38 @@ def test_the_read_buffer_is_zeroed_writable_memory_of_the_size_asked():
         view = memoryview(buffer)
         assert not view.readonly and not any(view[:64]) and not any(view[-64:])
         view.release()
+
+
+def test_reserving_gives_the_next_copy_s_slot_its_pages_ahead(tmp_path):
+    copies = NodeCopies(str(tmp_path))
+    copies.write(1, {"step": 1, "w": torch.ones(10)})  # slot 0 holds the newest copy
+    payload = {"step": 2, "w": torch.full((300_000,), 2.0)}
+    size = byte_layout.plan(payload).size
+    copies.reserve(size)
+    reserved = os.stat(tmp_path / SLOTS[1])
+    assert reserved.st_blocks * 512 >= size and copies.newest() == 1  # pages, not a copy
+    copies.reserve(size)  # it has them: the same file
+    assert os.stat(tmp_path / SLOTS[1]).st_ino == reserved.st_ino
+    NodeCopies(str(tmp_path)).write(2, payload)  # a new process's copy, at a failure
+    written = os.stat(tmp_path / SLOTS[1])
+    assert (written.st_ino, written.st_blocks) == (reserved.st_ino, reserved.st_blocks)
+    assert torch.equal(copies.read(2)["w"], payload["w"])
+
+
+def test_a_reservation_tmpfs_cannot_hold_is_reported_once_and_training_goes_on(
+    tmp_path, one_rank, monkeypatch
+):
+    model, optimizer = _trained(1)
+    tier = MemoryTier(str(tmp_path / "tier"), every=0)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with capture_logs() as logs:
+        tier.reserve(1, {"model": model, "optimizer": optimizer})
+        tier.flush()
+    failed = [e for e in logs if e["event"] == "snapshot.memory_failed"]
+    assert len(failed) == 1 and failed[0]["error"].startswith("reserving")
+    assert "No space left" in failed[0]["error"]
+    tier.close()

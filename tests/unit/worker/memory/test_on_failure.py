@@ -26,6 +26,7 @@ from elastic_trainer.worker.audit import read_audit_log
 from elastic_trainer.worker.context import WorkerContext, WorkerSettings
 from elastic_trainer.worker.memory import on_failure
 from elastic_trainer.worker.memory.on_failure import FailureCopy, Phase
+from elastic_trainer.worker.memory.plan import SLOTS
 from elastic_trainer.worker.memory.tier import NodeCopies
 from elastic_trainer.worker.sampler import ElasticSampler
 from elastic_trainer.worker.session import TrainingSession
@@ -122,6 +123,22 @@ def test_a_failure_copies_the_consistent_state_once_and_the_next_session_resumes
         torch.testing.assert_close(model.state_dict(), at_failure, rtol=0, atol=0)
         assert optimizer.state_dict()["state"]  # the momentum came back too
         _train(session, model, optimizer, 1)
+
+
+def test_the_node_s_memory_for_the_copy_is_reserved_once_training_goes_on(tmp_path):
+    """At the first counted step the slot the failure's copy goes into gets its pages: the
+    copy at the failure then writes into that file without allocating any."""
+    model, optimizer = _parts()
+    slot = tmp_path / "memory" / SLOTS[0]
+    with pytest.raises(Boom), _session(tmp_path, model, optimizer) as session:
+        _train(session, model, optimizer, 2)
+        session._memory.flush()  # the reservation runs on the tier's thread
+        reserved = os.stat(slot)
+        assert reserved.st_blocks > 0 and _copies(tmp_path).newest() is None
+        _train(session, model, optimizer, 1, fail_at="backward")
+    copied = os.stat(slot)
+    assert _copies(tmp_path).newest() == 2
+    assert (copied.st_ino, copied.st_blocks) == (reserved.st_ino, reserved.st_blocks)
 
 
 def test_the_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
