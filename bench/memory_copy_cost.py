@@ -4,10 +4,10 @@ A survivor writes its state into its node's memory once, when the group ends (a 
 and the new group reads it back (``worker.memory.slots.NodeCopies``: the mapped slots in
 ``/dev/shm``, checksummed). The write is part of the downtime of every node loss; with
 CUDA tensors it includes the copy from the device. For each size (tensors of 16 MB,
-float32), ``--repeats`` times: a copy into a new slot file (its pages allocated by the
-copy), a copy into a slot whose pages were reserved beforehand (the session reserves them at
-an attempt's first step, and a restore keeps the slot files), and the read the new group
-makes; medians, with the throughput in GB/s of state.
+float32), ``--repeats`` times: a copy into a new slot file (its pages allocated and mapped
+by the copy), a copy into a slot reserved and mapped beforehand by the same process (what
+each rank does at an attempt's first counted step: ``MemoryTier.reserve``), and the read
+the new group makes; medians, with the throughput in GB/s of state.
 
     python bench/memory_copy_cost.py [--mb 64,256,1024] [--repeats 3]
     python bench/memory_copy_cost.py --device cuda --mb 256,1024,4096

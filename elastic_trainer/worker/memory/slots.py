@@ -108,10 +108,14 @@ class MappedFile:
         return self._tensor
 
     def _same_file(self) -> bool:
+        """Still the file mapped, and still as long (another process may have sized it
+        anew: a mapping past its end would fault)."""
         try:
-            return os.lstat(self.path).st_ino == self._ino
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return False
+        mapped = 0 if self._tensor is None else len(self._tensor)
+        return st.st_ino == self._ino and st.st_size >= mapped
 
     def _map(self, nbytes: int) -> torch.Tensor:
         self.close()
@@ -236,18 +240,11 @@ class NodeCopies:
         return None
 
     def reserve(self, size: int) -> None:
-        """Give the slot the next copy goes into the pages of a ``size``-byte copy now, so
-        that the copy (a just-in-time one, in a failure's downtime) does not allocate them;
-        nothing where the slot file has them. OSError (ENOSPC) where tmpfs cannot hold it."""
+        """Map the slot the next copy goes into, with the pages of a ``size``-byte copy, now:
+        that copy (a just-in-time one, in a failure's downtime) then neither allocates nor
+        maps them. OSError (ENOSPC) where tmpfs cannot hold it."""
         private_dirs(self.directory)
-        nbytes = capacity(size)
-        fd = open_private(self._path(next_slot(self.newest_copy())), os.O_RDWR | os.O_CREAT)
-        try:
-            if os.fstat(fd).st_size < nbytes:
-                os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
+        self.slots[next_slot(self.newest_copy())].tensor(size)
 
     def unmap(self) -> None:
         """Let go of the slot mappings (the next copy maps its slot again)."""

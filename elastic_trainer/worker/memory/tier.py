@@ -140,6 +140,8 @@ class MemoryTier:
         self._streams = RankStreams(directory, self.rank)
         part, parts = shares(self._all_gather(os.path.realpath(directory)))[self.rank]
         self.copies = NodeCopies(directory, part=part, parts=parts)
+        # the just-in-time copy: one rank writes it all (``dump``), into a slot mapped ahead
+        self._whole = NodeCopies(directory)
         self.is_writer = part == 0  # it tidies the node's folder after a restore
         self._walker = _TreeOnly()
         self._failures = FailureStreak(directory)
@@ -172,18 +174,9 @@ class MemoryTier:
             self.flush()
             self._streams.write(step, _plain(per_rank), None)
             with node_lock(self.copies.directory):
-                whole = NodeCopies(self.copies.directory)  # one part: this rank writes it all
-                try:
-                    newest = whole.newest()
-                    if newest is None or newest < step:
-                        payload = {
-                            "step": step,
-                            "world_size": self.world_size,
-                            "state": self._walker.capture(state),
-                        }
-                        whole.write(step, payload, valid=valid)
-                finally:
-                    whole.unmap()
+                newest = self._whole.newest()
+                if newest is None or newest < step:
+                    self._whole.write(step, self._payload(step, state), valid=valid)
         except StaleRead:
             return False
         except Exception as exc:  # tmpfs full, folder gone: storage stays the fallback
@@ -194,28 +187,26 @@ class MemoryTier:
 
     def reserve(self, step: int, state: Mapping[str, Any]) -> None:
         """For the just-in-time copy, once training goes on (the optimizer's state exists):
-        the node's first rank sizes the slot that copy goes into, on the tier's thread
-        (``NodeCopies.reserve``), so that at a failure it writes into pages the node has
-        (0.2 s instead of 0.65 s per GB here: ``bench/memory_copy_cost.py``), and a tmpfs
-        too small for it says so now (``snapshot.memory_failed``), not at a failure. A copy
-        that starts meanwhile waits for it (``flush``)."""
-        if not self.is_writer:
-            return
-        payload = {
-            "step": step,
-            "world_size": self.world_size,
-            "state": self._walker.capture(state),
-        }
-        size = byte_layout.plan(payload).size
+        on the tier's thread, the slot that copy goes into gets its pages (the node's first
+        rank to get here allocates them) and this rank maps it (``NodeCopies.reserve``), so
+        that at a failure whichever rank writes the copy writes straight into it (0.1 s
+        instead of 0.7 s per GB here: ``bench/memory_copy_cost.py``), and a tmpfs too small
+        for it says so now (``snapshot.memory_failed``), not at a failure. A copy that
+        starts meanwhile waits for it (``flush``)."""
+        size = byte_layout.plan(self._payload(step, state)).size
         self.flush()
         self._in_flight = self._pool.submit(self._reserve, step, size)
 
     def _reserve(self, step: int, size: int) -> None:
         try:
             with node_lock(self.copies.directory):
-                NodeCopies(self.copies.directory).reserve(size)
+                self._whole.reserve(size)
         except Exception as exc:  # training goes on; the copy at a failure tries again
             self.failed(step, exc, "reserving the just-in-time copy's memory: ")
+
+    def _payload(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        """What a copy holds: the state's state_dicts (tensors referenced, not copied)."""
+        return {"step": step, "world_size": self.world_size, "state": self._walker.capture(state)}
 
     def failed(self, step: int, exc: Exception, what: str) -> None:
         """``snapshot.memory_failed`` for this tier (once per streak)."""
@@ -234,11 +225,7 @@ class MemoryTier:
         measures what a copy every step costs (docs/benchmarks.md, "In-memory tier")."""
         self.flush()  # the previous copy's slot is committed (or failed) before this one
         self._streams.write(step, _plain(per_rank), self.copies.newest())
-        payload = {
-            "step": step,
-            "world_size": self.world_size,
-            "state": self._walker.capture(state),  # state_dicts; tensors not copied
-        }
+        payload = self._payload(step, state)
         optimizer = _overlappable(state)
         try:
             rest = self.copies.write(step, payload, _replicated(state), defer=optimizer is not None)
@@ -278,6 +265,7 @@ class MemoryTier:
         """The session's end: nothing runs between ranks here (``flush`` is all)."""
         self.flush()
         self._pool.shutdown(wait=True)
+        self._whole.unmap()
         for handle in self._hooks.values():  # else the optimizer keeps this tier (and its
             handle.remove()  # slot mappings) alive for as long as it lives
         self._hooks.clear()

@@ -410,10 +410,28 @@ def test_reserving_gives_the_next_copy_s_slot_its_pages_ahead(tmp_path):
     assert reserved.st_blocks * 512 >= size and copies.newest() == 1  # pages, not a copy
     copies.reserve(size)  # it has them: the same file
     assert os.stat(tmp_path / SLOTS[1]).st_ino == reserved.st_ino
-    NodeCopies(str(tmp_path)).write(2, payload)  # a new process's copy, at a failure
+    NodeCopies(str(tmp_path)).write(2, payload)  # another rank's copy, at a failure
     written = os.stat(tmp_path / SLOTS[1])
     assert (written.st_ino, written.st_blocks) == (reserved.st_ino, reserved.st_blocks)
     assert torch.equal(copies.read(2)["w"], payload["w"])
+    copies.write(3, {"step": 3, "w": torch.full((300_000,), 3.0)})  # slot 0: mapped on write
+    copies.keep_only(2)
+    copies.reserve(size)  # this rank's own mapping of slot 0, then its copy through it
+    maps = copies.slots[SLOTS[0]].maps
+    copies.write(4, {"step": 4, "w": torch.full((300_000,), 4.0)})
+    assert copies.slots[SLOTS[0]].maps == maps and copies.read(4)["w"][0] == 4.0
+
+
+def test_a_mapping_of_a_slot_another_process_made_shorter_is_made_again(tmp_path):
+    """A rank's kept mapping (``reserve``) past the end of a slot another rank sized anew
+    would fault (SIGBUS) when written: it is mapped again instead."""
+    mapped = slots.MappedFile(str(tmp_path / SLOTS[0]))
+    mapped.tensor(2 * slots.GRAIN_BYTES)
+    os.truncate(tmp_path / SLOTS[0], slots.GRAIN_BYTES)  # another process's _map, smaller
+    again = mapped.tensor(slots.GRAIN_BYTES)
+    assert mapped.maps == 2 and len(again) == slots.GRAIN_BYTES
+    again[-1] = 1  # within the file: no fault
+    mapped.close()
 
 
 def test_a_reservation_tmpfs_cannot_hold_is_reported_once_and_training_goes_on(

@@ -126,8 +126,8 @@ def test_a_failure_copies_the_consistent_state_once_and_the_next_session_resumes
 
 
 def test_the_node_s_memory_for_the_copy_is_reserved_once_training_goes_on(tmp_path):
-    """At the first counted step the slot the failure's copy goes into gets its pages: the
-    copy at the failure then writes into that file without allocating any."""
+    """At the first counted step the slot the failure's copy goes into gets its pages and is
+    mapped: the copy at the failure then writes through that mapping, allocating nothing."""
     model, optimizer = _parts()
     slot = tmp_path / "memory" / SLOTS[0]
     with pytest.raises(Boom), _session(tmp_path, model, optimizer) as session:
@@ -139,6 +139,7 @@ def test_the_node_s_memory_for_the_copy_is_reserved_once_training_goes_on(tmp_pa
     copied = os.stat(slot)
     assert _copies(tmp_path).newest() == 2
     assert (copied.st_ino, copied.st_blocks) == (reserved.st_ino, reserved.st_blocks)
+    assert session._memory._whole.slots[SLOTS[0]].maps == 1  # written through that mapping
 
 
 def test_the_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
