@@ -254,14 +254,15 @@ def stage(payloads: Mapping[int, Mapping[str, Any]]) -> StagedShard:
                 found.append((_piece(fqn, described[fqn], tensor), tensor))
             elif old == 0:
                 found.append((_piece(fqn, None, tensor), tensor))
-    data = bytearray(sum(p.nbytes for p, _ in found))
+    data = memoryview(bytearray(sum(p.nbytes for p, _ in found)))
     pieces, offset = [], 0
-    for piece, tensor in found:
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        data[offset : offset + piece.nbytes] = flat.tobytes()
+    for piece, tensor in found:  # one copy of each tensor's bytes, straight into the file's
+        data[offset : offset + piece.nbytes] = (
+            tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        )
         pieces.append(dataclasses.replace(piece, byte_offset=offset))
         offset += piece.nbytes
-    return StagedShard(pieces=pieces, data=memoryview(data))
+    return StagedShard(pieces=pieces, data=data)
 
 
 def _piece(fqn: str, described: Mapping[str, Any] | None, tensor: torch.Tensor) -> Piece:
