@@ -130,8 +130,9 @@ class TrainingSession:
         self._on_failure = open_failure_copy(
             self._memory, self.state, self._consistent_state, self.context
         )
-        # the node's memory for that copy, at the first counted step (``MemoryTier.reserve``)
-        self._reserve_memory = self._on_failure is not None and isinstance(self._memory, MemoryTier)
+        # the tier whose slot for that copy is made ready at the first counted step (``reserve``)
+        memory, jit = self._memory, self._on_failure is not None
+        self._reserve_in = memory if isinstance(memory, MemoryTier) and jit else None
         self._started(url)
 
     # --- start ----------------------------------------------------------------------------
@@ -294,9 +295,9 @@ class TrainingSession:
             began = time.perf_counter()
             self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
             self._memory_cost_s = time.perf_counter() - began
-        if self._reserve_memory and isinstance(self._memory, MemoryTier):
-            self._reserve_memory = False
-            self._memory.reserve(self.step, self._snapshot_state())
+        if self._reserve_in is not None:
+            tier, self._reserve_in = self._reserve_in, None
+            tier.reserve(self.step, self._snapshot_state())
         self._progress.write(step=self.step, epoch=self.epoch, restored_step=self.restored_step)
         if votes:
             preempted = votes >= STOP_VOTE_PREEMPTED  # some node goes away: storage

@@ -208,6 +208,15 @@ def test_a_slot_swapped_for_a_link_mid_run_is_not_written_through(tmp_path, vict
     assert copies.newest() == 1
 
 
+def test_a_slot_swapped_for_a_link_is_not_reserved_through(tmp_path, victim):
+    folder = private_dirs(str(tmp_path / "node"))
+    copies = NodeCopies(folder)
+    os.symlink(victim, copies.slots["slot-0.pt"].path)  # the slot the first copy goes to
+    with pytest.raises(NotOursError):
+        copies.reserve(1 << 20)
+    assert Path(victim).read_bytes() == SECRET
+
+
 def test_a_rank_marker_open_to_others_is_not_read(tmp_path):
     folder = private_dirs(str(tmp_path / "rank"))
     slots = RankSlots(folder)
