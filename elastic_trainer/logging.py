@@ -11,6 +11,7 @@ its ``logger`` and ``level``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -105,8 +106,10 @@ def configure_logging(
     log_file: str | None = None,
     static_fields: Mapping[str, Any] | None = None,
     level: int = logging.INFO,
+    group_access: bool = False,
 ) -> None:
-    """Configure structlog and the stdlib root logger for this process. Idempotent."""
+    """Configure structlog and the stdlib root logger for this process. Idempotent.
+    ``group_access``: a ``log_file`` this call creates is 0640, not 0600 (``open_log_file``)."""
     stream = sys.stderr
     console = _resolve_format(fmt, stream) == "console"
     shared = _shared_processors()
@@ -125,7 +128,7 @@ def configure_logging(
         _make_handler(TerminalHandler(stream, console=console), shared, renderer)
     ]
     if log_file:
-        file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        file_handler = _LogFileHandler(log_file, group_access=group_access)
         handlers.append(_make_handler(file_handler, shared, structlog.processors.JSONRenderer()))
     for handler in handlers:
         root.addHandler(handler)
@@ -137,6 +140,61 @@ def configure_logging(
     route_torch_logs()
     _STATIC_FIELDS.clear()
     bind_static_fields(static_fields or {})
+
+
+# The event log holds the run's events (job id, hosts, paths, errors): its user's alone, or
+# readable by the group with --snapshot-group-access, as the run folder it usually sits in.
+# (snapshots.storage.modes says the same for snapshots; not imported here: this module loads
+# before anything heavy.)
+def _log_modes(group_access: bool) -> tuple[int, int]:
+    """(folder mode, file mode) of what ``open_log_file`` creates."""
+    return (0o750, 0o640) if group_access else (0o700, 0o600)
+
+
+def open_log_file(path: str, *, group_access: bool = False) -> int:
+    """A descriptor appending to ``path``. When absent, the file and its missing folders are
+    created of exactly ``_log_modes`` (the umask narrows and widens nothing, and is left as
+    it is: it is the training script's too); an existing file or folder keeps its mode."""
+    folder_mode, file_mode = _log_modes(group_access)
+    _make_folders(os.path.dirname(os.path.abspath(path)), folder_mode)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, file_mode)
+    except FileExistsError:
+        return os.open(path, flags)
+    _chmod(fd, file_mode)
+    return fd
+
+
+def _make_folders(folder: str, mode: int) -> None:
+    if os.path.isdir(folder):
+        return
+    _make_folders(os.path.dirname(folder), mode)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, mode)
+        _chmod(folder, mode)
+
+
+def _chmod(target: int | str, mode: int) -> None:
+    """chmod (a descriptor or a path) where the file system has modes; where it has none
+    (vfat, some FUSE or SMB mounts), the mode given at creation less the umask stands."""
+    try:
+        os.chmod(target, mode)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+class _LogFileHandler(logging.FileHandler):
+    """A FileHandler whose file, when it creates it, is made by ``open_log_file``."""
+
+    def __init__(self, path: str, *, group_access: bool) -> None:
+        self._group_access = group_access  # read by _open, which __init__ calls
+        super().__init__(path, mode="a", encoding="utf-8")
+
+    def _open(self) -> Any:  # FileHandler's one hook for opening its stream
+        fd = open_log_file(self.baseFilename, group_access=self._group_access)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 def route_torch_logs() -> None:

@@ -4,6 +4,10 @@ Exit codes: 0 ok; 1 damage found (a snapshot failed verification; the bad file i
 2 bad usage, bad URL, unreachable storage, no snapshot folder, or no such snapshot. Every
 error is one line on stderr: ``elastic-train: error: <what, and the fix>``.
 
+What a snapshot holds is whatever its folder's writer put there: every text from it reaches
+the terminal through ``snapshots.display.printable`` (control characters shown as escapes,
+length bounded), or as JSON, which escapes them itself.
+
 Only ``verify --deep`` (and ``prune`` when it is about to delete something: it must prove the
 snapshot it keeps loads) imports torch; everything else reads manifests and checksums.
 """
@@ -21,6 +25,7 @@ import structlog
 import structlog.stdlib
 
 from snapshots import retention
+from snapshots.display import printable
 from snapshots.errors import NoValidSnapshotError, SnapshotError, SnapshotNotFoundError
 from snapshots.info import VerifyResult
 from snapshots.read.catalog import Catalog
@@ -29,6 +34,8 @@ from snapshots.write import housekeeping as _housekeeping
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 ERROR_PREFIX = "elastic-train: error:"
+# Longest line of problems or error printed (a snapshot of many damaged files names each).
+LINE_LIMIT = 4000
 
 
 class UsageError(Exception):
@@ -98,7 +105,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "elastic-train snapshots
 
 
 def _fail(exc: BaseException, code: int) -> int:
-    print(f"{ERROR_PREFIX} {' '.join(str(exc).split())}", file=sys.stderr)
+    print(f"{ERROR_PREFIX} {printable(' '.join(str(exc).split()), LINE_LIMIT)}", file=sys.stderr)
     return code
 
 
@@ -106,7 +113,9 @@ def _log_to_stderr() -> None:
     """stdout carries the answer (maybe JSON): events go to stderr. Only the logger factory
     changes, and not when events already go through stdlib logging (a program that set that
     up chose its streams). "Configured" is not enough to skip: structlog's own default
-    factory, which a configuration may keep (capture_logs restores it), prints to stdout."""
+    factory, which a configuration may keep (capture_logs restores it), prints to stdout.
+    (Its console renderer shows a value with a space, as every problem has, as its repr:
+    control characters escaped.)"""
     factory = structlog.get_config().get("logger_factory")
     if isinstance(factory, structlog.stdlib.LoggerFactory):
         return
@@ -190,7 +199,7 @@ def _cmd_list(catalog: Catalog, args: argparse.Namespace) -> int:
         for step in _require_some(catalog)
     ]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(_json(rows))
     else:
         print(_table(rows))
     return EXIT_OK
@@ -198,6 +207,11 @@ def _cmd_list(catalog: Catalog, args: argparse.Namespace) -> int:
 
 def _describe(catalog: Catalog, step: int, checked: bool) -> VerifyResult:
     return catalog.verify(step) if checked else catalog.describe(step)
+
+
+def _json(value: Any) -> str:
+    """JSON escapes every control character but DEL, which only a string can hold."""
+    return json.dumps(value, indent=1).replace("\x7f", "\\u007f")
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -208,9 +222,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['step']:>12}  {'?':>5}  {'?':>5}  {'?':>9}  {state:<8}  ?")
             continue
         mb = r["bytes"] / 1e6
+        epoch, world = printable(r["epoch"], 12), printable(r["world_size"], 12)
         lines.append(
-            f"{r['step']:>12}  {r['epoch']:>5}  {r['world_size']:>5}  {mb:>9.2f}  "
-            f"{state:<8}  {r['created_at']}"
+            f"{r['step']:>12}  {epoch:>5}  {world:>5}  {mb:>9.2f}  "
+            f"{state:<8}  {printable(r['created_at'], 64)}"
         )
     return "\n".join(lines)
 
@@ -222,7 +237,7 @@ def _cmd_show(catalog: Catalog, args: argparse.Namespace) -> int:
     body = _row(result, catalog.step_url(step), True)
     if result.ok and result.info is not None and result.info.format_version >= 2:
         body["sharded"] = catalog.shard_summary(step)  # verified: the table is intact
-    print(json.dumps(body, indent=1))
+    print(_json(body))
     return EXIT_OK if result.ok else EXIT_DAMAGED
 
 
@@ -242,7 +257,7 @@ def _cmd_verify(catalog: Catalog, args: argparse.Namespace) -> int:
             print(f"ok      step {step}" + (" (loads)" if args.deep else ""))
         else:
             failed += 1
-            print(f"FAILED  step {step}: {'; '.join(result.problems)}")
+            print(f"FAILED  step {step}: {printable('; '.join(result.problems), LINE_LIMIT)}")
     return EXIT_DAMAGED if failed else EXIT_OK
 
 

@@ -324,12 +324,14 @@ def read_limited(storage: Storage, path: str, limit: int | None) -> bytes:
 
 
 def _local_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Local disk reads three options: ``direct_io`` (default True: large aligned writes go
+    """Local disk reads four options: ``direct_io`` (default True: large aligned writes go
     past the page cache; False: every write through it, e.g. on a mount that handles O_DIRECT
     badly), ``reuse_files`` (default True: a deleted snapshot's large files are written over
-    by the next save instead of freed; False: deleted at once) and ``writer_process``
+    by the next save instead of freed; False: deleted at once), ``writer_process``
     (default False; True: saves from 32 MB up are serialised in a writer process, off the
-    training process's GIL: ``snapshots.write.writer_process``). Other keys are ignored there."""
+    training process's GIL: ``snapshots.write.writer_process``) and ``group_access``
+    (default False: what is created is 0700/0600; True: 0750/0640, the group may read:
+    ``snapshots.storage.modes``). Other keys are ignored there."""
     out = {}
     for key, default in LOCAL_OPTIONS.items():
         value = (options or {}).get(key, default)
@@ -340,7 +342,12 @@ def _local_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 # The options local disk reads, with their defaults (see ``_local_options``).
-LOCAL_OPTIONS = {"direct_io": True, "reuse_files": True, "writer_process": False}
+LOCAL_OPTIONS = {
+    "direct_io": True,
+    "reuse_files": True,
+    "writer_process": False,
+    "group_access": False,
+}
 
 
 def open_storage(
@@ -361,6 +368,9 @@ def open_storage(
     else:
         scheme = url.split("://", 1)[0].lower()
         options = dict(storage_options or {})
+        # A local folder's modes: an object store has none (its bucket policy decides), and
+        # its backend must not be handed an option it does not know.
+        options.pop("group_access", None)
         if scheme in S3_PROTOCOLS:
             options = s3_options(options, policy)
         try:

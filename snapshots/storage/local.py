@@ -25,6 +25,7 @@ import numpy as np
 from snapshots.errors import NotRegularFileError
 from snapshots.format import layout, manifest
 from snapshots.storage import faults as _faults
+from snapshots.storage import modes as _modes
 from snapshots.storage.base import Entry, within
 
 T = TypeVar("T")
@@ -47,16 +48,19 @@ class LocalStorage:
         direct_io: bool = True,
         reuse_files: bool = True,
         writer_process: bool = False,
+        group_access: bool = False,
     ) -> None:
         """``direct_io``: large aligned writes go past the page cache (``_direct_part``).
         ``reuse_files``: a deleted snapshot's large data files are kept for the next save to
         write into (see ``REUSE_MIN``). ``writer_process``: a large save's files may be
-        serialised by the writer process (``snapshots.write.writer_process``)."""
+        serialised by the writer process (``snapshots.write.writer_process``).
+        ``group_access``: what is created is 0750/0640 instead of 0700/0600 (``modes``)."""
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
         self.direct_io = direct_io
         self.reuse_files = reuse_files
         self.writer_process = writer_process
+        self.modes = _modes.modes_for(group_access)
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *[p for p in path.split("/") if p])
@@ -92,7 +96,7 @@ class LocalStorage:
         try:
             result = _fill_temp(
                 tmp, fill, kill_point(path), direct=self.direct_io, reused=reused,
-                writer_process=self.writer_process,
+                writer_process=self.writer_process, mode=self.modes.file,
             )  # fmt: skip
             if exclusive:
                 # link() fails with EEXIST instead of replacing: an atomic "create if absent".
@@ -113,7 +117,7 @@ class LocalStorage:
         if parent != folder:
             self._makedirs(parent)
         try:
-            os.mkdir(folder)
+            _modes.make_folder(folder, self.modes.folder)  # one that exists keeps its mode
         except FileExistsError:
             return
         _fsync_dir(parent)  # make the new folder's entry durable before files appear in it
@@ -158,9 +162,15 @@ class LocalStorage:
         return fd, st.st_size
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        with open(self._abs(path), "rb") as fh:
+        """``length`` bytes from ``start`` of a regular file, opened as ``read`` opens one (a
+        link or FIFO is NotRegularFileError, never followed nor waited on). A file that ends
+        first is read no further than its end (``base.read_range`` names it truncated)."""
+        fd, size = self._open_regular(path)
+        with os.fdopen(fd, "rb") as fh:
+            if start >= size:
+                return b""
             fh.seek(start)
-            return fh.read(length)
+            return fh.read(min(length, size - start))
 
     def list(self, path: str = "") -> list[Entry]:
         folder = self._abs(path)
@@ -195,7 +205,7 @@ class LocalStorage:
                 st = item.stat(follow_symlinks=False)
                 if key is None or not stat.S_ISREG(st.st_mode) or st.st_size < REUSE_MIN:
                     continue
-                os.makedirs(aside, exist_ok=True)
+                self._makedirs(aside)
                 os.replace(item.path, os.path.join(aside, key))
 
     def release_set_aside(self) -> int:
@@ -248,13 +258,17 @@ def _fill_temp(
     direct: bool,
     reused: bool = False,
     writer_process: bool = False,
+    mode: int = _modes.PRIVATE.file,
 ) -> T:
     """``reused``: ``tmp`` is a set-aside file; written over from its start and cut to what
-    was written (a file that is not a plain one of ours is replaced by a new one)."""
+    was written (a file that is not a plain one of ours is replaced by a new one). The file
+    gets ``mode`` either way: a set-aside file may have been made under another setting."""
     fd = _open_reused(tmp) if reused else None
     if fd is None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _modes.create_file(tmp, os.O_WRONLY, mode)
     try:
+        if reused:
+            _modes.set_mode(fd, mode)
         sink = _Sink(fd, point, direct=direct, writer_process=writer_process)
         result = fill(sink)  # type: ignore[arg-type]
         sink.flush()

@@ -1,10 +1,11 @@
 """The in-memory tier against another local user: folders and files in shared places are
-used only when they are ours alone (``elastic_trainer.private_files``)."""
+used only when they are ours alone (``elastic_trainer.private_files``). The second user,
+``other``, is ``tests/process/conftest.py``'s."""
 
 from __future__ import annotations
 
+import json
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -23,23 +25,12 @@ from elastic_trainer.private_files import (
     private_dir,
     private_dirs,
 )
-from elastic_trainer.supervisor.processes import workerenv
+from elastic_trainer.supervisor.processes import memory_folders, workerenv
 from elastic_trainer.worker.memory.rank_slots import RankSlots
 from elastic_trainer.worker.memory.slots import NodeCopies
+from tests.local_users import as_user
 
 SECRET = b"root's secret\n"
-
-
-@pytest.fixture
-def other() -> pwd.struct_passwd:
-    """A second local user: ``nobody``, created when missing (only root can do either)."""
-    if os.geteuid() != 0:
-        pytest.skip("acting as a second local user needs root")
-    try:
-        return pwd.getpwnam("nobody")
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "nobody"], check=True)
-        return pwd.getpwnam("nobody")
 
 
 @pytest.fixture
@@ -60,36 +51,6 @@ def victim(tmp_path) -> str:
     path.write_bytes(SECRET)
     path.chmod(0o600)
     return str(path)
-
-
-def as_user(user: pwd.struct_passwd, code: str) -> subprocess.CompletedProcess[str]:
-    """``code`` run by ``user``, with an interpreter every user may run (a venv under /root
-    is out of their reach)."""
-    python = next((p for p in (sys.executable, "/usr/bin/python3") if _runs_as(user, p)), None)
-    if python is None:
-        pytest.skip(f"no Python interpreter that uid {user.pw_uid} may run")
-    return subprocess.run(
-        [python, "-I", "-c", code],
-        cwd="/",
-        user=user.pw_uid,
-        group=user.pw_gid,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def _runs_as(user: pwd.struct_passwd, python: str) -> bool:
-    try:
-        subprocess.run(
-            [python, "-I", "-c", "pass"], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
-            cwd="/", check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return False
-    return True
 
 
 # --- the checks themselves ------------------------------------------------------------------
@@ -155,6 +116,87 @@ def test_a_root_folder_another_user_made_first_is_not_used(shared, other, victim
     NodeCopies(folder).write(1, {"weights": bytes(range(256)) * 64})
     assert Path(victim).read_bytes() == SECRET
     assert NodeCopies(folder).newest() == 1
+
+
+# One supervisor start's choice of the tier's root, in a process of its own (as a later run
+# is): the root it uses and the events it logged, as JSON.
+CHOOSE_ROOT = """
+import json, os, sys
+from structlog.testing import capture_logs
+from elastic_trainer.supervisor.processes import workerenv
+with capture_logs() as logs:
+    root = workerenv.memory_root(sys.argv[1], os.geteuid())
+print(json.dumps({"root": root, "events": logs}))
+"""
+
+
+def _a_run_chooses_root(base: str, runtime_dir: str | None = None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    if runtime_dir is not None:
+        env["XDG_RUNTIME_DIR"] = runtime_dir
+    done = subprocess.run([sys.executable, "-c", CHOOSE_ROOT, base], env=env,
+                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def test_every_run_finds_the_same_private_fallback_when_another_user_holds_the_root(shared, other):
+    """Another user's ``elastic-train-<uid>``: each supervisor start used to make a new
+    random folder that no later run found or freed. Two runs now use the same one."""
+    ours = os.path.join(shared, f"elastic-train-{os.geteuid()}")
+    planted = as_user(other, f"import os; os.mkdir({ours!r}); os.chmod({ours!r}, 0o777)")
+    assert planted.returncode == 0, planted.stderr
+    first, second = _a_run_chooses_root(shared), _a_run_chooses_root(shared)
+    assert first["root"] == second["root"] == f"{ours}.1"
+    for run in (first, second):
+        (event,) = run["events"]
+        assert event["event"] == "snapshot.memory_refused"
+        assert (event["path"], event["using"]) == (ours, f"{ours}.1")
+    st = os.lstat(first["root"])
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    folder = os.path.join(first["root"], "job", "1")
+    NodeCopies(private_dirs(folder)).write(1, {"weights": b"the model" * 1000})
+    attempt = as_user(
+        other,
+        "import os, sys\n"
+        f"for act in (lambda: os.listdir({first['root']!r}),\n"
+        f"            lambda: os.listdir({folder!r}),\n"
+        f"            lambda: open(os.path.join({folder!r}, 'slot-0.pt'), 'rb').read()):\n"
+        "    try:\n"
+        "        act()\n"
+        "    except PermissionError:\n"
+        "        continue\n"
+        "    sys.exit('allowed')\n",
+    )
+    assert attempt.returncode == 0, attempt.stdout + attempt.stderr
+    assert sorted(os.listdir(shared)) == [
+        f"elastic-train-{os.geteuid()}",
+        f"elastic-train-{os.geteuid()}.1",
+    ]
+
+
+def test_with_every_numbered_root_taken_a_private_tmpfs_runtime_folder_or_none(
+    shared, other, tmp_path
+):
+    """A squatter of all the fixed names makes no run create a folder it cannot find
+    again: ``$XDG_RUNTIME_DIR/elastic-train`` where that is ours and on tmpfs, else no tier."""
+    names = memory_folders.root_candidates(shared, os.geteuid(), None)
+    planted = as_user(other, f"import os; [os.mkdir(p) for p in {names!r}]")
+    assert planted.returncode == 0, planted.stderr
+    on_disk = private_dir(str(tmp_path / "runtime"))  # tmp_path: not tmpfs here
+    if memory_folders.filesystem_of(on_disk, memory_folders.read_mounts()) == "tmpfs":
+        pytest.skip("the temporary folder is on tmpfs here")
+    for runtime_dir in (None, on_disk):
+        run = _a_run_chooses_root(shared, runtime_dir)
+        assert run["root"] is None and run["events"][0]["using"] is None
+    assert not os.path.exists(os.path.join(on_disk, "elastic-train"))
+    runtime = private_dir(os.path.join(shared, "runtime"))  # a private folder on tmpfs
+    if memory_folders.filesystem_of(runtime, memory_folders.read_mounts()) != "tmpfs":
+        pytest.skip("no tmpfs here")
+    chosen = [_a_run_chooses_root(shared, runtime)["root"] for _ in range(2)]
+    assert chosen == [os.path.join(runtime, "elastic-train")] * 2
+    assert stat.S_IMODE(os.lstat(chosen[0]).st_mode) == 0o700
+    assert len(os.listdir(shared)) == len(names) + 1  # theirs, and the runtime folder
 
 
 def test_another_user_can_neither_read_a_copy_nor_swap_a_link_in(shared, other, victim):

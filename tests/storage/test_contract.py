@@ -120,3 +120,13 @@ class TestStorageContract:
         assert info is not None and info.step == 7
         store.close()
         assert torch.equal(_store(backend).load().state["w"], _state(7)["w"])
+
+    def test_group_access_is_taken_everywhere_and_used_on_local_disk(
+        self, backend: Backend
+    ) -> None:
+        """A local folder's option (``snapshots.storage.modes``): an object store has no
+        modes, and its backend (s3fs) refuses an option it does not know."""
+        options = {**(backend.storage_options or {}), "group_access": True}
+        store = SnapshotStore(backend.url, storage_options=options, async_save=False)
+        store.save(1, _state(1))
+        assert torch.equal(store.load().state["w"], _state(1)["w"])

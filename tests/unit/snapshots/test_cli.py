@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from snapshots import SnapshotStore
 from snapshots.cli import main
 from snapshots.format import layout
+from tests.tamper import resign
+from tests.unit.snapshots.sharded.test_sharded import _save
 
 
 @pytest.fixture
@@ -160,3 +163,84 @@ def test_events_never_reach_stdout_even_after_capture_logs(tmp_path, capsys) -> 
     assert main(["show", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert json.loads(out)["step"] == 1  # the answer alone: the event went elsewhere
+
+
+# --- text from a snapshot reaches the terminal escaped --------------------------------------
+PWNED = "\x1b]0;pwned\x07"  # sets the terminal's title
+RAW = ("\x1b", "\x07", "\x9b", "\x7f", "\r", "\u202e")  # ESC BEL CSI(C1) DEL CR RLO
+
+
+def _edit_manifest(url: str, step: int, **fields: object) -> None:
+    path = Path(url) / layout.manifest_path(step)
+    body = json.loads(path.read_bytes())
+    body.update(fields)
+    path.write_text(json.dumps(body))
+
+
+def _raw_in(text: str) -> list[str]:
+    return [c for c in RAW if c in text]
+
+
+def test_list_shows_a_manifests_escape_sequence_as_text_never_as_one(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _edit_manifest(url, 20, created_at=PWNED + "\x9b2J\x7f\r\u202e")
+    assert main(["list", url]) == 0
+    out = capsys.readouterr().out
+    assert _raw_in(out) == [] and "\\x1b]0;pwned\\x07\\x9b2J\\x7f\\x0d\\u202e" in out
+    for argv in (["list", url, "--json"], ["show", url, "--step", "20"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert _raw_in(out) == [] and PWNED in out.replace("\\u001b", "\x1b").replace(
+            "\\u0007", "\x07"
+        )
+    (row,) = [r for r in json.loads(_list_json(url, capsys)) if r["step"] == 20]
+    assert row["created_at"].startswith(PWNED)  # JSON escapes, and reads back the same
+
+
+def _list_json(url: str, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["list", url, "--json"]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_field_of_another_type_or_a_long_one_neither_crashes_nor_floods(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _edit_manifest(url, 10, created_at=12)
+    _edit_manifest(url, 20, created_at="x" * 10_000)
+    for argv in (["list", url], ["list", url, "--no-verify"]):
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 4 and max(len(line) for line in lines) < 200
+
+
+def _pwn_a_tensor_name(root: Path, step: int) -> None:
+    """A tensor of the shard table renamed with an escape sequence (and a bad dtype, so that
+    the deep check quotes it), the manifest signed again: only loading tells."""
+    table = next((root / layout.step_dir(step)).glob("shards.*.json"))
+    body = json.loads(table.read_bytes())
+    name = next(iter(body["tensors"]))
+    body["tensors"][PWNED + name] = {**body["tensors"].pop(name), "dtype": "bogus"}
+    resign(root, step, lambda f: f.get("table", False), json.dumps(body).encode())
+
+
+def test_problems_and_errors_show_a_tensor_name_from_a_shard_table_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    structlog.reset_defaults()  # events printed by the CLI itself, whatever ran before
+    root = tmp_path / "sharded"
+    _save(str(root), step=1)
+    _save(str(root), step=2)
+    _pwn_a_tensor_name(root, 2)
+    capsys.readouterr()
+    assert main(["verify", str(root), "--deep"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED  step 2: " in out and "\\x1b]0;pwned\\x07" in out and _raw_in(out) == []
+    assert main(["prune", str(root), "--keep", "1"]) == 0  # step 2 does not load: keeps both
+    err = capsys.readouterr().err
+    assert "snapshot.corrupt" in err and "\\x1b]0;pwned\\x07" in err and _raw_in(err) == []
+    _pwn_a_tensor_name(root, 1)
+    assert main(["prune", str(root), "--keep", "1"]) == 1  # none loads: the error quotes both
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("elastic-train: error: ") and "\\x1b]0;pwned\\x07" in err
+    assert _raw_in(err) == []
