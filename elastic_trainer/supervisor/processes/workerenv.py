@@ -18,7 +18,7 @@ from typing import Any
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RunConfig
 from elastic_trainer.contract.events import emit
-from elastic_trainer.private_files import NotOursError, private_dir
+from elastic_trainer.supervisor.processes import memory_folders
 
 # Workers run their script through this module (see its docstring: a clean interpreter exit)
 BOOTSTRAP_MODULE = "elastic_trainer.worker.bootstrap"
@@ -58,55 +58,82 @@ def memory_base() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _runtime_dir() -> str | None:
+    return os.environ.get("XDG_RUNTIME_DIR") or None
+
+
 @functools.cache
-def memory_root(base: str, uid: int) -> str:
-    """This user's private folder for in-memory tiers in the shared ``base``:
-    ``elastic-train-<uid>``, mode 0700 (``private_files``). When that name is taken by
-    something not ours (another user made it first), a fresh private folder instead, and
-    ``snapshot.memory_refused`` says so: the job is not stopped by a name someone took."""
-    path = os.path.join(base, f"elastic-train-{uid}")
-    try:
-        return private_dir(path)
-    except NotOursError as exc:
-        fresh = tempfile.mkdtemp(prefix=f"elastic-train-{uid}-", dir=base)
-        emit("snapshot.memory_refused", level="warning", path=path, reason=str(exc), using=fresh)
-        return fresh
+def memory_root(base: str, uid: int) -> str | None:
+    """This user's private root for in-memory tiers in the shared ``base``
+    (``memory_folders``): ``elastic-train-<uid>``, or, where that name is not ours (another
+    user made it first), the fixed fallback every later run of ours finds too, and
+    ``snapshot.memory_refused`` says which (``using``; None: no candidate is ours, the tier
+    is off for this run): the job is not stopped by a name someone took."""
+    choice = memory_folders.choose_root(base, uid, _runtime_dir())
+    if choice.refused:
+        reason = "; ".join(why for _path, why in choice.refused)[:2000]
+        path = choice.refused[0][0]
+        emit(
+            "snapshot.memory_refused", level="warning", path=path, reason=reason, using=choice.path
+        )
+    return choice.path
 
 
-def memory_dir(cfg: RunConfig) -> str:
+def memory_dir(cfg: RunConfig, base: str | None = None) -> str | None:
     """This agent's in-memory tier folder: on tmpfs (/dev/shm) where there is one, inside
-    this user's private folder, named by the job and this supervisor's pid, so it outlives
+    this user's private root, named by the job and this supervisor's pid, so it outlives
     worker restarts on this agent, differs per agent (two on one machine too), and
-    ``remove_memory_dir`` frees it at exit."""
-    job = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.job_id)
-    return os.path.join(memory_root(memory_base(), os.geteuid()), job, str(os.getpid()))
+    ``remove_memory_dir`` frees it at exit. None where no root is ours."""
+    root = memory_root(base or memory_base(), os.geteuid())
+    return None if root is None else memory_folders.node_folder(root, cfg.job_id, os.getpid())
 
 
-def prepare_memory_dir(cfg: RunConfig) -> str:
-    """``memory_dir``, its job's folder and it made (mode 0700) and checked ours."""
-    path = memory_dir(cfg)
-    private_dir(os.path.dirname(path))
-    return private_dir(path)
+# node folder -> the descriptor holding its owner.lock, for as long as this supervisor lives
+_claims: dict[str, int] = {}
 
 
-def remove_stale_memory_dirs(cfg: RunConfig) -> None:
-    """Folders of this job's agents on this machine that died without removing theirs
-    (SIGKILL, power loss of a container): their copies are of no use to anyone (a new agent
-    never reads another agent's folder), and tmpfs is memory."""
+def prepare_memory_dir(cfg: RunConfig, base: str | None = None) -> str | None:
+    """``memory_dir``, made (mode 0700), checked ours and claimed by this process
+    (``memory_folders.claim``): no other supervisor's sweep removes it while we live."""
+    path = memory_dir(cfg, base)
+    if path is None:
+        return None
+    memory_folders.make_node_folder(path)
+    held = _claims.get(path)
+    if held is None or not memory_folders.still_claimed(path, held):  # first, or removed
+        if held is not None:
+            os.close(held)
+        _claims[path] = memory_folders.claim(path)
+    return path
+
+
+def remove_stale_memory_dirs(cfg: RunConfig, base: str | None = None) -> memory_folders.Freed:
+    """Free the folders that supervisors of ours on this machine left when they died
+    (SIGKILL, a container's end), of any job (not only ``cfg``'s) and in every root of ours
+    (``memory_folders.sweep``): their copies are of no use to anyone (a new agent never
+    reads another agent's folder), and tmpfs is memory. ``snapshot.memory_freed`` counts
+    them."""
     import psutil
 
-    job_dir = os.path.dirname(memory_dir(cfg))
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(job_dir):
-            if name.isdigit() and not psutil.pid_exists(int(name)):
-                shutil.rmtree(os.path.join(job_dir, name), ignore_errors=True)
+    roots = memory_folders.our_roots(base or memory_base(), os.geteuid(), _runtime_dir())
+    freed = memory_folders.sweep(roots, psutil.pid_exists)
+    if freed.folders:
+        emit("snapshot.memory_freed", folders=freed.folders, bytes=freed.bytes)
+    return freed
 
 
-def remove_memory_dir(cfg: RunConfig) -> None:
-    path = memory_dir(cfg)
-    shutil.rmtree(path, ignore_errors=True)
-    with contextlib.suppress(OSError):  # the job's folder, once no agent of it is left
-        os.rmdir(os.path.dirname(path))
+def remove_memory_dir(cfg: RunConfig, base: str | None = None) -> None:
+    """Free this agent's folder (removed before its claim ends), its job's once empty, and
+    those of agents here that died and never came back (a clean end leaves nothing)."""
+    path = memory_dir(cfg, base)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        held = _claims.pop(path, None)
+        if held is not None:
+            os.close(held)
+        with contextlib.suppress(OSError):  # the job's folder, once no agent of it is left
+            os.rmdir(os.path.dirname(path))
+    remove_stale_memory_dirs(cfg, base)
 
 
 def interface_of(address: str) -> str | None:

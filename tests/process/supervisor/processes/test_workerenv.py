@@ -96,10 +96,11 @@ def test_stale_control_folders_of_dead_supervisors_go_and_nothing_else(tmp_path)
     link.symlink_to(target)
     pidfile = base / "elastic-train-1.0.pid"
     pidfile.touch()
-    # elastic-train-<uid>, the in-memory tier's root where there is no /dev/shm, named by
-    # a number that may be no running PID: it was taken for a stale control folder
-    memory_root = folder(f"elastic-train-{dead}")
-    kept += [link, pidfile, memory_root]
+    # elastic-train-<uid>, the in-memory tier's root where there is no /dev/shm, and its
+    # fallbacks elastic-train-<uid>.N, named by a number that may be no running PID: they
+    # were taken for stale control folders
+    memory_roots = [folder(f"elastic-train-{dead}"), folder(f"elastic-train-{dead}.1")]
+    kept += [link, pidfile, *memory_roots]
     if os.getuid() == 0:  # as root, a folder of another user's in the same place
         theirs = folder(f"elastic-train-{dead}-theirs")
         os.chown(theirs, 65534, 65534)
