@@ -250,6 +250,9 @@ class Stopper:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from elastic_trainer.logging import configure_logging
+    from elastic_trainer.supervisor.processes import fd_limit
+
+    fd_limit.raise_soft_limit()  # the store's connections are unbounded (fd_limit.py)
 
     try:
         ns = parse_args(sys.argv[1:] if argv is None else argv)

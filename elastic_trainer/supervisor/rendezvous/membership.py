@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import first_line
 from elastic_trainer.supervisor.rendezvous import presence
@@ -54,11 +55,12 @@ class MembershipWatch:
         self.addresses: dict[str, str] = {}  # member name -> its presence address
         self.store_host: str | None = None  # the member hosting the store (None: standalone)
 
-    def open_presence(self, bind_host: str) -> None:
+    def open_presence(self, bind_host: str, key: JobKey) -> None:
         """Listen for peers and publish where (before the first join, so every member of a
-        round finds every other's address). Without it we fall back to heartbeats alone."""
+        round finds every other's address). Without it we fall back to heartbeats alone.
+        ``key``: the job's secret, which every member's presence handshake proves."""
         try:
-            server = presence.PresenceServer(bind_host)
+            server = presence.PresenceServer(bind_host, key)
             host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
             address = presence.format_address(host, server.port)
             self._handler.publish_presence(address)
@@ -70,7 +72,8 @@ class MembershipWatch:
                 consequence="lost nodes are found by heartbeat expiry only",
             )
             return
-        self._server, self.peers = server, presence.PeerWatch()
+        self._server = server
+        self.peers = presence.PeerWatch(key, member_name(self._handler.this_node))
         self._address = address
 
     def close(self) -> None:

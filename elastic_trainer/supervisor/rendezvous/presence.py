@@ -10,6 +10,9 @@ it is, and a frozen one (SIGSTOP, a hung machine) too. Those, and nodes cut off 
 (power loss, partition), are what the heartbeat expiry is still there for
 (``membership.MembershipWatch.silent_peers``). A peer we cannot connect to is only "lost" when
 the connection is *refused* (nothing listens there any more); a timeout proves nothing.
+
+A port holds only connections whose peer proved it holds the job's secret (the handshake
+below), so that no process outside the job can use up its places, nor pose as a peer.
 """
 
 from __future__ import annotations
@@ -17,13 +20,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hmac
 import ipaddress
+import os
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from elastic_trainer.contract.auth import JobKey, handshake_tag
+from elastic_trainer.supervisor.processes import fd_limit
 
 CONNECT_TIMEOUT_S = 2.0
 BYE = b"b"  # sent by an agent that exits on purpose (done, preempted): not a lost node
@@ -46,40 +54,99 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# Anyone who can reach the port can connect, so what a connection may hold is bounded: a
-# peer says HELLO at once (else it is dropped), and connections per address and in all are
-# capped. A connection turned away is told so (REFUSED): its peer is unknown, not lost.
-HELLO = b"presence/1\n"  # the first bytes on every watch connection
+# Anyone who can reach the port can connect (on one machine: every local user), so only a
+# connection whose peer proves it holds the job's secret is held. On accept the server sends
+# a challenge (a fresh nonce); the peer answers HELLO: its member name and
+# ``handshake_tag(key, nonce, member)`` (contract/auth.py), within the handshake deadline.
+# Until then a connection is *pending*: pending ones are few (``max_pending``; a newer one
+# pushes out the oldest, so that a member, who answers within milliseconds, still gets in
+# during a flood) and closed at their deadline; they never take a member's place, which only
+# an answer with the key can (``max_connections`` members in all). A connection turned away
+# is told so (REFUSED): its peer is unknown, not lost.
+VERSION = b"presence/2"
 REFUSED = b"r"
+NONCE_BYTES = 16
+CHALLENGE_LEN = len(VERSION) + 1 + 2 * NONCE_BYTES + 1  # VERSION, space, nonce in hex, \n
+MAX_MEMBER = 256  # bytes of a member's name (an address and a pid: tens)
+MAX_HELLO = len(VERSION) + 1 + MAX_MEMBER + 1 + 2 * 32 + 1  # ... member, space, tag, \n
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_PER_PEER = 8  # agents of one job sharing a host (and so an address) each hold one
-MAX_CONNECTIONS = 512  # well below the common 1,024 open files
+ANSWER_WAIT_S = 1.0  # watch() waits this long for every peer's challenge, all together
+MAX_PENDING = 128  # a member's answer waits at most for its next connect (2 s, unreachable)
+MAX_CONNECTIONS = 512  # members; with the pending ones, well below the common 1,024 files
+ACCEPT_BACKOFF_S = 0.1  # no file left for an accept: try again after this
+_PREFIX = VERSION + b" "
+
+
+def challenge(nonce: bytes) -> bytes:
+    return _PREFIX + nonce.hex().encode() + b"\n"
+
+
+def read_challenge(data: bytes) -> bytes | None:
+    """The nonce in a server's challenge; None if ``data`` is not one (another protocol)."""
+    if len(data) != CHALLENGE_LEN or not data.startswith(_PREFIX) or data[-1:] != b"\n":
+        return None
+    try:
+        return bytes.fromhex(data[len(_PREFIX) : -1].decode("ascii"))
+    except ValueError:
+        return None
+
+
+def hello(key: JobKey, nonce: bytes, member: str) -> bytes:
+    """A peer's answer to ``nonce``: it holds ``key``, as ``member``."""
+    tag = handshake_tag(key, nonce, member).hex().encode()
+    return _PREFIX + member.encode() + b" " + tag + b"\n"
+
+
+def check_hello(key: JobKey, nonce: bytes, line: bytes) -> str | None:
+    """The member that answered ``nonce`` with ``line``, if the line proves it holds ``key``;
+    None for anything else (a wrong key, another nonce, a malformed or oversized line)."""
+    if len(line) > MAX_HELLO or not line.endswith(b"\n") or line.count(b"\n") != 1:
+        return None
+    parts = line[:-1].split(b" ")
+    if len(parts) != 3 or parts[0] != VERSION:
+        return None
+    try:
+        member, tag = parts[1].decode("utf-8"), bytes.fromhex(parts[2].decode("ascii"))
+    except ValueError:  # UnicodeDecodeError is one
+        return None
+    if not member or not hmac.compare_digest(tag, handshake_tag(key, nonce, member)):
+        return None
+    return member
 
 
 @dataclasses.dataclass
 class _Conn:
-    peer: str  # the remote address, whatever its port
+    nonce: bytes
     deadline: float  # for HELLO
     got: bytes = b""
-    greeted: bool = False
+    member: str | None = None  # set once greeted: held from then on, however long
 
 
 class PresenceServer:
-    """This agent's port: accepts peers' connections and holds them while the agent lives."""
+    """This agent's port: accepts peers' connections and holds the members' while it lives."""
 
     def __init__(
         self,
         host: str,
+        key: JobKey,
         *,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-        max_per_peer: int = MAX_PER_PEER,
+        max_pending: int = MAX_PENDING,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        self._key = key
         self._handshake_timeout_s = handshake_timeout_s
-        self._max_per_peer, self._max_connections = max_per_peer, max_connections
-        self._per_peer: collections.Counter[str] = collections.Counter()
-        self.refused = 0  # over a cap, or not a HELLO
-        self.timed_out = 0  # no HELLO in time
+        self._max_pending, self._max_connections = max_pending, max_connections
+        # oldest first: all share one timeout, so the first is the first to expire
+        self._pending: collections.OrderedDict[socket.socket, _Conn] = collections.OrderedDict()
+        self._held: dict[socket.socket, _Conn] = {}
+        # refused: a HELLO without the key, malformed, or over the members' cap; timed out:
+        # no HELLO in time; evicted: pending, pushed out by a newer connection
+        self.accepted = self.refused = self.timed_out = self.evicted = 0
+        self._exhausted = fd_limit.ExhaustionStreak(
+            "presence", "new peers wait until a file is free; the job goes on"
+        )
+        self._paused_until: float | None = None  # accepts paused: no file was left
         self._sock = socket.create_server((host, 0), backlog=128)
         self._sock.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -92,85 +159,115 @@ class PresenceServer:
     def port(self) -> int:
         return int(self._sock.getsockname()[1])
 
+    @property
+    def held(self) -> int:
+        """Members' connections held now."""
+        return len(self._held)
+
+    @property
+    def pending(self) -> int:
+        """Connections still owing their HELLO."""
+        return len(self._pending)
+
     def _serve(self) -> None:
         while not self._closed.is_set():
+            self._resume_accepting()
             for key, _ in self._selector.select(timeout=self._wait_s()):
-                if key.fileobj is self._sock:
+                sock: Any = key.fileobj
+                if sock is self._sock:
                     self._accept()
-                else:
-                    self._read(key.fileobj, key.data)  # type: ignore[arg-type]
+                elif sock in self._pending or sock in self._held:  # not pushed out meanwhile
+                    self._read(sock, key.data)
             self._expire()
 
-    def _pending(self) -> list[tuple[socket.socket, _Conn]]:
-        """Connections still owing their HELLO (the listening socket has no ``_Conn``)."""
-        keys = list(self._selector.get_map().values())
-        pending = [k for k in keys if k.data is not None and not k.data.greeted]
-        return [(k.fileobj, k.data) for k in pending]  # type: ignore[misc]
-
     def _wait_s(self) -> float:
-        deadlines = [conn.deadline for _, conn in self._pending()]
-        return max(0.0, min([0.5, *(d - time.monotonic() for d in deadlines)]))
+        due = [next(iter(self._pending.values())).deadline] if self._pending else []
+        if self._paused_until is not None:
+            due.append(self._paused_until)
+        return max(0.0, min([0.5, *(d - time.monotonic() for d in due)]))
 
     def _accept(self) -> None:
         try:
-            sock, address = self._sock.accept()
+            sock, _ = self._sock.accept()
+        except OSError as exc:  # never out of this thread, and never a busy loop
+            if fd_limit.is_exhausted(exc):
+                self._pause_accepting()
+            return  # else one that reset before we took it: nothing to do
+        self.accepted += 1
+        if len(self._pending) >= self._max_pending:
+            oldest = next(iter(self._pending))
+            self.evicted += 1
+            self._drop(oldest, refuse=True)
+        conn = _Conn(os.urandom(NONCE_BYTES), time.monotonic() + self._handshake_timeout_s)
+        try:
+            sock.setblocking(False)
+            sock.send(challenge(conn.nonce))  # 44 bytes into an empty buffer: all of them
         except OSError:
+            sock.close()
             return
-        peer = str(address[0])
-        held = len(self._selector.get_map()) - 1
-        if held >= self._max_connections or self._per_peer[peer] >= self._max_per_peer:
-            self.refused += 1
-            _turn_away(sock)
-            return
-        sock.setblocking(False)
-        conn = _Conn(peer, time.monotonic() + self._handshake_timeout_s)
+        self._pending[sock] = conn
         self._selector.register(sock, selectors.EVENT_READ, conn)
-        self._per_peer[peer] += 1
+
+    def _pause_accepting(self) -> None:
+        """No file descriptor left: say so (once per streak) and stop selecting the listening
+        socket for a moment; it stays readable, and would be selected again at once."""
+        self._exhausted.failed()
+        self._selector.unregister(self._sock)
+        self._paused_until = time.monotonic() + ACCEPT_BACKOFF_S
+
+    def _resume_accepting(self) -> None:
+        if self._paused_until is not None and time.monotonic() >= self._paused_until:
+            self._paused_until = None
+            self._selector.register(self._sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket, conn: _Conn) -> None:
         try:
-            data = sock.recv(len(HELLO))
+            data = sock.recv(1 if conn.member else MAX_HELLO - len(conn.got))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
-        if conn.greeted or not data:  # a peer closed its end (it re-watches each round, or died)
-            self._drop(sock, conn)
+        if conn.member or not data:  # a peer closed its end (it re-watches each round, or died)
+            self._drop(sock)
             return
         conn.got += data
-        if not HELLO.startswith(conn.got):
+        if b"\n" not in conn.got and len(conn.got) < MAX_HELLO:
+            return  # more to come, before the deadline
+        member = check_hello(self._key, conn.nonce, conn.got)
+        if member is None or len(self._held) >= self._max_connections:
             self.refused += 1
-            self._drop(sock, conn, refuse=True)
-        elif conn.got == HELLO:
-            conn.greeted = True  # held from now on, however long
+            self._drop(sock, refuse=True)
+            return
+        conn.member, conn.got = member, b""
+        self._held[sock] = self._pending.pop(sock)
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for sock, conn in self._pending():
-            if conn.deadline <= now:
-                self.timed_out += 1
-                self._drop(sock, conn, refuse=True)
+        while self._pending:
+            sock, conn = next(iter(self._pending.items()))
+            if conn.deadline > now:
+                return
+            self.timed_out += 1
+            self._drop(sock, refuse=True)
 
-    def _drop(self, sock: socket.socket, conn: _Conn, *, refuse: bool = False) -> None:
+    def _drop(self, sock: socket.socket, *, refuse: bool = False) -> None:
         self._selector.unregister(sock)
-        self._per_peer[conn.peer] -= 1
-        if not self._per_peer[conn.peer]:
-            del self._per_peer[conn.peer]  # addresses come and go: keep only those held
+        self._pending.pop(sock, None)
+        self._held.pop(sock, None)
         if refuse:
             _turn_away(sock)
         else:
             sock.close()
 
     def close(self) -> None:
-        """Say goodbye on every held connection (we leave on purpose), then close."""
+        """Say goodbye on every connection (we leave on purpose), then close."""
         self._closed.set()
         self._thread.join(timeout=2)
-        for key in list(self._selector.get_map().values()):
-            sock: Any = key.fileobj
+        for sock in [*self._pending, *self._held]:
             with contextlib.suppress(OSError):
-                if sock is not self._sock:
-                    sock.send(BYE)
-                sock.close()
+                sock.send(BYE)
+            sock.close()
+        self._sock.close()
         self._selector.close()
 
 
@@ -185,11 +282,19 @@ def _turn_away(sock: socket.socket) -> None:
     sock.close()
 
 
+@dataclasses.dataclass
+class _Link:
+    sock: socket.socket
+    got: bytes = b""  # of the server's challenge
+    answered: bool = False
+
+
 class PeerWatch:
     """One connection to each watched peer's presence port; ``lost()`` never blocks."""
 
-    def __init__(self) -> None:
-        self._socks: dict[Any, socket.socket] = {}
+    def __init__(self, key: JobKey, member: str) -> None:
+        self._key, self._member = key, member  # what we answer challenges with, as whom
+        self._links: dict[Any, _Link] = {}
         self._lost: set[Any] = set()
         self._left: set[Any] = set()
 
@@ -197,6 +302,7 @@ class PeerWatch:
         """Watch exactly ``peers`` (node -> (host, port)) from now on."""
         self.close()
         for node, address in peers.items():
+            self._answer_all(0.0)  # what came so far: no answer waits for every connect
             try:
                 sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
             except ConnectionRefusedError:
@@ -204,32 +310,81 @@ class PeerWatch:
                 continue
             except OSError:
                 continue  # unreachable or slow: unknown, the heartbeat expiry decides
-            try:
-                sock.sendall(HELLO)
-            except OSError:
-                sock.close()  # unknown, as above
-                continue
-            sock.setblocking(False)  # lost() only peeks
-            self._socks[node] = sock
+            sock.setblocking(False)  # from here on, only what has arrived is read
+            self._links[node] = _Link(sock)
+        self._answer_all(ANSWER_WAIT_S)
+
+    def _answer_all(self, wait_s: float) -> None:
+        """Answer the peers' challenges as they come, for up to ``wait_s``. One that sends
+        none by then (a frozen agent) is answered later, by ``lost()``: its connection turns
+        readable, which wakes the supervisor's loop (``fds``)."""
+        deadline = time.monotonic() + wait_s
+        with selectors.DefaultSelector() as selector:
+            for node, link in self._links.items():
+                if not link.answered:
+                    selector.register(link.sock, selectors.EVENT_READ, node)
+            while selector.get_map():
+                left = deadline - time.monotonic()
+                for key, _ in selector.select(max(0.0, left)):
+                    selector.unregister(key.fileobj)
+                    self._greet(key.data)
+                    if (link := self._links.get(key.data)) and not link.answered:
+                        selector.register(link.sock, selectors.EVENT_READ, key.data)
+                if left <= 0:
+                    return
+
+    def _greet(self, node: Any) -> None:
+        """Read what came of ``node``'s challenge; answer it once whole."""
+        link = self._links[node]
+        try:
+            data = link.sock.recv(CHALLENGE_LEN - len(link.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""  # reset
+        if not data:  # EOF or reset: the process is gone
+            self._end(node, self._lost)
+            return
+        link.got += data
+        if not _PREFIX.startswith(link.got[: len(_PREFIX)]):  # REFUSED, BYE or not ours
+            self._end(node, self._left if link.got[:1] == BYE else None)
+        elif len(link.got) == CHALLENGE_LEN:
+            self._answer(node, link)
+
+    def _answer(self, node: Any, link: _Link) -> None:
+        nonce = read_challenge(link.got)
+        with contextlib.suppress(OSError):
+            if nonce is not None:
+                link.sock.send(hello(self._key, nonce, self._member))  # fits an empty buffer
+                link.answered = True
+        if not link.answered:
+            self._end(node, None)  # unknown, the heartbeat expiry decides
+
+    def _end(self, node: Any, into: set[Any] | None) -> None:
+        """Stop watching ``node``; ``into``: lost or left, None when unknown."""
+        self._links.pop(node).sock.close()
+        if into is not None:
+            into.add(node)
 
     def lost(self) -> set[Any]:
         """Peers whose connection was closed or reset (read without blocking); one their port
         turned away is no longer watched, and not lost."""
-        for node, sock in list(self._socks.items()):
+        for node, link in list(self._links.items()):
+            if not link.answered:
+                self._greet(node)
+                continue
             try:
-                data: bytes | None = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+                data: bytes | None = link.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError, TimeoutError):
                 continue  # open, nothing to read: alive
             except OSError:
                 data = None  # reset
             if data == BYE:
-                self._left.add(node)
+                self._end(node, self._left)
             elif data == REFUSED:
-                pass  # its port is full: unknown, the heartbeat expiry decides
+                self._end(node, None)  # turned away: unknown, the heartbeat expiry decides
             else:  # EOF or reset without a goodbye: the process is gone
-                self._lost.add(node)
-            sock.close()
-            del self._socks[node]
+                self._end(node, self._lost)
         return set(self._lost)
 
     def left(self) -> set[Any]:
@@ -239,18 +394,18 @@ class PeerWatch:
 
     def fds(self) -> list[int]:
         """The open connections' fds: readable once a peer closes or resets one (its
-        supervisor's loop waits on them, ``StopRequest.wait_for_change``); ``lost`` then
-        reads and closes it."""
-        return [sock.fileno() for sock in self._socks.values()]
+        supervisor's loop waits on them, ``StopRequest.wait_for_change``), or once a late
+        challenge arrives; ``lost`` then reads it."""
+        return [link.sock.fileno() for link in self._links.values()]
 
     def watching(self) -> set[Any]:
         """Peers whose connection is still open."""
-        return set(self._socks)
+        return set(self._links)
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close()
-        self._socks.clear()
+        for link in self._links.values():
+            link.sock.close()
+        self._links.clear()
         self._lost.clear()
         self._left.clear()
 

@@ -64,7 +64,9 @@ def _until_exit(pid: int, timeout: float) -> None:
     except (AttributeError, OSError):
         time.sleep(min(timeout, 0.02))
         return
-    try:
-        select.select([fd], [], [], timeout)
+    try:  # poll, not select: a flood of connections can push our fds past select's 1,024
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll(timeout * 1000)
     finally:
         os.close(fd)

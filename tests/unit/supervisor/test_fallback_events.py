@@ -8,6 +8,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from elastic_trainer import torch_compat
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.supervisor.rendezvous.handler import FastRecoveryRendezvousHandler
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 
@@ -43,7 +44,7 @@ def test_presence_that_cannot_publish_says_lost_nodes_wait_for_heartbeats() -> N
         HandlerWithoutStore(), endpoint="127.0.0.1:1", check_every_s=1.0, dead_after_s=3.0
     )
     with capture_logs() as logs:
-        watch.open_presence("127.0.0.1")
+        watch.open_presence("127.0.0.1", JobKey.generate())
     (event,) = named(logs, "presence.unavailable")
     assert event["log_level"] == "warning"
     assert event["error"] == "Connection reset by peer"

@@ -1,75 +1,146 @@
-"""Presence: a dead peer's closed connection is seen at once; a slow or frozen one is not lost."""
+"""Presence: a dead peer's closed connection is seen at once; a slow or frozen one is not lost;
+only members (who hold the job's secret) are held, however many others connect."""
 
 from __future__ import annotations
 
+import json
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import psutil
 import pytest
 
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.supervisor.rendezvous import presence
 from elastic_trainer.supervisor.rendezvous.presence import PeerWatch, PresenceServer
+from tests.local_users import as_user
 
-PEER = (
-    "import time\n"
-    "from elastic_trainer.supervisor.rendezvous.presence import PresenceServer\n"
-    "server = PresenceServer('127.0.0.1')\n"
-    "print(server.port, flush=True)\n"
-    "time.sleep(120)\n"
-)
+KEY = JobKey.generate()
+
+# A peer agent's presence port in a process of its own (so it can die, freeze or run out of
+# files). argv: the key in hex, the handshake timeout, the soft open-file limit to take on
+# beyond the files it has open (0: its own). Each line on stdin asks for its figures.
+PEER = """
+import json, os, resource, sys
+import structlog
+from structlog.testing import LogCapture
+from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.supervisor.rendezvous.presence import PresenceServer
+
+capture = LogCapture()
+structlog.configure(processors=[capture])
+server = PresenceServer('127.0.0.1', JobKey(bytes.fromhex(sys.argv[1])),
+                        handshake_timeout_s=float(sys.argv[2]))
+if int(sys.argv[3]):
+    spare = len(os.listdir('/proc/self/fd')) + int(sys.argv[3])
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (spare, hard))
+print(server.port, flush=True)
+for _ in sys.stdin:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({
+        "held": server.held, "pending": server.pending, "timed_out": server.timed_out,
+        "events": [e["event"] for e in capture.entries],
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+    }), flush=True)
+"""
+
+
+class Peer:
+    def __init__(self, handshake_timeout_s: float = 5.0, spare_files: int = 0) -> None:
+        argv = [KEY.secret.hex(), str(handshake_timeout_s), str(spare_files)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PEER, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.port = int(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+    def figures(self) -> dict[str, Any]:
+        self.proc.stdin.write("?\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
 
 
 @pytest.fixture
-def peer():
-    """A peer agent's presence port, in a process of its own (so it can die or freeze)."""
-    proc = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True)
-    port = int(proc.stdout.readline())  # type: ignore[union-attr]
-    yield proc, port
-    proc.kill()
-    proc.wait(10)
+def peer() -> Iterator[Peer]:
+    running = Peer()
+    yield running
+    running.proc.kill()
+    running.proc.wait(10)
+
+
+def member(name: str = "a", key: JobKey = KEY) -> PeerWatch:
+    return PeerWatch(key, name)
+
+
+def wait_until(predicate: Callable[[], Any], bound_s: float, what: str) -> Any:
+    """Poll ``predicate`` until true; ``bound_s`` is a did-not-hang bound, not a timing."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"not within {bound_s} s: {what}")
+
+
+def held(watch: PeerWatch, figure: Callable[[], int], count: int = 1) -> None:
+    """Wait until the server holds ``count`` members, ``watch`` answering a late challenge
+    meanwhile (as the supervisor's loop does, woken by its ``fds``)."""
+    wait_until(lambda: not watch.lost() and figure() == count, 10, f"{count} held")
 
 
 def lost_within(watch: PeerWatch, bound_s: float) -> set:
-    """Poll until something is lost; a generous did-not-hang bound, not a timing target."""
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if lost := watch.lost():
-            return lost
-        time.sleep(0.01)
-    return set()
+    return wait_until(watch.lost, bound_s, "a peer lost")
 
 
 def test_a_killed_peer_is_lost_at_once(peer) -> None:
-    proc, port = peer
-    watch = PeerWatch()
-    watch.watch({"b": ("127.0.0.1", port)})
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", peer.port)})
     assert watch.lost() == set()
-    proc.send_signal(signal.SIGKILL)
+    peer.proc.send_signal(signal.SIGKILL)
     assert lost_within(watch, 10.0) == {"b"}
 
 
 def test_a_frozen_peer_is_not_lost(peer) -> None:
     """SIGSTOP: the process lives, its kernel keeps the connection: heartbeats decide."""
-    proc, port = peer
-    watch = PeerWatch()
-    watch.watch({"b": ("127.0.0.1", port)})
-    proc.send_signal(signal.SIGSTOP)
-    status = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 10
-    while status.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert status.status() == psutil.STATUS_STOPPED
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", peer.port)})
+    peer.proc.send_signal(signal.SIGSTOP)
+    status = psutil.Process(peer.proc.pid)
+    wait_until(lambda: status.status() == psutil.STATUS_STOPPED, 10, "the peer stopped")
     assert all(watch.lost() == set() for _ in range(20))
-    proc.send_signal(signal.SIGCONT)
+    peer.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_peer_frozen_when_watched_is_answered_once_it_wakes(peer) -> None:
+    """Its challenge comes late: the watch goes on without it, wakes on it (``fds``) and
+    answers it from ``lost()``; the peer then holds the connection."""
+    peer.proc.send_signal(signal.SIGSTOP)
+    status = psutil.Process(peer.proc.pid)
+    wait_until(lambda: status.status() == psutil.STATUS_STOPPED, 10, "the peer stopped")
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", peer.port)})  # returns without the challenge
+    assert watch.watching() == {"b"} and watch.lost() == set()
+    peer.proc.send_signal(signal.SIGCONT)
+    assert select.select(watch.fds(), [], [], 10)[0], "the challenge arrived"
+    assert watch.lost() == set()  # answered here
+    held(watch, lambda: peer.figures()["held"])
+    peer.proc.send_signal(signal.SIGKILL)
+    assert lost_within(watch, 10.0) == {"b"}
 
 
 def test_a_peer_that_leaves_on_purpose_is_not_lost() -> None:
-    server = PresenceServer("127.0.0.1")
-    watch = PeerWatch()
+    server = PresenceServer("127.0.0.1", KEY)
+    watch = member()
     watch.watch({"b": ("127.0.0.1", server.port)})
     server.close()  # says goodbye first
     deadline = time.monotonic() + 10
@@ -84,7 +155,7 @@ def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
     with socket.socket() as s:  # a closed loopback port: bound, never listening
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-        watch = PeerWatch()
+        watch = member()
         watch.watch({"gone": ("127.0.0.1", closed_port)})
     assert watch.lost() == {"gone"}
 
@@ -109,53 +180,199 @@ def test_addresses_round_trip(host, text) -> None:
 
 
 def turned_away(sock: socket.socket) -> bool:
-    """The server said REFUSED and closed (the 5 s timeout is a did-not-hang bound)."""
-    sock.settimeout(5)
-    return sock.recv(1) == presence.REFUSED and sock.recv(1) == b""
+    """The server challenged, then said REFUSED and closed (the 10 s timeout is a
+    did-not-hang bound)."""
+    sock.settimeout(10)
+    got = b""
+    while chunk := sock.recv(4096):
+        got += chunk
+    return got.startswith(presence.VERSION) and got.endswith(presence.REFUSED)
 
 
-def test_a_connection_without_hello_is_dropped_and_a_real_peer_is_kept() -> None:
-    server = PresenceServer("127.0.0.1", handshake_timeout_s=0.2)
-    watch = PeerWatch()
+def dial(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port))
+
+
+@pytest.fixture
+def server() -> Iterator[PresenceServer]:
+    running = PresenceServer("127.0.0.1", KEY, handshake_timeout_s=0.5)
+    yield running
+    running.close()
+
+
+def test_a_member_with_the_key_is_held(server) -> None:
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", server.port)})
+    held(watch, lambda: server.held)
+    assert (server.refused, server.timed_out) == (0, 0)
+    assert watch.watching() == {"b"} and watch.lost() == set()
+    watch.close()
+
+
+def test_a_wrong_key_is_refused_and_its_peer_is_unknown(server) -> None:
+    watch = member(key=JobKey.generate())
+    watch.watch({"b": ("127.0.0.1", server.port)})
+    wait_until(lambda: not watch.lost() and not watch.watching(), 10, "turned away")
+    assert watch.left() == set()  # unknown, not lost: the heartbeat expiry decides
+    assert (server.refused, server.held) == (1, 0)
+
+
+def test_a_connection_without_an_answer_is_closed_at_the_deadline_and_a_member_kept(
+    server,
+) -> None:
+    watch = member()
+    idle: list[socket.socket] = []
     try:
-        watch.watch({"b": ("127.0.0.1", server.port)})  # first: its deadline passes first
-        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(5)]
-        junk = socket.create_connection(("127.0.0.1", server.port))
+        watch.watch({"b": ("127.0.0.1", server.port)})
+        idle = [dial(server.port) for _ in range(5)]
+        junk = dial(server.port)
         junk.sendall(b"GET / HTTP/1.0\r\n\r\n")
-        assert all(turned_away(sock) for sock in [*idle, junk])
-        assert (server.timed_out, server.refused) == (5, 1)
+        idle.append(junk)
+        assert all(turned_away(sock) for sock in idle)
+        assert (server.timed_out, server.refused, server.held) == (5, 1, 1)
         assert watch.lost() == set() and watch.watching() == {"b"}
     finally:
-        for sock in [*idle, junk]:
+        for sock in idle:
+            sock.close()
+        watch.close()
+
+
+@pytest.fixture
+def unanswering() -> Iterator[list[tuple[str, int]]]:
+    """Four ports whose connects time out: listeners with a full backlog drop new SYNs."""
+    listeners, fillers = [], []
+    for _ in range(4):
+        listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+        fillers.append(socket.create_connection(listener.getsockname(), timeout=5))  # the one
+        listeners.append(listener)
+    yield [s.getsockname() for s in listeners]
+    for sock in [*listeners, *fillers]:
+        sock.close()
+
+
+def test_a_member_answers_without_waiting_for_slow_connects_to_others(
+    monkeypatch, unanswering
+) -> None:
+    """Peers are connected one by one, each connect bounded (here 0.5 s): a challenge is
+    answered before the next connect, not once all are done (2 s here, past the deadline)."""
+    monkeypatch.setattr(presence, "CONNECT_TIMEOUT_S", 0.5)
+    server = PresenceServer("127.0.0.1", KEY, handshake_timeout_s=1.2)
+    watch = member()
+    try:
+        peers = {"b": ("127.0.0.1", server.port)}
+        peers.update({f"slow{n}": address for n, address in enumerate(unanswering)})
+        watch.watch(peers)
+        held(watch, lambda: server.held)
+        assert server.refused == server.timed_out == 0 and watch.watching() == {"b"}
+    finally:
+        server.close()
+        watch.close()
+
+
+def test_a_flood_from_the_members_own_address_never_keeps_it_out() -> None:
+    """Every local process shares 127.0.0.1: a cap per address was used up by 8 connections
+    of another user. Pending connections are capped apart, the oldest pushed out first."""
+    server = PresenceServer("127.0.0.1", KEY, max_pending=8)
+    flood = [dial(server.port) for _ in range(100)]
+    watch = member()
+    try:
+        wait_until(lambda: server.accepted == 100, 10, "the flood accepted")
+        assert server.pending == 8 and server.evicted == 92
+        watch.watch({"b": ("127.0.0.1", server.port)})
+        held(watch, lambda: server.held)
+        assert watch.watching() == {"b"} and watch.lost() == set()
+        assert all(turned_away(sock) for sock in flood[:90])  # pushed out, or turned away
+    finally:
+        for sock in flood:
             sock.close()
         server.close()
         watch.close()
 
 
-@pytest.mark.parametrize("caps", [{"max_per_peer": 3}, {"max_connections": 3}])
-def test_connections_over_a_cap_are_refused_and_their_peer_is_not_lost(caps) -> None:
-    server = PresenceServer("127.0.0.1", **caps)
-    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
-    watch = PeerWatch()
+def test_members_over_the_cap_are_refused_and_unknown() -> None:
+    server = PresenceServer("127.0.0.1", KEY, max_connections=3)
+    watches = [member(str(n)) for n in range(4)]
     try:
-        for sock in held:
-            sock.sendall(presence.HELLO)
-        extra = socket.create_connection(("127.0.0.1", server.port))
-        assert turned_away(extra)
-        watch.watch({"b": ("127.0.0.1", server.port)})
-        deadline = time.monotonic() + 10
-        while watch.watching() and time.monotonic() < deadline:
-            assert watch.lost() == set()
-            time.sleep(0.01)
-        assert not watch.watching() and watch.lost() == set() and watch.left() == set()
-        assert server.refused == 2
-        for sock in held:  # still held: each reads nothing until the server says goodbye
-            with pytest.raises(BlockingIOError):
-                sock.recv(1, socket.MSG_DONTWAIT)
+        for watch in watches[:3]:
+            watch.watch({"b": ("127.0.0.1", server.port)})
+        wait_until(
+            lambda: [w.lost() for w in watches[:3]] == [set()] * 3 and server.held == 3,
+            10,
+            "three members held",
+        )
+        extra = watches[3]
+        extra.watch({"b": ("127.0.0.1", server.port)})
+        wait_until(lambda: not extra.lost() and not extra.watching(), 10, "the fourth refused")
+        assert extra.lost() == set() and extra.left() == set() and server.refused == 1
+        assert server.held == 3
+        assert all(w.watching() == {"b"} and w.lost() == set() for w in watches[:3])
     finally:
-        for sock in held:
-            sock.close()
         server.close()
+        for watch in watches:
+            watch.close()
+
+
+# Another local user (``nobody``) holds 20 connections to the port until the server closes
+# them; it prints how many it opened and how many the server closed.
+HOLD = """
+import json, socket
+port = {port}
+held = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+closed = 0
+for sock in held:
+    sock.settimeout(30)
+    try:
+        while sock.recv(4096):
+            pass
+        closed += 1
+    except OSError:
+        pass
+print(json.dumps({{"opened": len(held), "closed": closed}}))
+"""
+
+
+def test_connections_another_user_holds_never_keep_a_member_out(other) -> None:
+    server = PresenceServer("127.0.0.1", KEY, handshake_timeout_s=3.0)
+    watch = member()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            holding = pool.submit(as_user, other, HOLD.format(port=server.port))
+            wait_until(lambda: server.accepted >= 20 or holding.done(), 60, "20 connections")
+            assert not holding.done(), holding.result()  # a skip or a failure, raised here
+            watch.watch({"b": ("127.0.0.1", server.port)})
+            held(watch, lambda: server.held)
+            assert watch.watching() == {"b"} and watch.lost() == set()
+            done = holding.result()
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"opened": 20, "closed": 20}
+        assert server.timed_out == 20 and server.held == 1
+    finally:
+        server.close()
+        watch.close()
+
+
+def test_a_port_out_of_files_says_so_once_and_lets_a_member_in_once_free() -> None:
+    """accept() failing with EMFILE: it never leaves the server's thread nor spins on the
+    still-readable listening socket; once files are free again a member gets in."""
+    peer = Peer(handshake_timeout_s=30.0, spare_files=8)
+    flood = [dial(peer.port) for _ in range(40)]  # into the backlog beyond the 8
+    watch = member()
+    try:
+        wait_until(lambda: "resources.fd_exhausted" in peer.figures()["events"], 10, "EMFILE")
+        before = peer.figures()["cpu_s"]
+        time.sleep(1.0)  # a window to measure CPU over: a busy loop burns all of it
+        after = peer.figures()
+        assert after["cpu_s"] - before < 0.5, "the server spins on EMFILE"
+        assert after["events"] == ["resources.fd_exhausted"] and after["pending"] < len(flood)
+        for sock in flood:
+            sock.close()
+        watch.watch({"b": ("127.0.0.1", peer.port)})
+        held(watch, lambda: peer.figures()["held"])
+    finally:
+        for sock in flood:
+            sock.close()
+        peer.proc.kill()
+        peer.proc.wait(10)
         watch.close()
 
 
@@ -163,12 +380,11 @@ def test_a_killed_peer_ends_the_supervisor_loops_wait(peer) -> None:
     """Its supervisor sees the loss when it happens, not at its next monitor tick."""
     from elastic_trainer.supervisor.processes.signals import StopRequest
 
-    proc, port = peer
-    watch = PeerWatch()
-    watch.watch({"b": ("127.0.0.1", port)})
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", peer.port)})
     fds = watch.fds()
     assert len(fds) == 1
-    proc.send_signal(signal.SIGKILL)
+    peer.proc.send_signal(signal.SIGKILL)
     began = time.monotonic()
     assert StopRequest().wait_for_change(600.0, fds) is False
     assert time.monotonic() - began < 30  # did-not-hang bound: the wait is 600 s
