@@ -202,7 +202,16 @@ def rebind_store(handler: DynamicRendezvousHandler, store: Any, backend: Any) ->
 # _RendezvousContext: .node, .state (participants, wait_list, complete, round,
 #   last_heartbeats), .settings (min_nodes, max_nodes).
 JOIN_ACTIONS = ("SYNC", "KEEP_ALIVE", "MARK_RENDEZVOUS_COMPLETE", "FINISH", "ERROR_TIMEOUT")
-STATE_FIELDS = ("round", "complete", "participants", "wait_list", "last_heartbeats", "deadline")
+STATE_FIELDS = (
+    "round",
+    "complete",
+    "deadline",
+    "closed",
+    "participants",
+    "wait_list",
+    "redundancy_list",
+    "last_heartbeats",
+)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -410,53 +419,72 @@ def worker_popens(agent: Any) -> dict[int, subprocess.Popen]:
     return {lr: handler.proc for lr, handler in pcontext.subprocess_handlers.items()}
 
 
-# --- torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py --------------------
-# The c10d backend keeps a job's whole rendezvous state under one store key, base64 of a
-# pickled _RendezvousState. ``elastic-train status --rdzv-endpoint`` reads it without joining
-# (and without C10dRendezvousBackend, whose constructor writes the key). The pickle comes from
-# the job's own store, but we still unpickle only the few classes a state is made of.
+# --- the rendezvous state's classes (dynamic_rendezvous._RendezvousState, _NodeDesc) -------
+# torch's state holder pickles its state for the backend; the backend (ours:
+# supervisor/rendezvous/state_backend.py) stores it as signed JSON instead, so these two
+# functions turn a state into plain data and back. Nothing read from a store is unpickled:
+# only a state built here from checked plain data is pickled and handed to the holder.
 RENDEZVOUS_KEY_PREFIX = "torch.rendezvous."
-RENDEZVOUS_EMPTY = b"Y2FuaW1hZGFt"  # C10dRendezvousBackend._NULL_SENTINEL: no state yet
-_STATE_CLASSES = {
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
-    ("datetime", "datetime"),
-    ("datetime", "timezone"),
-    ("datetime", "timedelta"),
-    ("builtins", "set"),
-}
+NODE_FIELDS = ("addr", "pid", "local_id")
 
 
 def rendezvous_key(run_id: str) -> str:
+    """The store key of a job's rendezvous state (torch's c10d backend used the same one)."""
     return RENDEZVOUS_KEY_PREFIX + run_id
 
 
-def decode_rendezvous_state(encoded: bytes) -> Any:
-    """A stored rendezvous state (round, complete, closed, participants {node: rank},
-    wait_list, last_heartbeats {node: datetime}); None for the backend's empty sentinel.
-    Raises ValueError for anything else (never loads another class)."""
-    import base64
-    import binascii
-    import io
-    import pickle
+def state_to_plain(state: Any) -> dict[str, Any]:
+    """A ``_RendezvousState`` as JSON-ready data: nodes as ``[addr, pid, local_id]``, times
+    as whole microseconds since the epoch (exact both ways)."""
 
-    if encoded == RENDEZVOUS_EMPTY:  # written by the backend before the first round
-        return None
-    try:
-        raw = base64.b64decode(encoded, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"not a c10d rendezvous state: {exc}") from None
+    def node(n: Any) -> list[Any]:
+        return [n.addr, n.pid, n.local_id]
 
-    class _StateOnly(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) not in _STATE_CLASSES:
-                raise pickle.UnpicklingError(f"{module}.{name} is not part of a rendezvous state")
-            return super().find_class(module, name)
+    def micros(t: datetime | None) -> int | None:
+        return None if t is None else (t - _EPOCH) // timedelta(microseconds=1)
 
-    try:
-        return _StateOnly(io.BytesIO(raw)).load()
-    except Exception as exc:
-        raise ValueError(f"not a c10d rendezvous state: {exc}") from None
+    return {
+        "round": state.round,
+        "complete": state.complete,
+        "deadline": micros(state.deadline),
+        "closed": state.closed,
+        "participants": sorted([*node(n), rank] for n, rank in state.participants.items()),
+        "wait_list": sorted(node(n) for n in state.wait_list),
+        "redundancy_list": sorted(node(n) for n in state.redundancy_list),
+        "last_heartbeats": sorted([*node(n), micros(t)] for n, t in state.last_heartbeats.items()),
+    }
+
+
+def state_from_plain(plain: dict[str, Any]) -> Any:
+    """The ``_RendezvousState`` that ``state_to_plain`` made ``plain`` from (checked data:
+    ``state_codec.decode``)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _NodeDesc,
+        _RendezvousState,
+    )
+
+    nodes: dict[tuple[Any, ...], Any] = {}  # one object per node, as torch's own state has
+
+    def node(entry: list[Any]) -> Any:
+        key = (entry[0], entry[1], entry[2])
+        found = nodes.get(key)
+        if found is None:
+            found = nodes[key] = _NodeDesc(*key)
+        return found
+
+    def when(us: int | None) -> datetime | None:
+        return None if us is None else _EPOCH + timedelta(microseconds=us)
+
+    state = _RendezvousState()
+    state.round = plain["round"]
+    state.complete = plain["complete"]
+    state.deadline = when(plain["deadline"])
+    state.closed = plain["closed"]
+    state.participants = {node(e): e[3] for e in plain["participants"]}
+    state.wait_list = {node(e) for e in plain["wait_list"]}
+    state.redundancy_list = {node(e) for e in plain["redundancy_list"]}
+    state.last_heartbeats = {node(e): when(e[3]) for e in plain["last_heartbeats"]}
+    return state
 
 
 # --- torch/distributed/elastic/rendezvous/utils.py --------------------------------------
@@ -567,7 +595,7 @@ def checks() -> dict[str, Callable[[], bool]]:
         },
         **{f"LocalElasticAgent.{h}()": _has(LocalElasticAgent, h) for h in AGENT_HOOKS},
         **{f"LocalElasticAgent.{a}": _agent_attr(a) for a in AGENT_ATTRIBUTES},
-        "C10dRendezvousBackend key 'torch.rendezvous.<run_id>'": _key_format,
+        "_NodeDesc(addr, pid, local_id)": _node_fields,
         "local_elastic_agent.start_processes called by _start_workers": _start_processes_check,
         "SubprocessContext._start() fills subprocess_handlers[lr].proc": _subprocess_context_check,
         "rendezvous.utils._matches_machine_hostname": lambda: callable(
@@ -603,14 +631,11 @@ def _state_fields() -> bool:
     )
 
 
-def _key_format() -> bool:
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+def _node_fields() -> bool:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-    backend = c10d_rendezvous_backend.C10dRendezvousBackend
-    empty = getattr(backend, "_NULL_SENTINEL", "").encode()
-    return (
-        RENDEZVOUS_KEY_PREFIX in backend.__init__.__code__.co_consts and empty == RENDEZVOUS_EMPTY
-    )
+    fields = getattr(_NodeDesc, "__dataclass_fields__", {})
+    return tuple(fields) == NODE_FIELDS
 
 
 def _start_processes_check() -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.errors import ConfigError
-from elastic_trainer.tools.report.cli import one_line_errors
+from elastic_trainer.tools.report.cli import one_line_errors, print_text
 from elastic_trainer.tools.report.events import load_event_log
 from elastic_trainer.tools.report.runs import describe_stray, split_stray
 from elastic_trainer.tools.report.summary import (
@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rdzv-endpoint", help="ask the live store at HOST:PORT instead of a log")
     p.add_argument("--job-id", default="elastic-train", help="the job's id (with --rdzv-endpoint)")
+    p.add_argument(
+        "--rdzv-secret-file", help="the job's secret (with --rdzv-endpoint; as the job's)"
+    )
+    p.add_argument(
+        "--snapshot-dir", help="the job's snapshot folder, where its secret is (as the job's)"
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the store")
     p.add_argument("--json", action="store_true", help="print the status as one JSON object")
     return p
@@ -194,15 +200,24 @@ def run(argv: Sequence[str], *, now: float | None = None) -> int:
     if (args.run is None) == (args.rdzv_endpoint is None):
         raise ConfigError("give a RUN (event log or run folder) or --rdzv-endpoint HOST:PORT")
     if args.rdzv_endpoint is not None:
+        from elastic_trainer.supervisor.rendezvous.secret import job_key
         from elastic_trainer.tools.live_status import print_live_status
 
-        return print_live_status(args.rdzv_endpoint, args.job_id, args.timeout, as_json=args.json)
+        key = job_key(
+            secret_file=args.rdzv_secret_file,
+            snapshot_dir=args.snapshot_dir,
+            job_id=args.job_id,
+            create=False,
+        )
+        return print_live_status(
+            args.rdzv_endpoint, args.job_id, args.timeout, key=key, as_json=args.json
+        )
     log = load_event_log(args.run)
     status = status_of(log.events, now=time.time() if now is None else now)
     if args.json:
         print(json.dumps({**status.to_dict(), "log": log.path}, indent=2))
     else:
-        print(format_status(status, source=log.path))
+        print_text(format_status(status, source=log.path))
     return 0
 
 

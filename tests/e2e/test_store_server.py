@@ -250,15 +250,17 @@ def current_world(out: Path, size: int, min_step: int, after: float = 0.0) -> se
 
 
 def joined(endpoint: str, job_id: str) -> bool:
-    """True once some agent has written rendezvous state for ``job_id`` into the store."""
+    """True once some agent has written rendezvous state for ``job_id`` into the store: not
+    the empty state written before the first round (torch's sentinel, or ours)."""
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
 
     host, port = endpoint.rsplit(":", 1)
     client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-    return C10dRendezvousBackend(client, job_id).get_state() is not None
+    key = f"torch.rendezvous.{job_id}"
+    if not client.check([key]):
+        return False
+    value = bytes(client.get(key))
+    return value != b"Y2FuaW1hZGFt" and b'"empty":true' not in value
 
 
 @pytest.mark.integration

@@ -54,7 +54,6 @@ from typing import Any
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -62,12 +61,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.contract.config import RunConfig
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, first_line
 from elastic_trainer.supervisor.core import decisions
-from elastic_trainer.supervisor.rendezvous import static_host
+from elastic_trainer.supervisor.rendezvous import signed_store, static_host
 from elastic_trainer.supervisor.rendezvous.membership import member_name, node_name
+from elastic_trainer.supervisor.rendezvous.state_backend import SignedStateBackend
 
 
 class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
@@ -88,6 +89,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     # worker can fail ours a moment before its agent's connection closes)
     dead_now: Callable[[], set[Any]] | None = None
     presence_address = ""  # ours, as published (again into a failed-over store)
+    state_backend: SignedStateBackend | None = None  # where the state is (create_handler)
+    endpoint = ""  # the store's HOST:PORT now (after a failover, the new one)
+
+    @property
+    def job_key(self) -> JobKey:
+        """The job's secret, which signs every value in the store (``signed_store``)."""
+        return self.store.key  # type: ignore[no-any-return]
 
     def tune(self, *, first_last_call_s: float, later_last_call_s: float) -> None:
         self._first_last_call = timedelta(seconds=first_last_call_s)
@@ -112,6 +120,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             info = super().next_rendezvous()
         if self.lineage:  # the workers of this round start after it: they inherit it
             os.environ[ENV_RDZV_LINEAGE] = self.lineage
+        if self.endpoint:  # ... and where it is now (snapshots' owner record: run_liveness)
+            os.environ[protocol.ENV_RDZV_ENDPOINT] = self.endpoint
         self._known, self._dead = frozenset(self.participants()), frozenset()
         if self._static_rank is not None and self.store is not None:
             self._check_static_ranks(info.world_size)
@@ -206,15 +216,14 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
             wait_s = min(wait_s, max(0.0, left_s))
         until = time.monotonic() + wait_s
-        key = torch_compat.rendezvous_key(self.get_run_id())
         while time.monotonic() < until:
             time.sleep(self.poll_s)
             self._raise_if_static_conflict()
             if self._newly_dead():
                 return
             try:
-                state = torch_compat.decode_rendezvous_state(self.store.get(key))
-            except Exception:  # unreadable now: torch's own sync reports store trouble
+                state = self.state_backend.peek() if self.state_backend is not None else None
+            except Exception:  # unreadable or refused now: torch's own sync deals with it
                 return
             if state is None or torch_compat.state_view(state, view).key() != view.key():
                 return
@@ -282,7 +291,12 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def _published(self, kind: str, nodes: set[Any]) -> dict[Any, str]:
         """node -> the value it published, for the nodes that published one."""
         keys = {node: self._key(kind, node) for node in nodes}
-        return {n: self.store.get(k).decode() for n, k in keys.items() if self.store.check([k])}
+        keys = {node: key for node, key in keys.items() if self.store.check([key])}
+        found = {}
+        for node, key in keys.items():
+            with contextlib.suppress(signed_store.TamperedValue):  # not the node's: unknown
+                found[node] = self.store.get(key).decode()
+        return found
 
     # ---- store failover (failover.py) --------------------------------------------------------
     def member_name(self) -> str:
@@ -291,7 +305,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def store_host_member(self) -> str | None:
         """The member whose agent hosts this store (None: a standalone store)."""
         key = store_host_member_key(self.get_run_id())
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        with contextlib.suppress(signed_store.TamperedValue):  # forged: as if none were named
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        return None
 
     def leaving_host(self) -> str | None:
         """The store host, if it said it is leaving (preempted); None otherwise or unreadable."""
@@ -306,13 +322,16 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         with contextlib.suppress(Exception):
             self.store.set(leaving_key(self.get_run_id()), self.member_name())
 
-    def rebind(self, store: Any, *, hosted: bool, node: str) -> None:
+    def rebind(self, store: Any, *, hosted: bool, node: str, endpoint: str = "") -> None:
         """Use ``store`` from now on (the failed-over one): the same node, the same tuning and
         knowledge of the last round (so the survivors' first round closes as soon as they have
         all joined), the same lineage (set here unless a survivor set it first)."""
         run_id = self.get_run_id()
-        torch_compat.rebind_store(self, store, C10dRendezvousBackend(store, run_id))
+        store = signed_store.signed(store, self.store.key, self.store.log)
+        self.state_backend = SignedStateBackend(store, run_id)
+        torch_compat.rebind_store(self, store, self.state_backend)
         self.store = store
+        self.endpoint = endpoint or self.endpoint
         if hosted:
             store.set(store_host_key(run_id), node)
             store.set(store_host_member_key(run_id), self.member_name())
@@ -349,10 +368,18 @@ def with_group_rank(info: RendezvousInfo, rank: int | None, *, local_addr: str) 
 
 
 def create_handler(
-    cfg: RunConfig, *, serve: bool, claimed: Any = None, store: Any = None
+    cfg: RunConfig,
+    *,
+    key: JobKey,
+    serve: bool,
+    claimed: Any = None,
+    store: Any = None,
+    store_endpoint: str | None = None,
 ) -> FastRecoveryRendezvousHandler:
     """Host (``serve``) or connect to the c10d store and build the handler (on ``store``
-    when given: one already connected, found through the snapshot folder's record).
+    when given: one already connected, found through the snapshot folder's record). Every
+    value in the store is signed with ``key`` (``signed_store``); ``ForeignSecret`` when the
+    job's state is signed with another.
 
     The store comes from ``endpoint.open_store`` rather than torch's ``create_backend``:
     every connect and handshake is bounded, a store not up yet is waited for up to the join
@@ -372,11 +399,10 @@ def create_handler(
             read_timeout_s=tuning.read_timeout,
             claimed=claimed,
         )
-    backend = C10dRendezvousBackend(store, cfg.job_id)
-    handler = FastRecoveryRendezvousHandler.from_backend(
-        cfg.job_id,
+    handler = handler_on(
         store,
-        backend,
+        key,
+        cfg.job_id,
         cfg.min_nodes,
         cfg.max_nodes,
         cfg.local_addr,
@@ -386,7 +412,7 @@ def create_handler(
             close=timedelta(seconds=tuning.close_timeout),
             heartbeat=timedelta(seconds=tuning.heartbeat_timeout),
         ),
-        keep_alive_interval=tuning.keep_alive_interval,  # type: ignore[arg-type]  # float works
+        keep_alive_interval=tuning.keep_alive_interval,
         keep_alive_max_attempt=tuning.keep_alive_max_attempt,
     )
     handler.tune(
@@ -394,11 +420,44 @@ def create_handler(
         later_last_call_s=tuning.last_call_timeout,
     )
     handler.use_static_rank(cfg.torchrun.node_rank)
-    handler.store = store
-    handler.lineage = share_lineage(store, cfg.job_id)
+    handler.endpoint = store_endpoint or cfg.rdzv_endpoint
+    handler.lineage = share_lineage(handler.store, cfg.job_id)
     if hosted:  # every agent's rendezvous.completed names it (``store_host``)
-        store.set(store_host_key(cfg.job_id), cfg.node)
-        store.set(store_host_member_key(cfg.job_id), handler.member_name())
+        handler.store.set(store_host_key(cfg.job_id), cfg.node)
+        handler.store.set(store_host_member_key(cfg.job_id), handler.member_name())
+    return handler
+
+
+def handler_on(
+    store: Any,
+    key: JobKey,
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    local_addr: str | None,
+    timeout: RendezvousTimeout,
+    *,
+    keep_alive_interval: float,
+    keep_alive_max_attempt: int,
+) -> FastRecoveryRendezvousHandler:
+    """The handler of ``run_id`` on a connected c10d ``store``, every value in it signed with
+    ``key`` (``signed_store``) and the state kept as signed JSON (``state_backend``).
+    ``ForeignSecret`` when the job's state there is signed with another key."""
+    store = signed_store.signed(store, key)
+    backend = SignedStateBackend(store, run_id)
+    backend.get_state()  # ForeignSecret now, before anything of ours is written
+    handler = FastRecoveryRendezvousHandler.from_backend(
+        run_id,
+        store,
+        backend,
+        min_nodes,
+        max_nodes,
+        local_addr,
+        timeout,
+        keep_alive_interval=keep_alive_interval,  # type: ignore[arg-type]  # float works
+        keep_alive_max_attempt=keep_alive_max_attempt,
+    )
+    handler.store, handler.state_backend = store, backend
     return handler
 
 
@@ -413,8 +472,7 @@ def share_lineage(store: Any, job_id: str) -> str:
     return bytes(store.compare_set(lineage_key(job_id), "", uuid.uuid4().hex)).decode()
 
 
-def lineage_key(job_id: str) -> str:
-    return f"elastic-train/{job_id}/lineage"
+lineage_key = protocol.lineage_key
 
 
 def store_host_key(job_id: str) -> str:

@@ -55,11 +55,17 @@ def is_local_address(host: str) -> bool:
 
 
 def conflict_in(store: Any, job_id: str) -> str | None:
-    """The conflict a node found and wrote into ``store``, or None."""
+    """The conflict a node found and wrote into ``store``, or None (one not signed by the
+    job is none)."""
+    from elastic_trainer.supervisor.rendezvous.signed_store import TamperedValue
+
     key = conflict_key(job_id)
     if not store.check([key]):
         return None
-    return bytes(store.get(key)).decode("utf-8", errors="replace")
+    try:
+        return bytes(store.get(key)).decode("utf-8", errors="replace")
+    except TamperedValue:
+        return None
 
 
 def conflict_line(*, node: str, host: str, port: int, num_nodes: int) -> str:
@@ -112,6 +118,9 @@ class HostProbe:
             self._stopped.wait(PROBE_EVERY_S)
 
     def _check(self, other: Any) -> None:
+        from elastic_trainer.supervisor.rendezvous.signed_store import signed
+
+        other = signed(other, self._store.key)  # the same job's store has the same key
         key = token_key(self._job_id)
         if other.check([key]) and bytes(other.get(key)).decode() == self._token:
             return  # our own store: --master-addr routes here

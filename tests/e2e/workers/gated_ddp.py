@@ -1,9 +1,9 @@
 """A torchrun-style DDP script that fails once and then waits at a gate.
 
-Rank 1 exits with an error on the first attempt (before joining the process group); on the
-second, every rank trains a step, rank 0 writes the environment it saw to ``ARGV1/env.json``
-and ``ARGV1/waiting``, then all wait until the test creates ``ARGV1/go`` (the test inspects
-the live job meanwhile).
+Rank 1 exits with an error on the first attempt (before joining the process group), unless
+``--no-failure`` follows the folder; then every rank trains a step, rank 0 writes the
+environment it saw to ``ARGV1/env.json`` and ``ARGV1/waiting``, and all wait until the test
+creates ``ARGV1/go`` (the test inspects or attacks the live job meanwhile).
 """
 
 import json
@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main() -> None:
     folder = sys.argv[1]
-    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    fails = "--no-failure" not in sys.argv[2:]
+    if fails and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         sys.exit(1)  # before the process group: rank 0 waits in it for the restart
     dist.init_process_group("gloo")
     rank = dist.get_rank()

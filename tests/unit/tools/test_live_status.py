@@ -1,27 +1,27 @@
-"""``elastic-train status --rdzv-endpoint``: a live store, read without joining or writing."""
+"""``elastic-train status --rdzv-endpoint``: a live store, read without joining or writing,
+and nothing from it trusted unless signed with the job's secret and of the state's shape."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import socket
-from base64 import b64encode
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousTimeout,
-    _NodeDesc,
-    _RendezvousState,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
 from elastic_trainer import torch_compat
-from elastic_trainer.tools.live_status import describe, state_shape_problem
+from elastic_trainer.contract import auth
+from elastic_trainer.supervisor.rendezvous import state_codec
+from elastic_trainer.supervisor.rendezvous.handler import handler_on
+from elastic_trainer.tools.live_status import describe
 from elastic_trainer.tools.status import main
+
+KEY_NAME = torch_compat.rendezvous_key("job-1")
 
 
 def _free_port() -> int:
@@ -37,27 +37,39 @@ def store():
     yield server, port
 
 
-def test_a_formed_round_is_shown_with_its_nodes(store, capsys) -> None:
+@pytest.fixture
+def secret(tmp_path: Path) -> tuple[auth.JobKey, str]:
+    """The job's secret in a file, as ``--rdzv-secret-file`` takes it."""
+    path = tmp_path / "secret"
+    path.write_bytes(os.urandom(16).hex().encode())
+    path.chmod(0o600)
+    return auth.JobKey(path.read_bytes()), str(path)
+
+
+def _status(port: int, secret_file: str, *extra: str) -> int:
+    argv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "job-1"]
+    return main([*argv, "--rdzv-secret-file", secret_file, *extra])
+
+
+def test_a_formed_round_is_shown_with_its_nodes(store, secret, capsys) -> None:
     server, port = store
-    handler = DynamicRendezvousHandler.from_backend(
-        "job-1",
+    key, path = secret
+    handler = handler_on(
         server,
-        C10dRendezvousBackend(server, "job-1"),
+        key,
+        "job-1",
         1,
         1,
-        local_addr="127.0.0.1",
-        timeout=RendezvousTimeout(last_call=timedelta(seconds=1)),
+        "127.0.0.1",
+        RendezvousTimeout(last_call=timedelta(seconds=1)),
+        keep_alive_interval=5,
+        keep_alive_max_attempt=3,
     )
     handler.next_rendezvous()
     try:
-        argv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "job-1", "--json"]
-        assert main(argv) == 0
+        assert _status(port, path, "--json") == 0
         shown = json.loads(capsys.readouterr().out)
-        assert (shown["round"], shown["complete"], shown["closed"]) == (
-            0,
-            True,
-            False,
-        )  # first round
+        assert (shown["round"], shown["complete"], shown["closed"]) == (0, True, False)
         (node,) = shown["nodes"]
         assert (node["addr"], node["group_rank"]) == ("127.0.0.1", 0)
         assert node["heartbeat_age_s"] is not None and node["heartbeat_age_s"] >= 0
@@ -65,24 +77,18 @@ def test_a_formed_round_is_shown_with_its_nodes(store, capsys) -> None:
         handler.shutdown()
 
 
-def test_an_unknown_job_is_one_line_and_writes_nothing(store, capsys) -> None:
+def test_an_unknown_job_is_one_line_and_writes_nothing(store, secret, capsys) -> None:
     server, port = store
-    assert main(["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "nope"]) == 2
+    argv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "nope"]
+    assert main([*argv, "--rdzv-secret-file", secret[1]]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("elastic-train: error: ") and "no rendezvous for job 'nope'" in err
     assert not server.check([torch_compat.rendezvous_key("nope")])  # read-only: no key made
 
 
-def test_a_refused_endpoint_is_one_line(capsys) -> None:
-    assert main(["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--timeout", "1"]) == 2
+def test_a_refused_endpoint_is_one_line(secret, capsys) -> None:
+    assert _status(_free_port(), secret[1], "--timeout", "1") == 2
     assert capsys.readouterr().err.startswith("elastic-train: error: ")
-
-
-def test_the_state_decoder_loads_nothing_but_a_rendezvous_state() -> None:
-    evil = b64encode(pickle.dumps(print))  # any other global is refused, never called
-    with pytest.raises(ValueError, match="not part of a rendezvous state"):
-        torch_compat.decode_rendezvous_state(evil)
-    assert torch_compat.decode_rendezvous_state(torch_compat.RENDEZVOUS_EMPTY) is None
 
 
 def test_run_or_endpoint_not_both(tmp_path, capsys) -> None:
@@ -90,67 +96,125 @@ def test_run_or_endpoint_not_both(tmp_path, capsys) -> None:
     assert "give a RUN" in capsys.readouterr().err
 
 
-_NODE = _NodeDesc("10.0.0.1", 4242, 0)
+class _RunsCode:
+    """What an attacker plants: a pickle whose loading runs a command."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.path}",))
 
 
-def _state(**fields: Any) -> _RendezvousState:
-    """A formed one-node round as torch stores it, with ``fields`` put over it."""
-    state = _RendezvousState()
-    state.complete = True
-    state.participants = {_NODE: 0}
-    state.last_heartbeats = {_NODE: datetime.now(timezone.utc)}
-    for name, value in fields.items():
-        setattr(state, name, value)
-    return state
+def _one_line_error(capsys) -> str:  # type: ignore[no-untyped-def]
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("elastic-train: error: ")
+    assert "\x1b" not in captured.out + captured.err and "\x07" not in captured.out + captured.err
+    return captured.err
 
 
-def _show(server: TCPStore, port: int, state: Any) -> int:
-    # what C10dRendezvousBackend writes: the base64 of the pickled state under the job's key
-    server.set(torch_compat.rendezvous_key("job-1"), b64encode(pickle.dumps(state)))
-    return main(["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "job-1", "--json"])
-
-
-def test_a_well_formed_stored_state_is_shown(store, capsys) -> None:
+def test_a_planted_pickle_runs_nothing_and_is_one_line(store, secret, tmp_path, capsys) -> None:
+    """torch's c10d backend stored a pickle that every reader unpickled: this value ran
+    ``touch`` in whoever read it."""
     server, port = store
-    assert _show(server, port, _state()) == 0
-    (node,) = json.loads(capsys.readouterr().out)["nodes"]
-    assert (node["addr"], node["pid"], node["group_rank"]) == ("10.0.0.1", 4242, 0)
+    ran = tmp_path / "ran"
+    server.set(KEY_NAME, pickle.dumps(_RunsCode(ran)))
+    assert _status(port, secret[1]) == 2
+    assert "not signed with the job's secret" in _one_line_error(capsys)
+    assert not ran.exists()
 
 
-@pytest.mark.parametrize(
-    ("state", "named"),
-    [
-        (_state(last_heartbeats=5), "last_heartbeats is int, expected a dict"),
-        (_state(participants={_NODE}), "participants is set, expected a dict"),
-        (_state(participants=[[_NODE, 0]]), "participants is list, expected a dict"),
-        (_state(wait_list=[["10.0.0.2", 7]]), "wait_list is list, expected a set"),
-        (
-            _state(last_heartbeats={_NODE: "2024-01-01T00:00:00"}),
-            "the heartbeat of '10.0.0.1' is str, expected a datetime",
-        ),
-        ({"round": 1}, "the state is dict without round, complete, closed"),
-    ],
-    ids=[
-        "int-heartbeats",
-        "set-participants",
-        "nested-list-participants",
-        "nested-list-wait-list",
-        "str-heartbeat",
-        "not-a-state",
-    ],
-)
-def test_a_state_of_another_shape_is_one_line_exit_2(store, capsys, state, named) -> None:
+def test_a_state_signed_with_another_secret_is_refused(store, secret, capsys) -> None:
     server, port = store
-    assert _show(server, port, state) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("elastic-train: error: ")
-    assert f"the rendezvous state at 127.0.0.1:{port} is not one this version understands" in err
-    assert named in err and "another job's store?" in err
+    forged = state_codec.encode(None, fingerprint="x")
+    server.set(KEY_NAME, auth.sign_value(auth.JobKey.generate(), KEY_NAME, forged))
+    assert _status(port, secret[1]) == 2
+    assert f"(key {secret[0].fingerprint})" in _one_line_error(capsys)
 
 
-def test_a_naive_heartbeat_is_read_as_utc() -> None:
+def _plain(**fields: object) -> dict[str, object]:
+    """A formed one-node round, with ``fields`` put over it."""
+    beat = (datetime.now(timezone.utc) - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(
+        microseconds=1
+    )
+    base: dict[str, object] = {
+        "round": 3,
+        "complete": True,
+        "deadline": None,
+        "closed": False,
+        "participants": [["10.0.0.1", 4242, 0, 0]],
+        "wait_list": [],
+        "redundancy_list": [],
+        "last_heartbeats": [["10.0.0.1", 4242, 0, beat]],
+    }
+    return {**base, **fields}
+
+
+def _sign(key: auth.JobKey, payload: bytes) -> bytes:
+    return auth.sign_value(key, KEY_NAME, payload)
+
+
+def test_a_well_formed_signed_state_is_shown(store, secret, capsys) -> None:
+    server, port = store
+    key, path = secret
+    server.set(KEY_NAME, _sign(key, state_codec.encode(_plain(), fingerprint=key.fingerprint)))
+    assert _status(port, path, "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    (node,) = shown["nodes"]
+    assert (shown["round"], node["addr"], node["pid"], node["group_rank"]) == (
+        3,
+        "10.0.0.1",
+        4242,
+        0,
+    )
+
+
+DEEP = b'{"format":1,"round":' + b"[" * 10**6 + b"]" * 10**6 + b"}"
+ESCAPE = "\x1b]0;pwned\x07"  # a terminal-title escape
+
+
+def _encoded(**fields: object) -> bytes:
+    return state_codec.encode(_plain(**fields), fingerprint="k")
+
+
+SHAPES = {
+    "deep": (DEEP, "not JSON"),  # a segfault before (exit 139)
+    "5000-digits": (b'{"format":1,"round":' + b"9" * 5000 + b"}", "not JSON"),  # a traceback
+    "huge-int": (_encoded(round=10**30), "round"),
+    "str-round": (_encoded(round="3"), "round"),
+    "escape-addr": (_encoded(participants=[[ESCAPE, 1, 0, 0]]), "printable"),
+    "dict-participants": (_encoded(participants={"a": 0}), "participants"),
+    "short-node": (_encoded(wait_list=[["a", 1]]), "wait_list"),
+    "not-a-state": (b"[]", "format 1"),
+}
+
+
+@pytest.mark.parametrize(("payload", "named"), list(SHAPES.values()), ids=list(SHAPES))
+def test_a_signed_value_of_another_shape_is_one_line(store, secret, capsys, payload, named) -> None:
+    """Even signed (a bug or another version of ours), only the state's schema gets through."""
+    server, port = store
+    key, path = secret
+    server.set(KEY_NAME, _sign(key, payload))
+    assert _status(port, path) == 2
+    assert named in _one_line_error(capsys)
+
+
+def test_describe_orders_nodes_by_rank_and_ages_heartbeats() -> None:
     now = datetime(2024, 1, 1, 0, 0, 10, tzinfo=timezone.utc)
-    naive = datetime(2024, 1, 1, 0, 0, 0)  # as an older torch's utcnow() wrote it
-    shown = describe(_state(last_heartbeats={_NODE: naive}), now=now)
-    assert state_shape_problem(_state(last_heartbeats={_NODE: naive})) is None
-    assert shown["nodes"][0]["heartbeat_age_s"] == 10.0
+    ten_s_before = (now - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(
+        microseconds=1
+    ) - 10_000_000
+    plain = state_codec.decode(
+        state_codec.encode(
+            _plain(
+                participants=[["b", 2, 0, 1], ["a", 1, 0, 0]],
+                last_heartbeats=[["a", 1, 0, ten_s_before]],
+            ),
+            fingerprint="k",
+        )
+    )
+    shown = describe(plain, now=now)
+    assert [(n["addr"], n["group_rank"], n["heartbeat_age_s"]) for n in shown["nodes"]] == [
+        ("a", 0, 10.0),
+        ("b", 1, None),
+    ]

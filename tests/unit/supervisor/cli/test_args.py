@@ -9,6 +9,7 @@ import pytest
 
 from elastic_trainer.cli import SUBCOMMANDS
 from elastic_trainer.cli import main as cli_main
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor.cli import args
 from elastic_trainer.supervisor.run import main
@@ -232,7 +233,7 @@ def test_the_rendezvous_node_is_advertised_at_local_addr() -> None:
         ],
         env={},
     )
-    handler = create_handler(cfg, serve=True)
+    handler = create_handler(cfg, key=JobKey.generate(), serve=True)
     assert torch_compat.this_node(handler).addr == "127.0.0.9"
 
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 from torch.distributed import HashStore, TCPStore
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
 from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.handler import (
     FastRecoveryRendezvousHandler,
@@ -27,6 +27,7 @@ from elastic_trainer.supervisor.rendezvous.handler import (
 )
 
 HANG_S = 20.0  # far below the 30 s waits a missing early close would cost
+KEY = JobKey.generate()
 
 
 @pytest.fixture
@@ -45,10 +46,10 @@ def nodes(server, monkeypatch):
 
     def make(*, max_nodes: int, first_last_call_s: float = 30.0) -> FastRecoveryRendezvousHandler:
         store = TCPStore("127.0.0.1", server, is_master=False, timeout=timedelta(seconds=30))
-        handler = FastRecoveryRendezvousHandler.from_backend(
-            "job",
+        handler = rendezvous.handler_on(
             store,
-            C10dRendezvousBackend(store, "job"),
+            KEY,
+            "job",
             1,
             max_nodes,
             "127.0.0.1",
@@ -57,7 +58,6 @@ def nodes(server, monkeypatch):
             keep_alive_max_attempt=3,
         )
         handler.tune(first_last_call_s=first_last_call_s, later_last_call_s=30.0)
-        handler.store = store
         made.append(handler)
         return handler
 
@@ -88,8 +88,7 @@ class Joining:
 
 
 def shared_state(handler: FastRecoveryRendezvousHandler) -> Any:
-    key = torch_compat.rendezvous_key("job")
-    return torch_compat.decode_rendezvous_state(handler.store.get(key))
+    return handler.state_backend.peek()
 
 
 def wait_for(predicate: Any) -> None:
@@ -174,10 +173,10 @@ def test_a_lost_store_fails_heartbeats_quietly_and_counts_them(monkeypatch, capl
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=5))
-    handler = FastRecoveryRendezvousHandler.from_backend(
-        "job",
+    handler = rendezvous.handler_on(
         store,
-        C10dRendezvousBackend(store, "job"),
+        KEY,
+        "job",
         1,
         1,
         "127.0.0.1",
@@ -185,7 +184,6 @@ def test_a_lost_store_fails_heartbeats_quietly_and_counts_them(monkeypatch, capl
         keep_alive_interval=0.01,  # every beat below is due (the timer is stopped)
         keep_alive_max_attempt=1000,  # but the node expires only after 10 s
     )
-    handler.store = store
     assert Joining(handler).result() == 1
     handler._stop_heartbeats()  # the test sends the beats
     del master  # the store is gone
@@ -233,9 +231,10 @@ def test_survivors_rebound_to_a_new_store_form_their_next_round_there_at_once(no
     c._stop_heartbeats()
     a.rebind(moved, hosted=True, node="a")
     b.rebind(client, hosted=False, node="b")
-    assert rendezvous.hosted_by(client, "job", a.member_name())
-    assert not rendezvous.hosted_by(client, "job", b.member_name())
-    assert rendezvous.store_host(client, "job") == "a"
+    assert rendezvous.hosted_by(b.store, "job", a.member_name())
+    assert not rendezvous.hosted_by(b.store, "job", b.member_name())
+    assert rendezvous.store_host(b.store, "job") == "a"
+    assert not rendezvous.hosted_by(client, "job", a.member_name())  # unsigned: not trusted
     assert a.lineage == b.lineage == lineage
     assert b.presence_addresses({a.this_node, b.this_node}) == {
         a.this_node: "127.0.0.1:1",
@@ -244,7 +243,10 @@ def test_survivors_rebound_to_a_new_store_form_their_next_round_there_at_once(no
     began = time.monotonic()
     form(a, b)
     assert time.monotonic() - began < HANG_S
-    assert a.store is moved and shared_state(b).participants.keys() == {a.this_node, b.this_node}
+    assert a.store.raw is moved and shared_state(b).participants.keys() == {
+        a.this_node,
+        b.this_node,
+    }
 
 
 def form_with_last_call_of(*handlers: FastRecoveryRendezvousHandler) -> None:

@@ -8,10 +8,13 @@ from datetime import timedelta
 import pytest
 from torch.distributed import HashStore, TCPStore
 
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.supervisor.rendezvous import static_host
+from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore
 from tests.e2e.workers.harness import free_port, wait_for
 
 pytestmark = pytest.mark.timeout(60)
+KEY = JobKey.generate()  # both nodes are of one job: one secret
 
 
 def test_a_local_address_is_one_a_socket_binds_to() -> None:
@@ -27,14 +30,14 @@ def _probe(own: object, port: int) -> static_host.HostProbe:
     )  # fmt: skip
 
 
-def _server(port: int) -> TCPStore:
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=5))  # fmt: skip
+def _server(port: int) -> SignedStore:
+    return SignedStore(TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=5)), KEY)  # fmt: skip
 
 
 def test_another_nodes_store_at_the_master_addr_is_a_conflict_in_both_stores() -> None:
     port = free_port()
-    own, other = HashStore(), _server(port)
+    own, other = SignedStore(HashStore(), KEY), _server(port)
     probe = _probe(own, port).start()
     try:
         wait_for(lambda: static_host.conflict_in(other, "j"), 30, "the conflict in its store")
@@ -55,7 +58,7 @@ def test_our_own_store_answering_there_is_no_conflict() -> None:
 
 def test_the_probe_waits_for_the_other_store_to_come_up() -> None:
     port = free_port()  # nothing listens yet: the other node starts later
-    own = HashStore()
+    own = SignedStore(HashStore(), KEY)
     probe = _probe(own, port).start()
     try:
         other = _server(port)

@@ -1,0 +1,142 @@
+"""torch's dynamic rendezvous on a signed JSON state (``RendezvousBackend``, torch's public
+seam for where a rendezvous keeps its state).
+
+torch's state holder hands a backend a pickle of its state and unpickles whatever the backend
+returns. This backend never stores that pickle: it turns the state into plain data, stores
+it as signed JSON (``state_codec``, ``auth``) under torch's key, and on every read verifies
+the tag, checks the schema and builds the state anew from the checked fields; only that state,
+made here, is pickled back for the holder.
+
+A value that does not verify is never used (``store.tampered``). A member that has read a
+good state before puts it back (the next write compare-and-sets against the bad value, so it
+replaces it); a node that never saw one starts from an empty state, unless the value is a
+state signed with another secret (same schema, another key fingerprint): that is a node of
+this job given a different secret, and ``ForeignSecret`` says so instead of fighting over
+the key.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from elastic_trainer import torch_compat
+from elastic_trainer.contract import auth
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.supervisor.rendezvous import state_codec
+from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore
+
+
+class ForeignSecret(ConfigError):
+    """The job's rendezvous state is signed with another secret than this node's."""
+
+
+class SignedStateBackend(RendezvousBackend):
+    """The rendezvous state of ``run_id`` in ``store``, signed with the store's job key."""
+
+    def __init__(self, store: SignedStore, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._store = store
+        self._key = torch_compat.rendezvous_key(run_id)
+        self._empty = store.sign(self._key, state_codec.encode(None, fingerprint=self._fp))
+        self._last_good: bytes | None = None  # the last verified state, pickled for the holder
+        self._last_raw = b""  # ... and the stored value it came from: read again, not decoded
+        # as torch's backend: the key exists from now on (a write without a token expects it)
+        self._call("compare_set", self._key, "", self._empty)
+
+    @property
+    def name(self) -> str:
+        return "elastic-train"
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        # compare-and-set against "absent": the value, or the empty state written now. A
+        # plain get would block until the key exists (deleted by someone, or not made yet).
+        raw = self._call("compare_set", self._key, "", self._empty)
+        return self._state_of(raw)
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        # the holder's own pickle of its own state, made in this process a moment ago
+        plain = torch_compat.state_to_plain(pickle.loads(state))
+        value = self._store.sign(self._key, state_codec.encode(plain, fingerprint=self._fp))
+        expected = token if isinstance(token, bytes) else self._empty
+        raw = bytes(self._call("compare_set", self._key, expected, value))
+        if raw == value:  # ours is stored: it is the holder's own state, nothing to decode
+            self._last_good, self._last_raw = state, raw
+            return state, raw, True
+        found = self._state_of(raw)
+        if found is None:
+            return None
+        bits, new_token = found
+        return bits, new_token, raw == value
+
+    def peek(self) -> Any:
+        """The stored state as torch's class (None: none yet), verified, without touching the
+        holder; raises ``TamperedValue`` or ``ValueError`` for a value that is not one."""
+        payload = self._store.get(self._key)
+        plain = state_codec.decode(payload)
+        return None if plain is None else torch_compat.state_from_plain(plain)
+
+    @property
+    def _fp(self) -> str:
+        return self._store.key.fingerprint
+
+    def _state_of(self, raw: bytes) -> tuple[bytes, Any] | None:
+        """(pickled state for the holder, token = the raw value) or None for no state yet."""
+        raw = bytes(raw)
+        if raw == self._last_raw and self._last_good is not None:  # unchanged since last seen
+            return self._last_good, raw
+        payload = auth.verify_value(self._store.key, self._key, raw)
+        if payload is not None:
+            try:
+                plain = state_codec.decode(payload)
+            except ValueError:
+                plain, payload = None, None  # signed by us but not a state: a bug, not trust
+                self._store.log.refused(self._key, "malformed")
+            else:
+                if plain is None:
+                    return None
+                bits = pickle.dumps(torch_compat.state_from_plain(plain))
+                self._last_good, self._last_raw = bits, raw
+                return bits, raw
+        else:
+            self._refuse(raw)
+        # not usable: the last good state (or an empty one) with the bad value as the token,
+        # so the holder's next write replaces it
+        bits = self._last_good or pickle.dumps(torch_compat.state_from_plain(_EMPTY_PLAIN))
+        return bits, raw
+
+    def _refuse(self, raw: bytes) -> None:
+        body = raw.partition(b".")[2].partition(b".")[2] if raw.startswith(auth.MAGIC) else b""
+        theirs = state_codec.fingerprint_of(body) if body else None
+        if theirs is not None and theirs != self._fp and self._last_good is None:
+            self._store.log.refused(self._key, "foreign_key")
+            raise ForeignSecret(
+                f"the job's rendezvous state is signed with another secret (key {theirs}; this "
+                f"node's: {self._fp}): give every node the same --rdzv-secret-file "
+                "(docs/security.md)"
+            )
+        self._store.log.refused(self._key, "bad_tag")
+
+    def _call(self, op: str, *args: Any) -> Any:
+        try:
+            return getattr(self._store.raw, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            raise RendezvousConnectionError(
+                "The connection to the C10d store has failed. See inner exception for details."
+            ) from exc
+
+
+_EMPTY_PLAIN: dict[str, Any] = {
+    "round": 0,
+    "complete": False,
+    "deadline": None,
+    "closed": False,
+    "participants": [],
+    "wait_list": [],
+    "redundancy_list": [],
+    "last_heartbeats": [],
+}
