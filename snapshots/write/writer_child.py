@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from snapshots import proc_title
 from snapshots.format import serialization
 from snapshots.storage.local import _Sink
 from snapshots.write.writer_process import HEADER, MAX_FDS, recv_exactly
@@ -116,6 +117,7 @@ def _write(
 
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[1]), int(argv[2])
+    proc_title.set_title(proc_title.writer(os.environ, parent))
     torch.set_num_threads(1)
     sock = socket.socket(fileno=fd)
     sock.settimeout(POLL_S)

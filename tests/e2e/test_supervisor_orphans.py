@@ -114,21 +114,18 @@ def test_sigkill_while_workers_are_being_started_leaves_none_behind(tmp_path, wo
     agent = _start(tmp_path, worker_env, nproc=4)
     agents.append(agent)
     supervisor = psutil.Process(agent.proc.pid)
+    helpers: set[int] = set()
 
     def first_worker():
-        # a fresh worker runs the bootstrap; a warm one is a fork of the pool (same cmdline)
-        # re-parented to the supervisor
-        pools = {e["pid"] for e in agent.events("warm_pool.ready")}
-        return any(
-            "bootstrap" in _cmdline(c)
-            or (
-                pools
-                and "supervisor.warm.pool" in _cmdline(c)
-                and c.pid not in pools
-                and _ppid(c) == agent.proc.pid
-            )
-            for c in _children(supervisor)
-        )
+        # By pid, not by command line (a worker shows its title, proc_title.py): no worker
+        # starts before the pool is ready or given up, so the supervisor's children seen
+        # before that is said (listed first, then the events read) are the sentinel and
+        # the pool; any other child is a worker (a warm one is re-parented to the supervisor)
+        children = {c.pid for c in _children(supervisor) if _ppid(c) == agent.proc.pid}
+        if not agent.events("warm_pool.ready") and not agent.events("warm_pool.unavailable"):
+            helpers.update(children)
+            return False
+        return bool(children - helpers)
 
     wait_for(first_worker, 60, "the first worker process", step=0.005)
     agent.proc.send_signal(signal.SIGKILL)
@@ -171,13 +168,6 @@ def _ppid(proc: psutil.Process) -> int | None:
         return proc.ppid()
     except psutil.Error:
         return None
-
-
-def _cmdline(proc: psutil.Process) -> str:
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:
-        return ""
 
 
 def _children(proc: psutil.Process) -> list[psutil.Process]:

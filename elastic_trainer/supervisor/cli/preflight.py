@@ -33,6 +33,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from elastic_trainer import proc_title
 from elastic_trainer.contract.config import Entrypoint
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor.warm.launcher import WarmPool, WarmPoolUnavailable
@@ -141,6 +142,7 @@ def _load(argv: list[str]) -> object:
 
 
 def _main(argv: list[str]) -> int:
+    proc_title.set_title(proc_title.preflight(argv))
     world_sizes = [int(w) for w in os.environ.get(ENV_WORLD_SIZES, "1").split(",") if w]
     args = argv[2:] if argv[0] == "-m" else argv[1:]
     try:

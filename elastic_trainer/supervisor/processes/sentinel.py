@@ -30,6 +30,7 @@ import sys
 
 import psutil
 
+from elastic_trainer import proc_title
 from elastic_trainer.worker.bootstrap import ENV_SUPERVISOR_PID
 
 # Seconds between two scans of the supervisor's tree: a process born and orphaned within
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
     # gracefully; the sentinel acts only once the supervisor is gone.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    proc_title.set_title(proc_title.sentinel(int(argv[0])))
     watch(int(argv[0]), sys.stdin.fileno())
     return 0
 

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from elastic_trainer.contract.config import RunConfig
 from elastic_trainer.contract.events import emit
+from elastic_trainer.contract.protocol import ENV_NODE
 from elastic_trainer.errors import ElasticTrainError
 from elastic_trainer.supervisor.processes.procs import is_subreaper
 from elastic_trainer.supervisor.warm import pool as warm_pool
@@ -51,7 +52,8 @@ def start_pool(cfg: RunConfig) -> WarmPool | None:
     if pool_refusal(cfg, subreaper=is_subreaper()) is not None:
         return None
     try:
-        pool = WarmPool.start(modules_to_preload(cfg.entrypoint.argv()))
+        env = {**os.environ, ENV_NODE: cfg.node}  # for its title (proc_title.warm_pool)
+        pool = WarmPool.start(modules_to_preload(cfg.entrypoint.argv()), env)
     except OSError as exc:
         emit(
             "warm_pool.unavailable",

@@ -44,6 +44,7 @@ import time
 import traceback
 from typing import Any
 
+from elastic_trainer import proc_title
 from elastic_trainer.worker import bootstrap
 
 MAX_MESSAGE = 1 << 20  # bytes: a worker's environment and argv, with room to spare
@@ -285,6 +286,7 @@ def main(argv: list[str]) -> int:
     if not argv or not argv[0].isdigit():
         raise SystemExit("usage: python -m elastic_trainer.supervisor.warm.pool FD [MODULE...]")
     bootstrap.die_with_supervisor()
+    proc_title.set_title(proc_title.warm_pool(os.environ))
     sock = socket.socket(fileno=int(argv[0]))
     with sock:
         return serve(sock, argv[1:])

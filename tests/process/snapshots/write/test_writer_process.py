@@ -208,6 +208,14 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
     child.wait(timeout=30)  # raises if it outlives its parent
 
 
+def test_the_child_shows_its_role_in_ps(through_process, monkeypatch):
+    monkeypatch.setenv("RANK", "5")  # the training process's rank, which the child inherits
+    process = _started()
+    with open(f"/proc/{process.pid}/cmdline", "rb") as f:
+        assert f.read().rstrip(b"\0") == b"elastic-train snapshot writer (rank 5)"
+    assert psutil.Process(process.pid).name() == "et-writer 5"
+
+
 def test_shared_staging_places_and_alignment():
     arena = _shared_staging.SharedArena()
     big = arena.tensor(torch.Size([1 << 16]), torch.float32)
