@@ -48,6 +48,14 @@ UNCHECKED: Mapping[tuple[str, str, str], Excuse] = {
         "the fields come from the ledger, computed at the end of a recovery",
         ("elastic_trainer/supervisor/core/ledger.py", "Ledger.observe"),
     ),
+    (
+        "elastic_trainer/supervisor/processes/observer.py",
+        "GroupObserver.observe",
+        "recovery.unmeasured",
+    ): Excuse(
+        "the fields come from the ledger, computed as a plain script's workers restart",
+        ("elastic_trainer/supervisor/core/ledger.py", "Ledger.unmeasured_restart"),
+    ),
     ("elastic_trainer/supervisor/run.py", "Supervisor._supervise", "supervisor.started"): Excuse(
         "the fields are the run configuration's summary",
         ("elastic_trainer/contract/config.py", "RunConfig.summary"),

@@ -1,15 +1,17 @@
 """What the agent sees of its running workers, turned into decisions' inputs and events.
 
 Each monitor tick the agent asks the observer once: it reads the workers' progress files,
-feeds the ledger (``recovery.completed``) and the hang watchdog, and every
-``resources_interval`` samples the process trees' RSS and CPU (``worker.resources``). With
-``--metrics-port`` it also feeds the metrics (``metrics_server.py``): the progress reports,
-the goodput so far and the events workers forwarded (``tail.py``). The agent keeps the
-decisions; this module keeps the bookkeeping that is only observation.
+feeds the ledger (``recovery.completed``, or ``recovery.unmeasured`` for a script that
+reports no progress) and the hang watchdog, and every ``resources_interval`` samples the
+process trees' RSS and CPU (``worker.resources``). With ``--metrics-port`` it also feeds the
+metrics (``metrics_server.py``): the progress reports, the goodput so far and the events
+workers forwarded (``tail.py``). The agent keeps the decisions; this module keeps the
+bookkeeping that is only observation.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -74,6 +76,9 @@ class GroupObserver:
     ) -> HangVerdict | None:
         """One tick: events for recoveries and resources; a verdict if the group hangs."""
         reports = read_progress(control_dir, range(local_world_size))
+        unmeasured = self.ledger.unmeasured_restart(world_size=world_size)
+        if unmeasured is not None:  # a plain script restarted: what it lost is unknown
+            emit("recovery.unmeasured", **unmeasured)
         recovered = self.ledger.observe(reports, world_size=world_size)
         if recovered is not None:
             emit("recovery.completed", **recovered)
@@ -98,7 +103,9 @@ class GroupObserver:
 
     def _feed_goodput(self, now: float) -> None:
         if self._metrics is not None:
-            self._metrics.goodput(self.ledger.goodput(now - self._born))
+            ratio = self.ledger.goodput(now - self._born)
+            # unknown (a plain script restarted) is NaN, not the value the gauge held before
+            self._metrics.goodput(math.nan if self.ledger.goodput_unknown else ratio)
 
     def _emit_resources(self, global_rank: Callable[[int], int]) -> None:
         self._procs.refresh()

@@ -8,7 +8,8 @@ preemptions belong to one node each and are summed over all nodes.
 A preemption is not a failure: a worker that stopped because its node or a peer was
 preempted (``worker.failed`` with cause ``preempted``) is counted under preemptions, never
 under failures. Supervisor starts that never joined the job are left out and named
-(``tools/report/runs.py``).
+(``tools/report/runs.py``). For a script that reports no progress, time and steps lost are
+unknown, not zero, and goodput is only bounded (``tools/report/lost.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_trainer.contract.events import FailureCause, RestartReason
+from elastic_trainer.tools.report.lost import (
+    Goodput,
+    describe_goodput,
+    describe_time_lost,
+    goodput,
+    lost_work,
+)
 from elastic_trainer.tools.report.runs import describe_stray, split_stray, supervisor_runs
 
 Event = dict[str, Any]
@@ -36,9 +44,9 @@ class RunSummary:
     failures_by_cause: dict[str, int]
     preemptions: int
     membership_changes: int
-    time_lost_s: float
-    steps_redone: int
-    goodput: float | None
+    time_lost_s: float | None  # None: unknown (a script that reports no progress restarted)
+    steps_redone: int | None  # None: unknown
+    goodput: float | None  # None: unknown (see goodput_max) or nothing to say
     goodput_source: str | None  # "job.finished" | "estimated" | None
     goodput_estimated: bool  # an estimate (worker run times or time lost), not kept steps
     snapshots: int
@@ -52,6 +60,10 @@ class RunSummary:
     store_moves: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)  # every supervisor start
     stray_runs: list[dict[str, Any]] = field(default_factory=list)  # left out: never joined
+    time_lost_max_s: float | None = None  # where time lost is unknown: at most this
+    goodput_max: float | None = None  # where goodput is unknown: its upper bound, if known
+    # each restart whose cost is unknown (recovery.unmeasured): cause, ran_s, restart_s, bound
+    unmeasured_restarts: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +79,8 @@ def node_of(event: Event) -> str:
 
 def incident_node(events: list[Event]) -> str | None:
     """The node whose view counts for group-wide incidents (see module docstring)."""
-    per_node = Counter(node_of(e) for e in named(events, "group.restarting", "recovery.completed"))
+    incidents = named(events, "group.restarting", "recovery.completed", "recovery.unmeasured")
+    per_node = Counter(node_of(e) for e in incidents)
     if not per_node:
         supervisors = named(events, "supervisor.started", "job.finished")
         return node_of(supervisors[0]) if supervisors else None
@@ -125,20 +138,6 @@ def preemptions(events: list[Event]) -> int:
     return len({(node_of(e), e.get("restart_count")) for e in stopped})
 
 
-def _sum(events: list[Event], key: str) -> float:
-    return sum(float(e.get(key) or 0) for e in events)
-
-
-def _goodput(
-    finished: Event | None, wall_s: float | None, lost_s: float
-) -> tuple[float | None, str | None, bool]:
-    if finished is not None and finished.get("goodput") is not None:
-        return float(finished["goodput"]), "job.finished", bool(finished.get("goodput_estimated"))
-    if wall_s and wall_s > 0:
-        return max(0.0, 1.0 - lost_s / wall_s), "estimated", True
-    return None, None, False
-
-
 def _evaluations(events: list[Event]) -> dict[str, Any]:
     evaluated = named(events, "train.evaluated")
     if not evaluated:
@@ -192,14 +191,15 @@ def summarize(events: list[Event]) -> RunSummary:
         if finished and finished.get("wall_s") is not None
         else (events[-1]["t"] if events else None)
     )
-    lost = round(_sum(recoveries, "downtime_s"), 3)
-    goodput, source, estimated = _goodput(finished, wall, lost)
+    causes = restart_causes(events, node)
+    unmeasured = named(mine, "recovery.unmeasured")
+    lost = lost_work(recoveries, unmeasured, restarts=len(causes), finished=finished)
+    good = goodput(finished, wall, lost)
     stalls = [
         float(e["stall_ms"])
         for e in named(events, "snapshot.saved")
         if e.get("stall_ms") is not None
     ]
-    causes = restart_causes(events, node)
     return RunSummary(
         events=len(events),
         nodes=sorted({node_of(e) for e in events if node_of(e)}),
@@ -214,11 +214,14 @@ def summarize(events: list[Event]) -> RunSummary:
         ),
         preemptions=preemptions(events),
         membership_changes=len(named(mine, "membership.changed")),
-        time_lost_s=lost,
-        steps_redone=int(_sum(recoveries, "steps_lost")),
-        goodput=goodput,
-        goodput_source=source,
-        goodput_estimated=estimated,
+        time_lost_s=lost.time_lost_s,
+        steps_redone=lost.steps_redone,
+        time_lost_max_s=lost.time_lost_max_s,
+        unmeasured_restarts=lost.unmeasured,
+        goodput=good.value,
+        goodput_source=good.source,
+        goodput_estimated=good.estimated,
+        goodput_max=good.at_most,
         snapshots=len(named(events, "snapshot.saved")),
         mean_snapshot_stall_ms=round(sum(stalls) / len(stalls), 2) if stalls else None,
         exported_models=[str(e["path"]) for e in named(events, "train.model_exported")],
@@ -235,6 +238,17 @@ def _counts(counts: dict[str, int]) -> str:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _time_lost(s: RunSummary) -> str:
+    return describe_time_lost(
+        s.time_lost_s, s.steps_redone, s.time_lost_max_s, s.unmeasured_restarts
+    )
+
+
+def _goodput_of(s: RunSummary) -> Goodput:
+    return Goodput(value=s.goodput, source=s.goodput_source, estimated=s.goodput_estimated,
+                   at_most=s.goodput_max)  # fmt: skip
 
 
 def _goodput_note(s: RunSummary) -> str:
@@ -258,8 +272,8 @@ def format_summary(summary: RunSummary, *, source: str) -> str:
         f"failures:    {sum(s.failures_by_cause.values())}"
         + (f" ({_counts(s.failures_by_cause)})" if s.failures_by_cause else "")
         + f"; preemptions {s.preemptions}; membership changes {s.membership_changes}",
-        f"time lost:   {s.time_lost_s:.1f} s; steps redone {s.steps_redone}",
-        f"goodput:     {_pct(s.goodput)}" + _goodput_note(s),
+        "time lost:   " + _time_lost(s),
+        "goodput:     " + describe_goodput(_goodput_of(s)) + _goodput_note(s),
         f"snapshots:   {s.snapshots} saved"
         + (
             f", mean stall {s.mean_snapshot_stall_ms:.1f} ms"

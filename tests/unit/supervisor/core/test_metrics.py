@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -73,6 +74,13 @@ def test_recovery_resources_and_goodput() -> None:
     assert M.changes_for({"event": "store.moved", "new_host": "n:2"}) == [
         M.Change("elastic_train_store_moves_total", M.Op.INC, 1.0)
     ]
+
+
+def test_an_unknown_goodput_is_nan_not_the_last_value() -> None:
+    # a plain script restarted: job.finished's goodput is null, only bounded
+    finished = {"event": "job.finished", "goodput": None, "goodput_max": 0.8}
+    (change,) = M.changes_for(finished)
+    assert change.metric == "elastic_train_goodput_ratio" and math.isnan(change.value)
 
 
 def test_events_no_metric_follows_change_nothing() -> None:
