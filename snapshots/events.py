@@ -21,7 +21,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "snapshot.pruned": ("steps", "url"),
     "snapshot.reserved_released": ("bytes", "url"),  # the job ended: ``.reuse/`` freed
     "snapshot.storage_retry": ("op", "url", "attempt", "error"),
-    "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token"),
+    "snapshot.adopted": ("url", "job_id", "run_token", "previous_run_token", "reason"),
     # the writer process (``_writer_process``): started; lost (later saves on the thread)
     "snapshot.writer_process_started": ("pid",),
     "snapshot.writer_process_lost": ("pid", "error", "fallback"),

@@ -30,6 +30,14 @@ ago: ``max(3 * beat_s, MIN_STALE_S)``. Otherwise the folder is being written by 
 this one is not part of (a node that started its own rendezvous next to the job's) and it
 is refused (``SnapshotOwnerError``, one line naming that run and the fix). A run without a
 lineage (launched by plain torchrun) cannot tell its own re-forms apart and adopts as before.
+
+A run that is gone is known gone at once, without waiting for its heartbeat to age: the record
+also names where the run lives (its host and boot, its supervisor's pid and start time, its
+rendezvous store's endpoint), and a store given a ``probe`` (the worker's:
+``elastic_trainer/worker/run_liveness.py``) asks before refusing: True (its supervisor is
+alive on this host, or its store answers with its lineage), False (the supervisor is gone,
+or nothing or another store answers there: a job killed hard and started again) or None
+(could not tell: a host that does not answer; the heartbeat's age decides, as without one).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from snapshots.errors import SnapshotOwnerError
@@ -61,6 +70,12 @@ class Owner:
     alive_at: float | None = None  # unix seconds of the run's last heartbeat; None: unknown
     beat_s: float = 0.0  # the longest gap between two of the run's heartbeats so far
     ended_at: float | None = None  # unix seconds of the run's clean end; None: not ended
+    # where the run lives, for a probe (``claim``); empty: not known (an older record)
+    host: str = ""  # the host name of the node whose worker wrote the record
+    boot_id: str = ""  # that host's boot (a pid means nothing across reboots)
+    pid: int | None = None  # that node's supervisor
+    pid_started: float | None = None  # its start time (unix s): pids are reused
+    store: str = ""  # the run's rendezvous store endpoint, HOST:PORT
 
     def __post_init__(self) -> None:
         for name in ("job_id", "run_token"):
@@ -82,25 +97,27 @@ def stale_after_s(recorded: Owner) -> float:
     return max(3 * recorded.beat_s, MIN_STALE_S)
 
 
-def decide(recorded: Owner | None, me: Owner, *, now: float) -> Claim:
+def decide(recorded: Owner | None, me: Owner, *, now: float, alive: bool | None = None) -> Claim:
     """Pure: what a run may do, at unix time ``now``, with a folder whose recorded owner is
-    ``recorded``."""
+    ``recorded``; ``alive``: what a probe found of the recorded run (None: not known)."""
     if recorded is None:
         return Claim.FREE
     if recorded.job_id != me.job_id:
         return Claim.FOREIGN
     if recorded.run_token == me.run_token:
         return Claim.MINE
-    if _may_take_over(recorded, me, now):
+    if _may_take_over(recorded, me, now, alive):
         return Claim.ADOPT
     return Claim.LIVE
 
 
-def _may_take_over(recorded: Owner, me: Owner, now: float) -> bool:
+def _may_take_over(recorded: Owner, me: Owner, now: float, alive: bool | None) -> bool:
     if recorded.ended_at is not None or not me.lineage or recorded.alive_at is None:
         return True
     if recorded.lineage == me.lineage:
         return True
+    if alive is not None:
+        return not alive
     return now - recorded.alive_at > stale_after_s(recorded)
 
 
@@ -114,6 +131,11 @@ def to_json(owner: Owner) -> bytes:
         "alive_at": owner.alive_at,
         "beat_s": owner.beat_s,
         "ended_at": owner.ended_at,
+        "host": owner.host,
+        "boot_id": owner.boot_id,
+        "pid": owner.pid,
+        "pid_started": owner.pid_started,
+        "store": owner.store,
     }
     return json.dumps(body, indent=2, sort_keys=True).encode()
 
@@ -129,8 +151,13 @@ def from_json(data: bytes, url: str) -> Owner:
             alive_at=_seconds(body.get("alive_at")),
             beat_s=_seconds(body.get("beat_s")) or 0.0,
             ended_at=_seconds(body.get("ended_at")),
+            host=_text(body.get("host")),
+            boot_id=_text(body.get("boot_id")),
+            pid=_pid(body.get("pid")),
+            pid_started=_seconds(body.get("pid_started")),
+            store=_text(body.get("store")),
         )
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise SnapshotOwnerError(
             f"{url}/{OWNER_NAME} is not a valid owner record ({type(exc).__name__}: {exc}); "
             f"delete it to let the job that should own {url} claim it again"
@@ -145,6 +172,22 @@ def _seconds(value: object) -> float | None:
     return float(value)
 
 
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > 300 or not value.isprintable():
+        raise TypeError(f"expected short printable text, got {value!r:.80}")
+    return value
+
+
+def _pid(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        raise TypeError(f"expected a process id, got {value!r:.80}")
+    return value
+
+
 def read(storage: Storage, url: str) -> Owner | None:
     try:
         return from_json(storage.read(OWNER_NAME), url)
@@ -152,20 +195,26 @@ def read(storage: Storage, url: str) -> Owner | None:
         return None
 
 
-def claim(storage: Storage, url: str, me: Owner, *, now: float | None = None) -> None:
+Probe = Callable[[Owner], "bool | None"]
+
+
+def claim(
+    storage: Storage, url: str, me: Owner, *, now: float | None = None, probe: Probe | None = None
+) -> None:
     """At start-up: claim a free folder, adopt one of an earlier run of this job that has
-    ended, gone stale or belongs to this run's lineage; refuse another job's or a live one."""
+    ended, is gone (``probe``), gone stale or belongs to this run's lineage; refuse another
+    job's or a live one."""
     now = time.time() if now is None else now
     mine = replace(me, alive_at=now, beat_s=0.0, ended_at=None)
     recorded = read(storage, url)
-    verdict = decide(recorded, me, now=now)
+    verdict, alive = _judged(recorded, me, now, probe)
     if verdict is Claim.FREE:
         try:
             storage.write(OWNER_NAME, to_json(mine), exclusive=True)
             return
         except FileExistsError:  # claimed meanwhile: judge the winner's record
             recorded = read(storage, url)
-            verdict = decide(recorded, me, now=now)
+            verdict, alive = _judged(recorded, me, now, probe)
     if verdict is Claim.FOREIGN:
         raise SnapshotOwnerError(_foreign(url, recorded, me))
     if verdict is Claim.LIVE and recorded is not None:
@@ -178,7 +227,31 @@ def claim(storage: Storage, url: str, me: Owner, *, now: float | None = None) ->
             job_id=me.job_id,
             run_token=me.run_token,
             previous_run_token=recorded.run_token,
+            reason=adopt_reason(recorded, me, alive),
         )
+
+
+def _judged(
+    recorded: Owner | None, me: Owner, now: float, probe: Probe | None
+) -> tuple[Claim, bool | None]:
+    """``decide``, asking ``probe`` only where the answer turns on whether the run lives;
+    and what the probe said (None: not asked, or it could not tell)."""
+    verdict, alive = decide(recorded, me, now=now), None
+    if verdict is Claim.LIVE and probe is not None and recorded is not None:
+        alive = probe(recorded)
+        verdict = decide(recorded, me, now=now, alive=alive)
+    return verdict, alive
+
+
+def adopt_reason(recorded: Owner, me: Owner, alive: bool | None) -> str:
+    """Pure: why a run of the same job may take the folder over (``snapshot.adopted``)."""
+    if recorded.ended_at is not None:
+        return "ended"
+    if not me.lineage or recorded.alive_at is None:
+        return "unknown"  # torchrun without a lineage, or an older record
+    if recorded.lineage == me.lineage:
+        return "same_rendezvous"
+    return "gone" if alive is False else "stale"
 
 
 def ensure_mine(storage: Storage, url: str, me: Owner, *, now: float | None = None) -> None:

@@ -90,6 +90,7 @@ class SnapshotStore(StoreReading):
         storage_timeout: float | None = None,
         owner: Owner | None = None,
         storage: Storage | None = None,
+        owner_probe: ownership.Probe | None = None,
     ) -> None:
         """``create=False``: a missing local folder is an error instead of being created.
 
@@ -98,7 +99,9 @@ class SnapshotStore(StoreReading):
         ``retry.deadline_s``.
 
         ``owner``: the job and run writing this folder; another job's folder is refused with
-        SnapshotOwnerError, an earlier run's is adopted (``snapshots.ownership``).
+        SnapshotOwnerError, an earlier run's is adopted (``snapshots.ownership``);
+        ``owner_probe``: asked whether the run recorded there still lives before a folder is
+        refused as a live run's (``ownership.claim``).
 
         ``verify_after_write``: how a save is verified before retention may delete anything
         older. ``"auto"``: ``"listing"`` (sizes and server-side ETags from one listing) on
@@ -129,7 +132,7 @@ class SnapshotStore(StoreReading):
         self.url = self._storage.url
         check_reachable(self._storage, url, create)
         if owner is not None:
-            ownership.claim(self._storage, self.url, owner)
+            ownership.claim(self._storage, self.url, owner, probe=owner_probe)
         self._catalog = _catalog.Catalog(self._storage, self.url)
         self._committer = _commit.Committer(
             self._storage,

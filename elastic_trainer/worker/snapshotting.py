@@ -26,6 +26,7 @@ from elastic_trainer.contract import protocol
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.private_files import NotOursError, private_dirs
 from elastic_trainer.worker import distributed as D
+from elastic_trainer.worker import run_liveness
 from elastic_trainer.worker.context import WorkerContext
 from elastic_trainer.worker.memory.interface import InMemoryTier
 from elastic_trainer.worker.memory.on_failure import (
@@ -66,14 +67,17 @@ class SessionSnapshots:
         owner: Owner | None = None,
         storage_timeout: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        owner_probe: Any = None,
     ) -> None:
-        """``owner``: the job and supervisor run writing ``url`` (``snapshots.ownership``);
+        """``owner``: the job and supervisor run writing ``url`` (``snapshots.ownership``),
+        ``owner_probe`` asked whether the run recorded there lives (``run_liveness``);
         ``storage_timeout``: seconds per storage operation, retries included (default 30)."""
         self.store = SnapshotStore(
             url,
             keep=keep,
             async_save=True,
             owner=owner,
+            owner_probe=owner_probe,
             storage_timeout=storage_timeout,
             storage_options=storage_options,
         )
@@ -306,13 +310,20 @@ def open_snapshots(url: str, keep: int, context: WorkerContext, attempt: int) ->
     group's attempt, agreed by every rank, so a later attempt or a requeued run adopts the
     folder and a concurrent run of the same job takes it over from this one. The lineage
     (the supervisor's rendezvous store, ``ENV_RDZV_LINEAGE``) tells a re-form of this job
-    from a run formed on another store, which a live run's folder refuses."""
+    from a run formed on another store, which a live run's folder refuses -- only while that
+    run demonstrably lives (``run_liveness``: a job killed hard and started again adopts its
+    own folder at once)."""
     job_id = context.job_id
     lineage = os.environ.get(ENV_RDZV_LINEAGE, "")
-    owner = Owner(job_id=job_id, run_token=f"{attempt:x}", lineage=lineage) if job_id else None
+    owner = run_liveness.this_run(job_id, f"{attempt:x}", lineage) if job_id else None
     try:
         return SessionSnapshots(
-            url, keep=keep, owner=owner, storage_timeout=context.settings.storage_timeout_s
+            url,
+            keep=keep,
+            owner=owner,
+            owner_probe=run_liveness.probe,
+            storage_timeout=context.settings.storage_timeout_s,
+            storage_options=context.settings.snapshot_storage_options(),
         )
     except SnapshotOwnerError as exc:  # a restart cannot fix it: exit 2 with this line
         raise ConfigError(str(exc)) from exc

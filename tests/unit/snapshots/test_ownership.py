@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,15 @@ import torch
 from structlog.testing import capture_logs
 
 from snapshots import Owner, SnapshotOwnerError, SnapshotSaveError, SnapshotStore
-from snapshots.ownership import MIN_STALE_S, OWNER_NAME, Claim, decide, to_json
+from snapshots.ownership import (
+    MIN_STALE_S,
+    OWNER_NAME,
+    Claim,
+    adopt_reason,
+    decide,
+    from_json,
+    to_json,
+)
 
 
 def _x(value: float) -> dict[str, torch.Tensor]:
@@ -86,7 +95,49 @@ def test_a_stale_run_is_adopted(tmp_path: Path) -> None:
         job_id="job-a", run_token="run-1", lineage="s1", alive_at=time.time() - MIN_STALE_S - 5
     )
     (tmp_path / OWNER_NAME).write_bytes(to_json(gone))
-    _store(tmp_path, "job-a", "run-2", lineage="s2").save(1, _x(1))
+    with capture_logs() as logs:
+        _store(tmp_path, "job-a", "run-2", lineage="s2").save(1, _x(1))
+    assert json.loads((tmp_path / OWNER_NAME).read_text())["run_token"] == "run-2"
+    (adopted,) = [e for e in logs if e["event"] == "snapshot.adopted"]
+    assert (adopted["previous_run_token"], adopted["reason"]) == ("run-1", "stale")
+
+
+def test_a_probe_decides_a_fresh_record_of_another_lineage(tmp_path: Path) -> None:
+    """A job killed hard and started again: its dead run's record is seconds old. A probe
+    that finds the run gone adopts at once; one that finds it alive refuses; one that cannot
+    tell leaves it to the heartbeat's age."""
+    me = Owner(job_id="a", run_token="r2", lineage="store-2")
+    fresh = Owner(job_id="a", run_token="r1", lineage="store-1", alive_at=1000.0, beat_s=10.0)
+    assert decide(fresh, me, now=1001.0, alive=False) is Claim.ADOPT
+    assert decide(fresh, me, now=1001.0, alive=True) is Claim.LIVE
+    assert decide(fresh, me, now=1001.0, alive=None) is Claim.LIVE
+    assert adopt_reason(fresh, me, False) == "gone"
+    (tmp_path / OWNER_NAME).write_bytes(to_json(replace(fresh, alive_at=time.time())))
+    asked: list[Owner] = []
+
+    def gone(recorded: Owner) -> bool:
+        asked.append(recorded)
+        return False
+
+    with capture_logs() as logs:
+        SnapshotStore(str(tmp_path), owner=me, owner_probe=gone, async_save=False)
+    assert [o.run_token for o in asked] == ["r1"]
+    assert [e["reason"] for e in logs if e["event"] == "snapshot.adopted"] == ["gone"]
+    with pytest.raises(SnapshotOwnerError, match="is being written by run r2"):
+        other = Owner(job_id="a", run_token="r3", lineage="store-3")
+        SnapshotStore(str(tmp_path), owner=other, owner_probe=lambda o: True, async_save=False)
+
+
+def test_where_a_run_lives_round_trips_and_bad_values_are_one_line(tmp_path: Path) -> None:
+    where = Owner(job_id="a", run_token="r", lineage="l", alive_at=1.0, host="h", boot_id="b",
+                  pid=42, pid_started=5.5, store="127.0.0.1:29400")  # fmt: skip
+    assert from_json(to_json(where), "u") == replace(where, created_at=from_json(
+        to_json(where), "u").created_at)  # fmt: skip
+    for field, bad in (("pid", "42"), ("host", "\x1b]0;x\x07"), ("store", ["x"])):
+        body = json.loads(to_json(where))
+        body[field] = bad
+        with pytest.raises(SnapshotOwnerError, match="not a valid owner record"):
+            from_json(json.dumps(body).encode(), "u")
 
 
 def test_the_owner_refreshes_its_heartbeat_on_saves(tmp_path: Path) -> None:
