@@ -39,9 +39,10 @@ import threading
 import traceback
 from collections.abc import Mapping
 
+from elastic_trainer import proc_title
 from elastic_trainer.contract import protocol
 from elastic_trainer.errors import ElasticTrainError
-from elastic_trainer.worker import failure
+from elastic_trainer.worker import failure, group_store
 
 # Set by the supervisor for its workers: its pid, for the parent-death race check below.
 ENV_SUPERVISOR_PID = protocol.ENV_SUPERVISOR_PID
@@ -175,7 +176,18 @@ def main(argv: list[str]) -> None:
         raise SystemExit(
             "usage: python -m elastic_trainer.worker.bootstrap (SCRIPT | -m MODULE) [args...]"
         )
+    proc_title.set_title(proc_title.worker(os.environ, argv))
+    host_group_store()
     exit_without_finalizing(run_script(argv))
+
+
+def host_group_store() -> None:
+    """Rank 0 hosts the workers' store on the job's address only (``group_store``); where it
+    cannot, torch's ``init_process_group`` hosts it as it always did, and one line says so."""
+    try:
+        group_store.host_for_rank0()
+    except Exception as exc:
+        print(f"elastic-train: the workers' store is left to torch ({exc})", file=sys.stderr)
 
 
 if __name__ == "__main__":
