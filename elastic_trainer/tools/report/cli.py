@@ -20,6 +20,7 @@ from elastic_trainer.errors import ConfigError
 from elastic_trainer.tools.report.events import load_event_log
 from elastic_trainer.tools.report.runs import split_stray
 from elastic_trainer.tools.report.summary import format_summary, summarize
+from snapshots.display import printable
 
 PROG = "elastic-train report"
 PLOT_SKIPPED = "skipped: matplotlib is not installed (pip install 'elastic-train[report]')"
@@ -66,19 +67,31 @@ def run(argv: Sequence[str]) -> int:
         if skipped:  # stdout stays one JSON document
             print(f"plot: {PLOT_SKIPPED}", file=sys.stderr)
     else:
-        print(format_summary(summary, source=log.path))
+        print_text(format_summary(summary, source=log.path))
         if output or skipped:
             print(f"plot:        {output or PLOT_SKIPPED}")
     return 0
 
 
 def one_line_errors(command: Callable[[Sequence[str]], int], argv: Sequence[str] | None) -> int:
-    """Run an ops command: bad input is one ``elastic-train: error:`` line and its exit code."""
+    """Run an ops command: bad input is one ``elastic-train: error:`` line and its exit code.
+    An event log is read from a folder others may write: an event whose fields have types
+    no event of ours has is bad input too, not a traceback."""
     try:
         return command(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
-        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        print(f"elastic-train: error: {printable(str(exc), limit=2000)}", file=sys.stderr)
         return exc.exit_code
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        line = f"an event in the log holds a value of an unexpected type ({type(exc).__name__})"
+        print(f"elastic-train: error: {line}: was it written by elastic-train?", file=sys.stderr)
+        return 2
+
+
+def print_text(text: str) -> None:
+    """``text`` to stdout with every line safe for a terminal (``snapshots.display``): node
+    names, errors and reasons come from the event log, which is read, not trusted."""
+    print("\n".join(printable(line, limit=10_000) for line in text.split("\n")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,12 @@ from elastic_trainer.contract.events import parse_time as parse_time
 from elastic_trainer.errors import ConfigError
 
 LOG_PATTERN = "events*.jsonl"
+# A log is written by the job, but read from a folder others may write: a line longer than
+# any event, nesting deeper than any event's, or a field of the wrong type is no event.
+MAX_LINE_CHARS = 1 << 20
+MAX_DEPTH = 8
+_TEXT_FIELDS = ("event", "node", "job_id", "level", "run_id", "status", "reason", "cause")
+_LIMIT = 2**63
 
 
 @dataclass(frozen=True)
@@ -55,17 +62,38 @@ def parse_lines(lines: list[str]) -> tuple[list[dict[str, Any]], int]:
 
 
 def _event_or_none(line: str) -> dict[str, Any] | None:
+    if len(line) > MAX_LINE_CHARS:
+        return None
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, an integer of thousands of digits, nesting
         return None
     if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        return None
+    # null is a value of ours too (job.finished's reason): only another type is no event
+    if any(f in record and not isinstance(record[f], (str, type(None))) for f in _TEXT_FIELDS):
+        return None
+    if not _plain(record, MAX_DEPTH):
         return None
     when = parse_time(record.get("timestamp"))
     if when is None:
         return None
     record["time"] = when
     return record
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Shallow enough, and every number one a summary can compute with (finite, in range)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return True
+    if isinstance(value, int):
+        return -_LIMIT <= value < _LIMIT
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if depth <= 0:
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    return all(_plain(v, depth - 1) for v in items)
 
 
 def with_relative_time(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
