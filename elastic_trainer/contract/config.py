@@ -185,6 +185,12 @@ class RunConfig:
     # (None: torch's default, the FQDN, which some pods cannot resolve)
     local_addr: str | None = None
     job_id: str = "elastic-train"
+    # the job's secret, the same on every node (None: the snapshot folder's, else one kept
+    # privately for this user on this machine: supervisor/rendezvous/secret.py)
+    rdzv_secret_file: str | None = None
+    # a snapshot folder whose finished.json says the job finished: run it again from its end
+    # (off: exit 0 at once, nothing run; supervisor/finished.py)
+    resume_finished: bool = False
     rdzv: RendezvousTuning = field(default_factory=RendezvousTuning)
     restart: RestartTuning = field(default_factory=RestartTuning)
     max_restarts: int = 3

@@ -45,6 +45,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "peer.lost": ("nodes", "how"),
     "peer.silent": ("nodes", "silent_s"),
     "presence.unavailable": ("error", "consequence"),
+    # an accept found no file descriptor left (once per streak; the limit is the soft one)
+    "resources.fd_exhausted": ("where", "limit", "consequence"),
     "rendezvous.expire_failed": ("nodes", "error", "consequence"),
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
@@ -59,17 +61,32 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "world_size_after",
         "snapshot_step",
     ),
+    # workers that never reported progress (a plain script) restarted: the cost is unknown
+    "recovery.unmeasured": (
+        "cause",
+        "steps_lost",
+        "time_lost_s",
+        "time_lost_max_s",
+        "ran_s",
+        "restart_s",
+        "world_size_before",
+        "world_size_after",
+    ),
     "store.unreachable": ("endpoint", "error", "consequence"),
     # the store host's agent is gone: a survivor hosts the rendezvous store from now on
     "store.moved": ("old_host", "new_host", "endpoint", "why", "duration_s"),
     # a starting node joins the store where the snapshot folder says it moved
     "store.found": ("endpoint", "configured_endpoint"),
+    # the snapshot folder's store record is not followed (not signed, or no store answers)
+    "store.record_ignored": ("reason", "endpoint", "why", "consequence"),
     "store.record_failed": ("error", "consequence"),
     # the standalone rendezvous store (elastic-train store)
     "store.started": ("host", "port", "endpoint"),
     "store.stopped": ("signal",),
     "store.lingering": ("linger_s",),
     "store.exposed": ("host", "port", "hint"),
+    # a store value not signed with the job's secret: ignored (rate-limited, count since last)
+    "store.tampered": ("key", "reason", "count", "consequence"),
     "output.stderr": ("text",),
     "job.finished": ("status", "exit_code", "restarts", "wall_s", "goodput", "goodput_estimated"),
     # snapshots: the snapshots package's own catalogue (it stands alone), merged here
@@ -83,6 +100,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "snapshot.interval": ("step", "tier", "every", "cost_s", "step_s", "mtbf_s"),
     # a folder or file of the in-memory tier that is not ours alone: never used
     "snapshot.memory_refused": ("path", "reason"),
+    # a supervisor freed the in-memory tier folders of supervisors of ours here that died
+    "snapshot.memory_freed": ("folders", "bytes"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),
@@ -131,6 +150,8 @@ FAILURE_CAUSES = tuple(c.value for c in FailureCause)
 RESTART_REASONS = tuple(r.value for r in RestartReason)
 MEMBERSHIP_REASONS = tuple(r.value for r in MembershipReason)
 RECOVERY_CAUSES = (*FAILURE_CAUSES, MembershipReason.NODE_LOST.value)  # recovery.completed.cause
+# recovery.unmeasured.cause: also a restart without a failure of this node (a join, a peer's)
+UNMEASURED_CAUSES = (*RECOVERY_CAUSES, RestartReason.MEMBERSHIP.value)
 JOB_STATUSES = tuple(s.value for s in JobStatus)
 
 

@@ -84,6 +84,18 @@ def _text(raw: str) -> str:
     return raw
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch(raw: str) -> bool:
+    """An on/off setting (its flag takes no value: ``--x`` / ``--no-x``); its variable and
+    ``to_env`` read true/false, 1/0, yes/no, on/off."""
+    low = raw.strip().lower()
+    if low not in _TRUE + _FALSE:
+        raise ValueError("expected true or false")
+    return low in _TRUE
+
+
 @dataclass(frozen=True)
 class Setting:
     """How one worker setting travels: the environment variable that carries it to the
@@ -171,6 +183,17 @@ class WorkerSettings:
         help=f"newest snapshots kept (default {DEFAULT_SNAPSHOT_KEEP})",
         fix="use an integer >= 1",
     )
+    # what the job creates in a local snapshot (run) folder, its event log included:
+    # 0700/0600 (off), or 0750/0640 (on: the owner's group may read, never write)
+    snapshot_group_access: bool = _setting(
+        False,
+        env="ELASTIC_TRAIN_SNAPSHOT_GROUP_ACCESS",
+        parse=switch,
+        flag="--snapshot-group-access",
+        help="let the owner's group read what the job creates in a local snapshot folder "
+        "and its event log (0750/0640 instead of 0700/0600; default off)",
+        fix="use true or false",
+    )
     # None: the snapshot store's own default
     storage_timeout_s: float | None = _setting(
         None,
@@ -226,6 +249,11 @@ class WorkerSettings:
                 name = how.flag or how.env
                 raise ConfigError(f"{name}={value!r} is invalid ({problem}): {how.fix}")
 
+    def snapshot_storage_options(self) -> dict[str, Any] | None:
+        """The snapshot store's ``storage_options`` these settings ask for (None: its own
+        defaults). ``group_access`` is a local folder's: the store drops it elsewhere."""
+        return {"group_access": True} if self.snapshot_group_access else None
+
     @classmethod
     def operator_settings(cls) -> list[str]:
         """The settings an operator sets with a flag (the rest the supervisor sets)."""
@@ -274,6 +302,7 @@ ENV_CONTROL_DIR = setting_of(WorkerSettings, "control_dir").env
 ENV_SNAPSHOT_DIR = setting_of(WorkerSettings, "snapshot_dir").env
 ENV_SNAPSHOT_EVERY = setting_of(WorkerSettings, "snapshot_every").env
 ENV_SNAPSHOT_KEEP = setting_of(WorkerSettings, "snapshot_keep").env
+ENV_SNAPSHOT_GROUP_ACCESS = setting_of(WorkerSettings, "snapshot_group_access").env
 ENV_STORAGE_TIMEOUT = setting_of(WorkerSettings, "storage_timeout_s").env
 ENV_MEMORY_SNAPSHOT_EVERY = setting_of(WorkerSettings, "memory_snapshot_every").env
 ENV_MEMORY_DIR = setting_of(WorkerSettings, "memory_dir").env
@@ -286,6 +315,16 @@ ENV_MTBF = setting_of(WorkerSettings, "mtbf_s").env
 # snapshot folder's owner record carries it, so a re-form of the job is told from another
 # job's run
 ENV_RDZV_LINEAGE = "ELASTIC_TRAIN_RDZV_LINEAGE"
+# ... and its endpoint HOST:PORT now (after a failover, the new one): the owner record names
+# it, so a later run can ask whether the recorded run's store still answers
+ENV_RDZV_ENDPOINT = "ELASTIC_TRAIN_RDZV_ENDPOINT"
+
+
+def lineage_key(job_id: str) -> str:
+    """The rendezvous store key of the store's lineage token (signed, ``contract.auth``)."""
+    return f"elastic-train/{job_id}/lineage"
+
+
 # the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
 # and the node sentinel kills whatever still carries it once the supervisor is gone
 ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"

@@ -34,6 +34,7 @@ from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.core.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.core.policy import RestartPolicy, WorkerExit, signal_name
 from elastic_trainer.supervisor.core.watchdog import HangVerdict
+from elastic_trainer.supervisor.processes import fd_limit
 from elastic_trainer.supervisor.processes.observer import GroupObserver, read_progress
 from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
@@ -46,6 +47,7 @@ from elastic_trainer.supervisor.processes.workerenv import (
 from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence, store_record
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
+from elastic_trainer.supervisor.rendezvous.signed_store import signed
 from elastic_trainer.supervisor.warm import client as warm_workers
 from elastic_trainer.supervisor.warm.launcher import READY_TIMEOUT_S, WarmPool
 
@@ -155,6 +157,11 @@ class ElasticTrainAgent(LocalElasticAgent):
         if pool is not None:
             self._procs.spare(pool.pid)  # not a stray to reap between attempts
         self._joined_once = False  # a first join into a running job waits for the pool
+        # the job's secret: signs the store's values and the presence handshakes
+        self._job_key = spec.rdzv_handler.job_key
+        self._files_exhausted = fd_limit.ExhaustionStreak(
+            "supervisor", "its checks skip a beat until files are free again; the job goes on"
+        )
 
     # ---- the loop ------------------------------------------------------------------------
     def supervise(self) -> AgentOutcome:
@@ -179,44 +186,60 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _loop(self) -> tuple[str, int]:
         wg = self._worker_group
         cfg = self._cfg
-        self._membership.open_presence(presence.bind_host(cfg.local_addr, cfg.rdzv_host))
+        self._membership.open_presence(
+            presence.bind_host(cfg.local_addr, cfg.rdzv_host), self._job_key
+        )
         wg.spec.rdzv_handler.dead_now = self._membership.lost_peers
         self._initialize_workers(wg)
         while True:
-            changes = [*self._procs.exit_fds(), *self._membership.watched_fds()]
-            if self._stop.wait_for_change(self._cfg.monitor_interval, changes):
-                return self._preempt()
-            result = self._monitor_workers(wg)
-            wg.state = result.state
-            verdict = self._observe()
-            if result.state == WorkerState.SUCCEEDED:
-                self._exit_barrier()
-                return STATUS_SUCCEEDED, protocol.SUPERVISOR_EXIT_OK
-            if peers := self._membership.lost_peers():  # explains a failure of ours too
-                outcome = self._on_peers_gone(peers, silent=False)
-            elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
-                outcome = self._on_failure(result)
-            elif verdict is not None:
-                outcome = self._on_hang(verdict)
-            elif self._membership.nodes_waiting() > 0:
-                outcome = decisions.on_nodes_waiting(self._policy, self._state)
-            elif peers := self._membership.silent_peers():
-                outcome = self._on_peers_gone(peers, silent=True)
-            elif host := self._membership.store_host_unreachable():
-                self._store_host_silent(host)
+            try:
+                ended = self._tick(wg)
+            except OSError as exc:  # out of files (a flood of connections): skip this check
+                if not fd_limit.is_exhausted(exc):
+                    raise
+                self._files_exhausted.failed()
+                self._stop.wait(self._cfg.monitor_interval)
                 continue
-            else:
-                continue
-            if outcome.verdict == Verdict.CONFIG_ERROR:
-                self._stop_workers(wg)
-                wg.state = WorkerState.FAILED
-                return STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG
-            if outcome.verdict == Verdict.GIVE_UP:
-                self._stop_workers(wg)
-                wg.state = WorkerState.FAILED
-                return STATUS_FAILED, protocol.SUPERVISOR_EXIT_FAILED
-            if not self._restart(outcome):
-                return self._preempt()
+            if ended is not None:
+                return ended
+
+    def _tick(self, wg: WorkerGroup) -> tuple[str, int] | None:
+        """One pass of the loop: wait for a change, look, act. The job's end, or None."""
+        changes = [*self._procs.exit_fds(), *self._membership.watched_fds()]
+        if self._stop.wait_for_change(self._cfg.monitor_interval, changes):
+            return self._preempt()
+        result = self._monitor_workers(wg)
+        wg.state = result.state
+        verdict = self._observe()
+        if result.state == WorkerState.SUCCEEDED:
+            self._exit_barrier()
+            return STATUS_SUCCEEDED, protocol.SUPERVISOR_EXIT_OK
+        if peers := self._membership.lost_peers():  # explains a failure of ours too
+            outcome = self._on_peers_gone(peers, silent=False)
+        elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            outcome = self._on_failure(result)
+        elif verdict is not None:
+            outcome = self._on_hang(verdict)
+        elif self._membership.nodes_waiting() > 0:
+            outcome = decisions.on_nodes_waiting(self._policy, self._state)
+        elif peers := self._membership.silent_peers():
+            outcome = self._on_peers_gone(peers, silent=True)
+        elif host := self._membership.store_host_unreachable():
+            self._store_host_silent(host)
+            return None
+        else:
+            return None
+        if outcome.verdict == Verdict.CONFIG_ERROR:
+            self._stop_workers(wg)
+            wg.state = WorkerState.FAILED
+            return STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG
+        if outcome.verdict == Verdict.GIVE_UP:
+            self._stop_workers(wg)
+            wg.state = WorkerState.FAILED
+            return STATUS_FAILED, protocol.SUPERVISOR_EXIT_FAILED
+        if not self._restart(outcome):
+            return self._preempt()
+        return None
 
     def _restart(self, outcome: decisions.Outcome) -> bool:
         """Stop, back off, re-rendezvous, start. False if a stop was requested meanwhile."""
@@ -545,6 +568,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             return False
         began = time.monotonic()
         read_timeout = cfg.rdzv.read_timeout
+        key = self._job_key  # a moved store holds the job's values, signed as before
         moved = failover.move_store(
             me=handler.member_name(),
             members=watch.member_names(),
@@ -553,11 +577,13 @@ class ElasticTrainAgent(LocalElasticAgent):
             gone=gone,
             port=cfg.rdzv_port,
             deadline_s=cfg.rdzv.join_timeout,
-            serve=lambda host, port: endpoint.serve(host, port, read_timeout_s=read_timeout),
-            connect=lambda host, port: endpoint.try_once(host, port, read_timeout),
+            serve=lambda host, port: signed(
+                endpoint.serve(host, port, read_timeout_s=read_timeout), key
+            ),
+            connect=lambda host, port: signed(endpoint.try_once(host, port, read_timeout), key),
             is_served_by=lambda store, member: rendezvous.hosted_by(store, cfg.job_id, member),
         )
-        handler.rebind(moved.store, hosted=moved.hosted, node=cfg.node)
+        handler.rebind(moved.store, hosted=moved.hosted, node=cfg.node, endpoint=moved.endpoint)
         # the old host does not rejoin: a leaving one has not said goodbye on its presence
         # connection yet (it does as it exits), and the round must not wait for it
         handler.mark_dead(watch.members_named(gone()))
@@ -569,7 +595,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             record = store_record.StoreRecord(
                 job_id=cfg.job_id, endpoint=moved.endpoint, lineage=handler.lineage
             )
-            store_record.write(cfg.worker.snapshot_dir, record)
+            store_record.write(cfg.worker.snapshot_dir, record, key)
         why = "leaving" if leaving else "lost"
         failover.report(old_host=old_host, moved=moved, why=why, began=began)
         return True

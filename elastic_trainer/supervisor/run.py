@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic_trainer import stderr_router
@@ -30,6 +30,7 @@ from elastic_trainer.errors import (
 )
 from elastic_trainer.logging import (
     configure_logging,
+    open_log_file,
     redact,
     resolve_format,
     route_torch_logs,
@@ -37,6 +38,7 @@ from elastic_trainer.logging import (
 )
 from elastic_trainer.supervisor import finished
 from elastic_trainer.supervisor.cli import preflight as entrypoint_preflight
+from elastic_trainer.supervisor.core.ledger import Ledger
 
 if TYPE_CHECKING:  # the agent imports torch: run.py loads it only once a run starts
     from elastic_trainer.supervisor.agent import AgentOutcome
@@ -53,19 +55,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     # First of all, before any heavy import: SIGTERM/SIGINT in the first second is a stop
     # (exit 143), not a death by signal; until the supervisor runs, it interrupts at once.
     from elastic_trainer.supervisor.cli import args
-    from elastic_trainer.supervisor.processes import signals
+    from elastic_trainer.supervisor.processes import fd_limit, signals
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL)
+    fd_limit.raise_soft_limit()  # the store's connections are unbounded (fd_limit.py)
 
     stop, previous = signals.install_early()
     argv = list(sys.argv[1:] if argv is None else argv)
     pool = None
     try:
         cfg = args.parse(argv)
-        _check_log_file(cfg.worker.log_file)
+        _check_log_file(cfg.worker)
         configure_logging(
             fmt=cfg.worker.log_format,  # type: ignore[arg-type]
             log_file=cfg.worker.log_file,
+            group_access=cfg.worker.snapshot_group_access,
             static_fields={
                 "job_id": cfg.job_id,
                 "node": cfg.node,
@@ -76,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
         )
         _check_entrypoint(cfg)  # a typo in the script's name: one line at once, no pool
+        if (done := _already_finished(cfg)) is not None:  # the end of a job is final
+            return _nothing_to_run(cfg, done, signals, previous)
         pool = prepare_node(cfg)
         claimed = claim_store_port(cfg)
         warn_untested_torch()  # our own import of torch, while the pool imports its own
@@ -104,6 +110,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         _close(pool)
         if router is not None:
             router.close()
+
+
+def _already_finished(cfg: RunConfig) -> str | None:
+    """The one line of a command whose job has finished (``supervisor/finished.py``); None
+    to run. Storage that cannot be read now is the preflight's to report."""
+    if not cfg.worker.snapshot_dir:
+        return None
+    from snapshots.storage import open_storage
+
+    try:
+        storage = open_storage(
+            cfg.worker.snapshot_dir, storage_options=cfg.worker.snapshot_storage_options()
+        )
+        return finished.already_finished(
+            storage.single_attempt(),
+            redact(cfg.worker.snapshot_dir),
+            cfg.job_id,
+            resume=cfg.resume_finished,
+        )
+    except Exception:  # not reachable (yet): the preflight waits for it and says why
+        return None
+
+
+def _nothing_to_run(cfg: RunConfig, line: str, signals: Any, previous: Any) -> int:
+    """Exit 0 with ``line``: the job finished before this command started."""
+    from elastic_trainer.supervisor.agent import STATUS_CLOSED
+
+    signals.restore(previous)
+    emit("job.finished", status=STATUS_CLOSED, exit_code=protocol.SUPERVISOR_EXIT_OK,
+         restarts=0, wall_s=0.0, goodput=None, goodput_estimated=False, error=None,
+         reason=line)  # fmt: skip
+    return protocol.SUPERVISOR_EXIT_OK
 
 
 def prepare_node(cfg: RunConfig) -> WarmPool | None:
@@ -156,11 +194,11 @@ def preflight(cfg: RunConfig, pool: WarmPool | None = None) -> None:
 
     if cfg.worker.snapshot_dir:
         storage = check_snapshot_dir(
-            cfg.worker.snapshot_dir, storage_timeout=cfg.worker.storage_timeout_s
+            cfg.worker.snapshot_dir,
+            storage_timeout=cfg.worker.storage_timeout_s,
+            storage_options=cfg.worker.snapshot_storage_options(),
         )
-        reused = finished.check(storage, redact(cfg.worker.snapshot_dir))
-        if reused is not None:
-            emit("preflight.warning", level="warning", warning=reused)
+        del storage  # reachable and writable; a finished job was dealt with in main
     if not hosts_store(cfg):
         check_endpoint(cfg.rdzv_host, cfg.rdzv_port, read_timeout_s=cfg.rdzv.read_timeout)
 
@@ -176,13 +214,14 @@ def warn_untested_torch() -> None:
         emit("preflight.warning", level="warning", warning=untested)
 
 
-def _check_log_file(path: str | None) -> None:
+def _check_log_file(settings: protocol.WorkerSettings) -> None:
+    """The event log, created here before anything writes it, of the modes the settings ask
+    for (``logging.open_log_file``)."""
+    path = settings.log_file
     if not path:
         return
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8"):
-            pass
+        os.close(open_log_file(path, group_access=settings.snapshot_group_access))
     except OSError as exc:
         raise ConfigError(
             f"--log-file={path!r} is not writable ({exc.strerror}): pick a writable path"
@@ -210,7 +249,12 @@ def _check_entrypoint(cfg: RunConfig) -> None:
         raise ConfigError(f"-m {module!r}: no such module; check the name and the PYTHONPATH")
 
 
-def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> Any:
+def check_snapshot_dir(
+    url: str,
+    *,
+    storage_timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
     """Write and delete a probe file through the snapshot store's own storage layer, within
     its deadline (``--storage-timeout``). A permanent problem (permissions, a missing bucket,
     no backend) is ConfigError (exit 2); storage that stays unreachable through the deadline
@@ -220,7 +264,11 @@ def check_snapshot_dir(url: str, *, storage_timeout: float | None = None) -> Any
 
     safe = redact(url)
     try:
-        storage = open_storage(url, retry=RetryPolicy().with_timeout(storage_timeout))
+        storage = open_storage(
+            url,
+            storage_options=storage_options,
+            retry=RetryPolicy().with_timeout(storage_timeout),
+        )
         storage.check(create=True)
         probe = f".elastic-train-probe-{uuid.uuid4().hex}"
         storage.write(probe, b"probe")
@@ -321,6 +369,7 @@ class Supervisor:
         self.claimed = claimed  # the store's port, bound by main (``claim_store_port``)
         self.pool = pool  # the warm pool, started by main (``prepare_node``); None: no pool
         self.goodput_estimated = False  # the agent's goodput came from worker run times
+        self.ledger = Ledger()  # the agent's, once it ran: what restarts cost (job.finished)
 
     def run(self) -> int:
         started = time.monotonic()
@@ -337,10 +386,13 @@ class Supervisor:
         from elastic_trainer.supervisor.processes import procs
 
         emit("supervisor.started", **self.cfg.summary())
-        outcome = self._run_agent(stop, metrics)
+        started_at = time.time()
+        outcome = self._finished_meanwhile(self._run_agent(stop, metrics), started_at)
         _close(self.pool)  # the agent closed it, unless it never started
         procs.reap_strays(keep=set())
         code, error, goodput = outcome.exit_code, outcome.error, outcome.goodput
+        # exit 0 with a line: not an error (the job had finished when this node arrived)
+        reason, error = (error, None) if code == protocol.SUPERVISOR_EXIT_OK else (None, error)
         if error and resolve_format(self.cfg.worker.log_format) == "console":  # type: ignore[arg-type]
             # why this node cannot go on, for a person; JSON mode has it in job.finished.error
             print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
@@ -354,10 +406,34 @@ class Supervisor:
             restarts=outcome.restarts,
             wall_s=round(time.monotonic() - started, 3),
             goodput=None if goodput is None else round(goodput, 4),
-            goodput_estimated=goodput is not None and self.goodput_estimated,
+            goodput_estimated=self.goodput_estimated,  # also where goodput is unknown (null)
             error=error,
+            reason=reason,
+            **self.ledger.finished_fields(time.monotonic() - started),
         )
         return code
+
+    def _finished_meanwhile(self, outcome: AgentOutcome, started_at: float) -> AgentOutcome:
+        """A node that arrived as the job ended: its rendezvous failed because the job's
+        nodes left (the store host with them), which the folder's record shows. Exit 0 and
+        say so, not "store lost, restart the job"."""
+        from elastic_trainer.supervisor import agent as agent_mod
+
+        cfg = self.cfg
+        joining = {agent_mod.STATUS_STORE_LOST, _RENDEZVOUS_TIMEOUT}
+        if outcome.status not in joining or outcome.restarts or not cfg.worker.snapshot_dir:
+            return outcome
+        from snapshots.storage import open_storage
+
+        with contextlib.suppress(Exception):
+            storage = open_storage(
+                cfg.worker.snapshot_dir, storage_options=cfg.worker.snapshot_storage_options()
+            ).single_attempt()
+            recorded = finished.read(storage, cfg.job_id)
+            if finished.finished_while_joining(recorded, started_at=started_at):
+                line = finished.done_line(redact(cfg.worker.snapshot_dir), recorded or {})
+                return _ended(agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, line)
+        return outcome
 
     def _record_finished(self) -> None:
         """``finished.json`` in the run folder (see ``supervisor/finished.py``); best effort:
@@ -370,7 +446,9 @@ class Supervisor:
 
         body = finished.record(cfg.job_id, list(cfg.entrypoint.argv()), now_iso())
         with contextlib.suppress(Exception):
-            open_storage(cfg.worker.snapshot_dir).write(finished.FINISHED_NAME, body)
+            open_storage(
+                cfg.worker.snapshot_dir, storage_options=cfg.worker.snapshot_storage_options()
+            ).write(finished.FINISHED_NAME, body)
 
     def _run_agent(self, stop: object, metrics: object = None) -> AgentOutcome:
         from torch.distributed import DistNetworkError, DistStoreError
@@ -393,20 +471,28 @@ class Supervisor:
         )
         from elastic_trainer.supervisor.rendezvous.failover import StoreMoveFailed
         from elastic_trainer.supervisor.rendezvous.handler import create_handler
+        from elastic_trainer.supervisor.rendezvous.secret import job_key
 
         cfg = self.cfg
         stop.interruptible = True  # type: ignore[attr-defined]  # nothing to stop gracefully yet
         try:
             if stop.requested:  # type: ignore[attr-defined]
                 raise StopRequested("stop")
-            if moved := self._moved_store():  # the job's store failed over elsewhere
+            key = job_key(
+                secret_file=cfg.rdzv_secret_file,
+                snapshot_dir=cfg.worker.snapshot_dir,
+                job_id=cfg.job_id,
+            )
+            if moved := self._moved_store(key):  # the job's store failed over elsewhere
                 found, where = moved
-                handler = create_handler(cfg, serve=False, store=found)
+                handler = create_handler(
+                    cfg, key=key, serve=False, store=found, store_endpoint=where
+                )
                 probe = None
                 host, port = presence.parse_address(where)
                 bound_silent_connections(host, port, timeout_s=STORE_SILENCE_LIMIT_S)
             else:
-                handler = create_handler(cfg, serve=hosts_store(cfg), claimed=self.claimed)
+                handler = create_handler(cfg, key=key, serve=hosts_store(cfg), claimed=self.claimed)
                 probe = static_host.start_probe(cfg, handler.store, serving=hosts_store(cfg))
                 if not hosts_store(cfg):  # a partition must not block us past its bound
                     bound_silent_connections(
@@ -417,6 +503,8 @@ class Supervisor:
         except EndpointError as exc:  # bad input found only now (the port was taken, ...)
             line = str(exc) + _static_host_hint(cfg)
             return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, line)
+        except ConfigError as exc:  # the job's secret: unreadable, or not the others'
+            return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, str(exc))
         except StoreUnreachable as exc:  # waited the join timeout (one warning said so)
             return _ended(_RENDEZVOUS_TIMEOUT, protocol.SUPERVISOR_EXIT_FAILED, str(exc))
         except Exception as exc:
@@ -451,6 +539,7 @@ class Supervisor:
         try:
             outcome = agent.supervise()
             self.goodput_estimated = agent.ledger.goodput_estimated
+            self.ledger = agent.ledger
         except RendezvousClosedError:
             return _ended(agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK)
         except ConfigError as exc:  # found once the round closed (static: a node rank twice)
@@ -478,11 +567,12 @@ class Supervisor:
                 handler.shutdown()
         return outcome
 
-    def _moved_store(self) -> tuple[Any, str] | None:
+    def _moved_store(self, key: Any) -> tuple[Any, str] | None:
         """The job's store where the snapshot folder says it moved (``store_record``), if it
         answers there: joined instead of the configured endpoint, which this node would
         otherwise host again (a second store) or wait at in vain."""
         from elastic_trainer.supervisor.rendezvous import endpoint, store_record
+        from elastic_trainer.supervisor.rendezvous.signed_store import signed
 
         cfg = self.cfg
         if cfg.torchrun.node_rank is not None:  # static mode: the store never moves
@@ -490,8 +580,11 @@ class Supervisor:
         found = store_record.find(
             cfg.worker.snapshot_dir,
             cfg.job_id,
+            key=key,
             configured=cfg.rdzv_endpoint,
-            connect=lambda host, port: endpoint.try_once(host, port, cfg.rdzv.read_timeout),
+            connect=lambda host, port: signed(
+                endpoint.try_once(host, port, cfg.rdzv.read_timeout), key
+            ),
         )
         if found is None:
             return None

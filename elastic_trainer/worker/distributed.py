@@ -40,6 +40,7 @@ def init_worker(
         configure_logging(
             fmt=ctx.log_format,  # type: ignore[arg-type]
             log_file=ctx.log_file,
+            group_access=ctx.settings.snapshot_group_access,
             static_fields={
                 "job_id": ctx.job_id,
                 "node": ctx.node,

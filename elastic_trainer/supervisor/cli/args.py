@@ -73,14 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rdzv-backend", "--rdzv_backend", help="only c10d is supported")
     a("--local-addr", "--local_addr", help="address this node advertises (default: its FQDN)")
     a("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", help="id shared by all nodes")
+    a(
+        "--rdzv-secret-file",
+        help="file holding the job's secret, the same on every node (default: made in the "
+        "snapshot folder, else kept privately for this user on this machine)",
+    )
     a("--rdzv-conf", "--rdzv_conf", help="k=v,... rendezvous settings (see docs/command-line.md)")
     a("--standalone", action="store_true", help="single node, local store on a free port")
     a("--max-restarts", "--max_restarts", type=int, help="failures tolerated (default 3)")
     a("--monitor-interval", "--monitor_interval", type=float, help="seconds between checks")
     a("--hang-timeout", type=float, help="seconds without progress = hang (0 = off)")
     for dest, (_, how) in _worker_flags().items():  # declared once, in WorkerSettings
-        a(how.flag, dest=dest, type=_arg_type(how), help=how.help)
+        if how.parse is protocol.switch:  # on/off: --x / --no-x, no value
+            a(how.flag, dest=dest, action=argparse.BooleanOptionalAction, help=how.help)
+        else:
+            a(how.flag, dest=dest, type=_arg_type(how), help=how.help)
     a("--node", help="this node's name in events (default: hostname)")
+    a(
+        "--resume-finished",
+        action=argparse.BooleanOptionalAction,
+        help="run a job whose snapshot folder says it finished again, from its end (default "
+        "off: exit 0 at once)",
+    )
     a("--metrics-port", type=int, help="serve Prometheus /metrics and /health on this port")
     a("--metrics-host", help="address the metrics server binds (default 127.0.0.1)")
     a(
@@ -503,6 +517,8 @@ def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str
     }
     out["worker"] = WorkerSettings(**worker)
     for name in (
+        "rdzv_secret_file",
+        "resume_finished",
         "hang_timeout",
         "metrics_port",
         "metrics_host",

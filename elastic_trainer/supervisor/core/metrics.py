@@ -14,6 +14,7 @@ Metrics table of docs/events-and-metrics.md renders it, and
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -129,9 +130,14 @@ METRICS: Mapping[str, MetricSpec] = dict(
             "Times this node saw the rendezvous store move to another host (store.moved).",
         ),
         _spec(
+            "elastic_train_store_tampered_total",
+            Kind.COUNTER,
+            "Rendezvous store values refused: not signed with the job's secret (store.tampered).",
+        ),
+        _spec(
             "elastic_train_goodput_ratio",
             Kind.GAUGE,
-            "Share of wall time spent on steps that were kept (0..1).",
+            "Share of wall time spent on steps that were kept (0..1; NaN: unknown).",
         ),
         _spec(
             "elastic_train_worker_rss_bytes",
@@ -174,6 +180,11 @@ def _inc(metric: str, **labels: Any) -> list[Change]:
     return [Change(metric, Op.INC, 1.0, tuple((k, str(v)) for k, v in labels.items()))]
 
 
+def _add(metric: str, value: Any) -> list[Change]:
+    number = _number(value)
+    return [] if number is None or number <= 0 else [Change(metric, Op.INC, number, ())]
+
+
 def _observe_ms(metric: str, value: Any) -> list[Change]:
     number = _number(value)
     return [] if number is None else [Change(metric, Op.OBSERVE, number / 1000.0)]
@@ -193,6 +204,14 @@ def _recovery(event: Mapping[str, Any]) -> list[Change]:
     if downtime is None:
         return []
     return [Change("elastic_train_recovery_seconds", Op.OBSERVE, downtime)]
+
+
+def _final_goodput(event: Mapping[str, Any]) -> Any:
+    """``job.finished``'s goodput; NaN where it is unknown, only bounded (``goodput_max``): a
+    script without progress reports restarted, and what it redid cannot be known."""
+    if event.get("goodput") is None and _number(event.get("goodput_max")) is not None:
+        return math.nan
+    return event.get("goodput")
 
 
 def _labelled(metric: str, label: str, key: str, vocabulary: tuple[str, ...]) -> Any:
@@ -237,8 +256,9 @@ _BY_EVENT: Mapping[str, Any] = {
     "recovery.completed": _recovery,
     "snapshot.saved": _snapshot_saved,
     "snapshot.restored": _restored,
-    "job.finished": lambda e: _set("elastic_train_goodput_ratio", e.get("goodput")),
+    "job.finished": lambda e: _set("elastic_train_goodput_ratio", _final_goodput(e)),
     "store.moved": lambda e: _inc("elastic_train_store_moves_total"),
+    "store.tampered": lambda e: _add("elastic_train_store_tampered_total", e.get("count")),
 }
 
 

@@ -19,6 +19,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, Worker, Worker
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessFailure
 
 from elastic_trainer.contract import protocol
+from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.contract.config import RestartTuning, RunConfig
 from elastic_trainer.supervisor.agent import ElasticTrainAgent
 from elastic_trainer.supervisor.core.watchdog import HangVerdict
@@ -43,6 +44,7 @@ class Round:
 
 class FakeHandler:
     this_node = "node0"
+    job_key = JobKey.generate()
 
     def __init__(self, agent_script: Script) -> None:
         self.script = agent_script
@@ -124,7 +126,7 @@ class FakePeers(PeerWatch):
     """presence.PeerWatch, scripted: which peers' connections closed, from which tick."""
 
     def __init__(self, script: Script) -> None:
-        super().__init__()
+        super().__init__(FakeHandler.job_key, FakeHandler.this_node)
         self.script = script
 
     def watch(self, peers: Any) -> None:
@@ -202,7 +204,7 @@ class ScriptedMembership(MembershipWatch):
         super().__init__(handler, **kwargs)
         self.scripted_peers = peers
 
-    def open_presence(self, bind_host: str) -> None:
+    def open_presence(self, bind_host: str, key: JobKey) -> None:
         self.peers = self.scripted_peers
 
 
