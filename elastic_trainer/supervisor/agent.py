@@ -186,6 +186,8 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _loop(self) -> tuple[str, int]:
         wg = self._worker_group
         cfg = self._cfg
+        with contextlib.suppress(Exception):  # unnamed: events say its address and pid
+            wg.spec.rdzv_handler.publish_node_label(cfg.node)
         self._membership.open_presence(
             presence.bind_host(cfg.local_addr, cfg.rdzv_host), self._job_key
         )
@@ -451,8 +453,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         silent (no heartbeat and no reset: frozen, partitioned; our workers would block in a
         collective until its timeout). Re-form without them now."""
         if silent:
-            nodes = sorted(node_name(p) for p in peers)
-            emit("peer.silent", level="warning", nodes=nodes, silent_s=self._cfg.rdzv.dead_after_s)
+            emit(
+                "peer.silent",
+                level="warning",
+                nodes=sorted(self._membership.label(p) for p in peers),
+                addresses=sorted(node_name(p) for p in peers),
+                silent_s=self._cfg.rdzv.dead_after_s,
+            )
         else:
             self._report_lost_peers()
         self.ledger.failed(
@@ -470,8 +477,13 @@ class ElasticTrainAgent(LocalElasticAgent):
         peers = self._membership.lost_peers() - self._reported_lost
         if peers:
             self._reported_lost |= peers
-            nodes = sorted(node_name(p) for p in peers)
-            emit("peer.lost", level="warning", nodes=nodes, how="connection_closed")
+            emit(
+                "peer.lost",
+                level="warning",
+                nodes=sorted(self._membership.label(p) for p in peers),
+                addresses=sorted(node_name(p) for p in peers),
+                how="connection_closed",
+            )
 
     def _on_hang(self, verdict: HangVerdict) -> decisions.Outcome:
         rank = self._global_rank(verdict.local_rank)
@@ -597,7 +609,9 @@ class ElasticTrainAgent(LocalElasticAgent):
             )
             store_record.write(cfg.worker.snapshot_dir, record, key)
         why = "leaving" if leaving else "lost"
-        failover.report(old_host=old_host, moved=moved, why=why, began=began)
+        failover.report(
+            old_host=old_host, moved=moved, why=why, began=began, label=watch.label_of_member
+        )
         return True
 
     # ---- torch hooks (the template methods of SimpleElasticAgent; see torch_compat) -------

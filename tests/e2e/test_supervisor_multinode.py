@@ -53,7 +53,8 @@ def test_node_loss_shrinks_then_a_new_node_grows_the_group(tmp_path, worker_env,
     wait_for(lambda: 2 in _world_sizes(audit), 90, "steps at world size 2")
     b.kill_tree()
     lost = a.wait_event("peer.lost", 10)  # its closed connection, not its heartbeats' expiry
-    assert lost["how"] == "connection_closed" and len(lost["nodes"]) == 1
+    assert lost["how"] == "connection_closed" and lost["nodes"] == ["b"]  # its --node name
+    assert len(lost["addresses"]) == 1 and lost["addresses"][0].endswith(f":{b.proc.pid}")
     wait_for(lambda: _world_sizes(audit)[-1:] == [1], 60, "steps at world size 1")
     shrink = a.wait_event("membership.changed", 10, lambda e: e["new_world_size"] == 1)
     assert shrink["old_world_size"] == 2

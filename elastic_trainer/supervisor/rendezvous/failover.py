@@ -155,12 +155,17 @@ def move_store(
         time.sleep(RETRY_S)
 
 
-def report(*, old_host: str, moved: Moved, why: str, began: float) -> None:
+def report(
+    *, old_host: str, moved: Moved, why: str, began: float, label: Callable[[str], str] = str
+) -> None:
+    """``label``: a member's ``--node`` name from its member name (what events name it by)."""
     emit(
         "store.moved",
         level="warning",
-        old_host=old_host,
-        new_host=moved.host,
+        old_host=label(old_host),
+        new_host=label(moved.host),
+        old_member=old_host,
+        new_member=moved.host,
         endpoint=moved.endpoint,
         why=why,
         duration_s=round(time.monotonic() - began, 3),

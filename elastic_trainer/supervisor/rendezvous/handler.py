@@ -91,6 +91,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     presence_address = ""  # ours, as published (again into a failed-over store)
     state_backend: SignedStateBackend | None = None  # where the state is (create_handler)
     endpoint = ""  # the store's HOST:PORT now (after a failover, the new one)
+    node_label = ""  # our --node name, as published (again into a failed-over store)
 
     @property
     def job_key(self) -> JobKey:
@@ -337,8 +338,20 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             store.set(store_host_member_key(run_id), self.member_name())
         if self.presence_address:  # the next round's members find each other here now
             self.publish_presence(self.presence_address)
+        if self.node_label:
+            self.publish_node_label(self.node_label)
         # last: c10d's set has no reply, this answer orders the sets above before any read
         self.lineage = bytes(store.compare_set(lineage_key(run_id), "", self.lineage)).decode()
+
+    def publish_node_label(self, label: str) -> None:
+        """This node's ``--node`` name, which events name it by on every node (its member
+        name, address and pid, tells nobody which machine it is)."""
+        self._publish("node", label)
+        self.node_label = label
+
+    def node_labels(self, nodes: set[Any]) -> dict[Any, str]:
+        """node -> its published ``--node`` name, for the nodes that published one."""
+        return self._published("node", nodes)
 
     def publish_presence(self, address: str) -> None:
         self._publish("presence", address)

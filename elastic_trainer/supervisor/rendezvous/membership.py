@@ -15,6 +15,7 @@ heartbeat on a loaded machine is not a lost node.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,7 @@ class MembershipWatch:
         # what store failover needs once the store is gone (failover.py), read at each round:
         self.addresses: dict[str, str] = {}  # member name -> its presence address
         self.store_host: str | None = None  # the member hosting the store (None: standalone)
+        self._labels: dict[Any, str] = {}  # member -> its --node name (events name it so)
 
     def open_presence(self, bind_host: str, key: JobKey) -> None:
         """Listen for peers and publish where (before the first join, so every member of a
@@ -88,6 +90,8 @@ class MembershipWatch:
         self.members = set(self._handler.participants())
         self._suspects, self._seen, self._confirmed_silent = set(), 0, set()
         self._next_check = self._clock() + self._dead_after  # their first beats are due
+        with contextlib.suppress(Exception):  # names only: events fall back to ADDR:PID
+            self._labels = self._handler.node_labels(set(self.members))
         if self.peers is not None:
             others = self.members - {self._handler.this_node}
             try:
@@ -107,6 +111,15 @@ class MembershipWatch:
             return set()
         gone = self.lost_peers() | (self.peers.left() & self.members)
         return {member_name(n) for n in gone}
+
+    def label(self, node: Any) -> str:
+        """How events name a member: its ``--node`` name, else its address and pid."""
+        return self._labels.get(node) or node_name(node)
+
+    def label_of_member(self, name: str) -> str:
+        """``label`` of the member called ``name`` (``member_name``); the name if unknown."""
+        found = self.members_named({name})
+        return self.label(next(iter(found))) if found else name
 
     def member_names(self) -> set[str]:
         return {member_name(n) for n in self.members}
