@@ -487,6 +487,13 @@ def state_from_plain(plain: dict[str, Any]) -> Any:
     return state
 
 
+# --- torch/distributed/elastic/multiprocessing/api.py -------------------------------------
+# Its logger says "failed (exitcode: N) local_rank: ..." at error level for every worker that
+# ends badly; the agent demotes it where that end is a peer's leaving (agent.PeerLeaving).
+WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+WORKER_FAILURE_MESSAGE = "failed (exitcode"
+
+
 # --- torch/distributed/elastic/rendezvous/utils.py --------------------------------------
 def matches_machine_hostname(host: str) -> bool:
     """torch's own test of whether HOST is this machine (it decides who hosts the store)."""

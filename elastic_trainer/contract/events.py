@@ -43,6 +43,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "worker.resources": ("rank", "rss_bytes", "cpu_percent", "num_procs"),
     "membership.changed": ("old_world_size", "new_world_size", "reason"),
     "peer.lost": ("nodes", "how"),
+    # a worker that ended because a member left on purpose (preempted): debug, not a failure
+    "worker.exited": ("rank", "local_rank", "exit_code", "why", "peers", "error_summary"),
     "peer.silent": ("nodes", "silent_s"),
     "presence.unavailable": ("error", "consequence"),
     # an accept found no file descriptor left (once per streak; the limit is the soft one)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import time
@@ -50,6 +51,25 @@ from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, no
 from elastic_trainer.supervisor.rendezvous.signed_store import signed
 from elastic_trainer.supervisor.warm import client as warm_workers
 from elastic_trainer.supervisor.warm.launcher import READY_TIMEOUT_S, WarmPool
+
+
+class PeerLeaving(logging.Filter):
+    """While ``active`` (a member said it leaves, so our workers' exit is its leaving),
+    torch's error line for a worker's exit is a debug line: no error-level line for what is
+    no failure (``agent._on_peer_left``)."""
+
+    active = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.active and str(record.msg).startswith(torch_compat.WORKER_FAILURE_MESSAGE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+# How long a preempted node gives the others' agents to read its goodbye before it stops a
+# plain script's workers (whose peers then fail in a collective): their loops wake on the
+# goodbye itself, so this is an upper bound, well inside any grace period.
+GOODBYE_HEARD_S = 0.2
 
 # kept for callers that compare statuses as strings (run.py, tests)
 STATUS_SUCCEEDED = JobStatus.SUCCEEDED.value
@@ -159,6 +179,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._joined_once = False  # a first join into a running job waits for the pool
         # the job's secret: signs the store's values and the presence handshakes
         self._job_key = spec.rdzv_handler.job_key
+        self._peer_leaving = PeerLeaving()
+        logging.getLogger(torch_compat.WORKER_FAILURE_LOGGER).addFilter(self._peer_leaving)
         self._files_exhausted = fd_limit.ExhaustionStreak(
             "supervisor", "its checks skip a beat until files are free again; the job goes on"
         )
@@ -170,6 +192,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         except StopRequested:
             status, code = self._preempt()
         finally:
+            logging.getLogger(torch_compat.WORKER_FAILURE_LOGGER).removeFilter(self._peer_leaving)
             self._procs.kill(grace_s=1.0)
             self._membership.close()
             torch_compat.shut_down(self, timeout_s=2)
@@ -210,6 +233,8 @@ class ElasticTrainAgent(LocalElasticAgent):
         changes = [*self._procs.exit_fds(), *self._membership.watched_fds()]
         if self._stop.wait_for_change(self._cfg.monitor_interval, changes):
             return self._preempt()
+        if self._membership.left_peers():  # a peer is leaving: our workers' end is its
+            self._mute_workers()
         result = self._monitor_workers(wg)
         wg.state = result.state
         verdict = self._observe()
@@ -400,7 +425,51 @@ class ElasticTrainAgent(LocalElasticAgent):
         return torch.cuda.is_available()
 
     # ---- outcomes ------------------------------------------------------------------------
+    def _mute_workers(self) -> None:
+        """Their stderr off the console from now on (``RelayedLogsSpecs.mute``), and torch's
+        error line for their exit a debug one (``PeerLeaving``), until the next start."""
+        if self._peer_leaving.active:
+            return
+        mute = getattr(self._logs_specs, "mute", None)  # torch's own specs have none
+        if mute is not None:
+            mute()
+        self._peer_leaving.active = True
+
+    def _on_peer_left(self, result: RunResult, left: set[Any]) -> decisions.Outcome:
+        """Our workers ended after members said they leave on purpose (preempted): a
+        membership change, not a failure. Each exit is said at debug level, with its error
+        line (gloo's "Connection reset by peer"), for whoever looks."""
+        names = sorted(self._membership.label(p) for p in left)
+        for rank, failure in result.failures.items():
+            emit(
+                "worker.exited",
+                level="debug",
+                rank=rank,
+                local_rank=failure.local_rank,
+                exit_code=failure.exitcode,
+                signal=signal_name(failure.exitcode),
+                why="peer_preempted",
+                peers=names,
+                error_summary=self._error_summary(failure),
+            )
+        outcome = decisions.on_peers_left(self._policy, self._state, {})
+        self.ledger.failed(
+            cause=outcome.recovery_cause or FailureCause.PREEMPTED.value,
+            now=time.time(),
+            world_size=self._state.world_size or 0,
+        )
+        return outcome
+
     def _on_failure(self, result: RunResult) -> decisions.Outcome:
+        codes = {f.exitcode for f in result.failures.values()}
+        # a TrainingSession's workers say it themselves (exit 75: worker.failed, preempted)
+        said = codes <= {protocol.EXIT_PEER_PREEMPTED}
+        if (
+            not said
+            and protocol.EXIT_CONFIG not in codes
+            and (left := self._membership.left_peers())
+        ):
+            return self._on_peer_left(result, left)
         exits = {
             rank: WorkerExit(local_rank=f.local_rank, rank=rank, exit_code=f.exitcode)
             for rank, f in result.failures.items()
@@ -689,6 +758,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._observer.attempt_started(self._attempt_started)
         self._oom_kills_at_start = oom_kill_count()
         self._peer_stop_seen = None
+        self._peer_leaving.active = False  # these workers' exits are theirs again
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._mark_restarting()
@@ -837,10 +907,16 @@ class ElasticTrainAgent(LocalElasticAgent):
             grace_s=grace,
             signalled_ranks=[self._global_rank(r) for r in plain],
         )
-        if self._membership.store_host == self._worker_group.spec.rdzv_handler.member_name():
-            self._worker_group.spec.rdzv_handler.say_leaving()  # the others move the store
+        handler = self._worker_group.spec.rdzv_handler
+        if self._membership.store_host == handler.member_name():
+            handler.say_leaving()  # the others move the store
+        # before our workers stop: the others hear that we leave on purpose (their workers'
+        # failure that follows is our leaving, not a crash) and re-form without waiting for us
+        self._membership.say_goodbye()
+        handler.leave()
+        if plain and self._membership.members - {handler.this_node}:
+            time.sleep(GOODBYE_HEARD_S)  # their agents read it before their workers fail
         self._procs.terminate(plain)
-        self._worker_group.spec.rdzv_handler.leave()
         received = stop.received_at or time.monotonic()
         kill_at = decisions.preemption_kill_at(received, grace)
         while self._procs.alive() and time.monotonic() < kill_at and stop.count < 2:

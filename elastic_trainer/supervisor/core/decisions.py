@@ -132,6 +132,15 @@ def on_nodes_waiting(policy: RestartPolicy, state: SupervisorState) -> Outcome:
     return _membership(policy, state, MembershipReason.NODE_JOINED, {})
 
 
+def on_peers_left(
+    policy: RestartPolicy, state: SupervisorState, causes: Mapping[int, FailureCause]
+) -> Outcome:
+    """Workers of this node ended after a member said it leaves on purpose (preempted: its
+    goodbye came before its workers stopped): their failure is its leaving, a membership
+    change, never charged, whatever the exit code (a plain script dies in its collective)."""
+    return _membership(policy, state, MembershipReason.PEER_PREEMPTED, causes)
+
+
 def on_peers_gone(policy: RestartPolicy, state: SupervisorState) -> Outcome:
     """Members of our round are gone: lost (their agent's connection closed without a goodbye)
     or silent (no heartbeat, no reset: frozen or cut off). Re-form without them at once, free

@@ -131,14 +131,18 @@ class JsonLines:
     ``fields``. A JSON object line passes unchanged; a line released unfinished (its end came
     late) is an event of its own."""
 
-    def __init__(self, fields: Mapping[str, Any]) -> None:
+    def __init__(self, fields: Mapping[str, Any], muted: threading.Event | None = None) -> None:
         self._fields = dict(fields)
+        self._muted = muted  # set: the lines are debug events (see RelayedLogsSpecs.mute)
 
     def feed(self, data: bytes) -> bytes:
         lines = data.split(b"\n")
         if lines[-1] == b"":
             lines.pop()  # the end of the last line, not an empty line after it
-        return b"".join(stderr_router.render(line, self._fields) for line in lines)
+        fields = self._fields
+        if self._muted is not None and self._muted.is_set():
+            fields = {**fields, "level": "debug"}
+        return b"".join(stderr_router.render(line, fields) for line in lines)
 
 
 class LineGate:
@@ -184,10 +188,13 @@ class Relay:
         *,
         hold_s: float = HOLD_S,
         tail: StderrTail | None = None,
+        muted: threading.Event | None = None,
     ) -> None:
         """``transform``: what becomes of the lines on their way (a prefix, or JSON);
-        ``tail``: keeps the last lines as the worker wrote them (``lines``)."""
+        ``tail``: keeps the last lines as the worker wrote them (``lines``); ``muted``: while
+        set, console lines go to the tail only."""
         self._dest = dest_fd
+        self._muted = muted
         self._transform = transform
         self._terminal = _terminal(dest_fd) if isinstance(transform, Prefixer) else None
         self._unfinished = ""  # this stream's line on the terminal not ended yet (its bar)
@@ -254,6 +261,9 @@ class Relay:
     def _forward(self, raw: bytes) -> None:
         if self._tail is not None:
             self._tail.feed(raw)
+        muted = self._muted is not None and self._muted.is_set()
+        if muted and isinstance(self._transform, Prefixer):
+            return  # a console line: kept in the tail (and the worker's log), not shown
         data = self._transform.feed(raw)
         if self._dest < 0 or not data:
             return  # the console is gone: keep draining, so the worker never blocks on it
@@ -389,10 +399,20 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         self._relays: list[Relay] = []
         self._stderr_tails: dict[int, Relay | str] = {}  # a relay, or torch's stderr.log
         self._hostname = socket.gethostname()
+        # set while this attempt's workers end because a peer left on purpose (``mute``)
+        self._muted = threading.Event()
+
+    def mute(self) -> None:
+        """A peer said it is leaving (preempted): what our workers write to stderr from now
+        on (gloo's "Connection reset by peer" and its traceback) is its leaving, not a
+        failure, and stays off the console: kept in the tail (``stderr_tail``), in JSON mode
+        as debug events. The next attempt's workers are heard again."""
+        self._muted.set()
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         self.close(timeout_s=0)  # a new attempt: the previous workers are gone (no waiting:
         # their relays drain on their own; a restart must not wait on a straggler)
+        self._muted = threading.Event()  # the old relays keep the old one: still muted
         dest = super().reify(envs)
         self._stderr_tails.clear()
         for local_rank, env in envs.items():
@@ -407,7 +427,7 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         path = dest.stderrs.get(local_rank)
         if path == _CONSOLE or (path == os.devnull and self._filtered_out(local_rank)):
             fd = self._consoles["stderr"] if path == _CONSOLE else NOWHERE
-            relay = self._relay(fd, local_rank, env, tail=StderrTail())
+            relay = self._relay(fd, local_rank, env, tail=StderrTail(), muted=self._muted)
             self._stderr_tails[local_rank] = relay
             dest.stderrs[local_rank] = relay.path
         elif path and path != os.devnull:
@@ -424,10 +444,12 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         env: Mapping[str, str],
         tail: StderrTail | None = None,
         human: bool = True,
+        muted: threading.Event | None = None,
     ) -> Relay:
         """``human``: JSON events on the stream are shown as console lines (stderr, where a
-        worker logs; stdout is the script's own)."""
-        relay = Relay(fd, self._transform(local_rank, env, human), tail=tail)
+        worker logs; stdout is the script's own); ``muted``: see ``mute`` (stderr only)."""
+        transform = self._transform(local_rank, env, human, muted)
+        relay = Relay(fd, transform, tail=tail, muted=muted)
         self._relays.append(relay)
         return relay
 
@@ -440,7 +462,11 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
         return read_file_tail(source) if source is not None else []
 
     def _transform(
-        self, local_rank: int, env: Mapping[str, str], human: bool = True
+        self,
+        local_rank: int,
+        env: Mapping[str, str],
+        human: bool = True,
+        muted: threading.Event | None = None,
     ) -> Prefixer | JsonLines:
         rank = env.get("RANK", local_rank)
         if self._json_fields is not None:
@@ -450,7 +476,7 @@ class RelayedLogsSpecs(DefaultLogsSpecs):
                 "rank": int(rank),
                 "local_rank": local_rank,
                 "restart_count": int(restarts) if restarts is not None else None,
-            })  # fmt: skip
+            }, muted)  # fmt: skip
         prefix = render_prefix(
             self._template,
             role=env.get("ROLE_NAME", ""),

@@ -78,6 +78,18 @@ class MembershipWatch:
         self.peers = presence.PeerWatch(key, member_name(self._handler.this_node))
         self._address = address
 
+    def say_goodbye(self) -> None:
+        """We leave on purpose: every member watching us hears so now (``left_peers``)."""
+        if self._server is not None:
+            self._server.say_goodbye()
+
+    def left_peers(self) -> set[Any]:
+        """Members of this round that said goodbye (preempted, or done): gone on purpose."""
+        if self.peers is None:
+            return set()
+        self.peers.lost()  # reads the connections: a goodbye is found there
+        return self.peers.left() & self.members
+
     def close(self) -> None:
         """We leave on purpose: tell the peers so (not a lost node)."""
         if self._server is not None:

@@ -259,6 +259,14 @@ class PresenceServer:
         else:
             sock.close()
 
+    def say_goodbye(self) -> None:
+        """Tell every member watching us that we leave on purpose (preempted), before our
+        workers stop: their workers' failure that follows is our leaving, not a crash. The
+        connections stay open (each watcher ends its own on the goodbye)."""
+        for sock in list(self._held):
+            with contextlib.suppress(OSError):
+                sock.send(BYE)
+
     def close(self) -> None:
         """Say goodbye on every connection (we leave on purpose), then close."""
         self._closed.set()

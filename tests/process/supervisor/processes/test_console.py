@@ -302,3 +302,28 @@ def _terminal_bytes(fd: int, text: bytes, bars: int, deadline: float) -> str:
         if ready:
             got += os.read(fd, 65536)
     return got.decode()
+
+
+def test_after_a_peer_said_goodbye_its_consequences_stay_off_the_console(tmp_path) -> None:
+    """A preempted peer's leaving kills our plain workers in gloo: their traceback is kept for
+    the error line (the tail) but not shown, and the next attempt is heard again."""
+    (_, err_r), consoles = _pipes()
+    specs = RelayedLogsSpecs(template=None, consoles=consoles, log_dir=str(tmp_path))
+    dest = specs.reify(_envs(0))
+    _write_as_worker(dest.stderrs[0], "before\n")
+    specs.stderr_tail(0)  # read and relayed
+    specs.mute()
+    _write_as_worker(dest.stderrs[0], "Traceback\nRuntimeError: Connection reset by peer\n")
+    assert specs.stderr_tail(0)[-1] == "RuntimeError: Connection reset by peer"
+    again = specs.reify(_envs(0))
+    _write_as_worker(again.stderrs[0], "next attempt\n")
+    specs.close()
+    assert _drain(err_r) == b"[rank0]:before\n[rank0]:next attempt\n"
+
+
+def test_muted_json_lines_are_debug_events() -> None:
+    muted = threading.Event()
+    lines = JsonLines({"rank": 0}, muted)
+    assert json.loads(lines.feed(b"loud\n"))["level"] == "warning"
+    muted.set()
+    assert json.loads(lines.feed(b"Connection reset by peer\n"))["level"] == "debug"

@@ -280,3 +280,11 @@ def test_the_old_workers_train_until_the_new_ones_are_ready_or_the_wait_ends(
 )
 def test_the_new_workers_go_on_once_each_old_one_has_exited_or_let_go(codes, done, handed):
     assert decisions.handed_off(codes, done=done) is handed
+
+
+def test_our_workers_ending_after_a_peer_said_goodbye_is_a_free_preemption() -> None:
+    state = SupervisorState(world_size=2)
+    out = decisions.on_peers_left(POLICY, state, {})
+    assert out.verdict == Verdict.RESTART and out.state.membership_reason.value == "peer_preempted"
+    assert out.recovery_cause == "preempted"
+    assert out.state.policy == decisions.on_peers_gone(POLICY, state).state.policy  # not charged
