@@ -1,11 +1,13 @@
 """A run folder that holds a finished job: ``finished.json`` at its root says so.
 
-The end of a job is final. A command started later with the same job id and snapshot folder
-(a scheduler's requeue, a node restarted after the end, the same command run twice) does not
-train again: it exits 0 at once with one line saying when the job finished and how to run it
-again (``already_finished``) -- a plain script would otherwise run from its start once more.
-``--resume-finished`` asks for it: the record is removed (the run now in the folder has not
-finished) and the job resumes from its end, as before. A node whose rendezvous fails because
+The end of a job is final. The same command started later with the same job id and snapshot
+folder (a scheduler's requeue, a node restarted after the end, the same command run twice)
+does not train again: it exits 0 at once with one line saying when the job finished and how
+to run it again (``already_finished``) -- a plain script would otherwise run from its start
+once more. Asking for more is running it again: ``--resume-finished``, or another command
+line (the built-in job's ``--max-steps`` left out to go on past a stop): the record is
+removed (the run now in the folder has not finished), one line says so, and the job resumes
+from its end. A node whose rendezvous fails because
 the job finished while it was joining (the store host exited) also ends with exit 0
 (``finished_while_joining``), not as a lost store. The record is written again when a run
 succeeds. JSON only, never pickle.
@@ -66,13 +68,16 @@ def read(storage: Any, job_id: str) -> dict[str, Any] | None:
     return recorded if recorded is not None and recorded["job_id"] == job_id else None
 
 
-def already_finished(storage: Any, url: str, job_id: str, *, resume: bool) -> str | None:
-    """``done_line`` when the folder says ``job_id`` finished and ``resume`` is off. With
-    ``resume``: the record is removed, ``warning`` says so, and None comes back."""
+def already_finished(
+    storage: Any, url: str, job_id: str, argv: list[str], *, resume: bool
+) -> str | None:
+    """``done_line`` when the folder says ``job_id`` finished under this very command line
+    (``argv``: the script and its arguments) and ``resume`` is off. Otherwise (asked, or
+    another command line): the record is removed, ``warning`` says so, and None comes back."""
     recorded = read(storage, job_id)
     if recorded is None:
         return None
-    if not resume:
+    if not resume and recorded.get("argv") == argv:
         return done_line(url, recorded)
     storage.delete(FINISHED_NAME)
     from elastic_trainer.contract.events import emit

@@ -127,6 +127,7 @@ def _already_finished(cfg: RunConfig) -> str | None:
             storage.single_attempt(),
             redact(cfg.worker.snapshot_dir),
             cfg.job_id,
+            list(cfg.entrypoint.argv()),
             resume=cfg.resume_finished,
         )
     except Exception:  # not reachable (yet): the preflight waits for it and says why

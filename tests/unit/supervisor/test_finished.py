@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 from structlog.testing import capture_logs
 
@@ -37,6 +38,17 @@ def test_a_finished_job_is_not_run_again_unless_asked(tmp_path):
     (warning,) = [e["warning"] for e in logs if e["event"] == "preflight.warning"]
     assert "--job-id NAME" in warning
     assert not (tmp_path / "run" / finished.FINISHED_NAME).exists()  # this run: not finished
+
+
+def test_another_command_line_is_asking_for_more(tmp_path):
+    """The built-in job stopped at --max-steps and run again without it goes on."""
+    run.Supervisor(_cfg(tmp_path))._record_finished()
+    cfg = _cfg(tmp_path)
+    more = replace(cfg, entrypoint=replace(cfg.entrypoint, args=("--epochs", "9")))
+    with capture_logs() as logs:
+        assert run._already_finished(more) is None
+    assert [e["event"] for e in logs] == ["preflight.warning"]
+    assert not (tmp_path / "run" / finished.FINISHED_NAME).exists()
 
 
 def test_another_jobs_record_a_fresh_folder_and_damage_say_nothing(tmp_path):
