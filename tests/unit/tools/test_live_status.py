@@ -218,3 +218,24 @@ def test_describe_orders_nodes_by_rank_and_ages_heartbeats() -> None:
         ("a", 0, 10.0),
         ("b", 1, None),
     ]
+
+
+def test_another_users_crafted_values_never_reach_the_terminal(store, secret, capsys) -> None:
+    """As ``nobody``, through the store's port: a 10^6-deep value, a huge integer and a
+    terminal escape under the job's key; ``status`` says one line each, exit 2."""
+    from tests import c10d_wire
+    from tests.local_users import as_user, other_user
+
+    _, port = store
+    user = other_user()
+    made_there = (  # built by the attacker's own Python (too long for a command line)
+        "b'{\"format\":1,\"round\":' + b'[' * 10**6 + b']' * 10**6 + b'}'",
+        "b'{\"round\": ' + b'9' * 5000 + b'}'",
+        f"{ESCAPE.encode()!r} * 50",
+    )
+    for value in made_there:
+        attack = f"{c10d_wire.source()}\nClient('127.0.0.1', {port}).set({KEY_NAME!r}, {value})"
+        done = as_user(user, attack)
+        assert done.returncode == 0, done.stderr
+        assert _status(port, secret[1]) == 2
+        assert "not signed with the job's secret" in _one_line_error(capsys)
