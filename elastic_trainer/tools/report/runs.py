@@ -39,6 +39,7 @@ class SupervisorRun:
     status: str | None  # its job.finished status, None while it runs
     joined: bool  # it completed a rendezvous round (see the module docstring)
     events: int
+    ended: float | None = None  # unix seconds of its job.finished, None while it runs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,11 +60,19 @@ def _run(token: str, mine: list[Event]) -> SupervisorRun:
     return SupervisorRun(
         token=token,
         node=str(mine[0].get("node") or ""),
-        started=float(mine[0].get("time") or 0.0),
+        started=_when(mine[0]) or 0.0,
         status=str(finished[-1].get("status")) if finished else None,
         joined=any(e.get("event") in _MEMBER_EVENTS for e in mine),
         events=len(mine),
+        ended=_when(finished[-1]) if finished else None,
     )
+
+
+def _when(event: Event) -> float | None:
+    """Unix seconds of an event: its parsed ``time``, else its ``timestamp``."""
+    from elastic_trainer.contract.events import parse_time
+
+    return parse_time(event.get("time", event.get("timestamp")))
 
 
 def split_stray(events: list[Event]) -> tuple[list[Event], list[SupervisorRun]]:
@@ -82,3 +91,23 @@ def describe_stray(runs: list[dict[str, Any]]) -> str:
         f"{r['token']} on {r['node'] or '?'} ({r['status'] or 'unfinished'})" for r in runs
     )
     return f"{len(runs)} supervisor start(s) that never joined the job: {each}"
+
+
+def later_instances(runs: list[SupervisorRun]) -> list[SupervisorRun]:
+    """Joined runs that started after the job had succeeded once: the job run again in the
+    same folder (``--resume-finished``, or another command line), whose events the report
+    takes in too -- and says so, never silently."""
+    done = [r.ended for r in runs if r.joined and r.status == "succeeded" and r.ended]
+    if not done:
+        return []
+    first_end = min(done)
+    return [r for r in runs if r.joined and r.started > first_end]
+
+
+def describe_later(runs: list[dict[str, Any]]) -> str:
+    """One line naming the runs of a job started again after it had finished."""
+    each = ", ".join(f"{r['token']} on {r['node'] or '?'}" for r in runs)
+    return (
+        f"the job finished, then {len(runs)} supervisor start(s) ran it again in this folder "
+        f"({each}): the figures above cover both"
+    )

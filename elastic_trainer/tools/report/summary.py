@@ -26,7 +26,13 @@ from elastic_trainer.tools.report.lost import (
     goodput,
     lost_work,
 )
-from elastic_trainer.tools.report.runs import describe_stray, split_stray, supervisor_runs
+from elastic_trainer.tools.report.runs import (
+    describe_later,
+    describe_stray,
+    later_instances,
+    split_stray,
+    supervisor_runs,
+)
 
 Event = dict[str, Any]
 
@@ -64,6 +70,8 @@ class RunSummary:
     goodput_max: float | None = None  # where goodput is unknown: its upper bound, if known
     # each restart whose cost is unknown (recovery.unmeasured): cause, ran_s, restart_s, bound
     unmeasured_restarts: list[dict[str, Any]] = field(default_factory=list)
+    # runs that started the job again after it had finished (runs.later_instances)
+    later_runs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,6 +236,7 @@ def summarize(events: list[Event]) -> RunSummary:
         store_moves=store_moves(events),
         runs=[r.to_dict() for r in runs],
         stray_runs=[r.to_dict() for r in stray],
+        later_runs=[r.to_dict() for r in later_instances(runs)],
         **_evaluations(events),
     )
 
@@ -286,6 +295,8 @@ def format_summary(summary: RunSummary, *, source: str) -> str:
         lines.append(f"store moved: {len(s.store_moves)}x: {moves}")
     if s.stray_runs:
         lines.append(f"left out:    {describe_stray(s.stray_runs)}")
+    if s.later_runs:
+        lines.append(f"ran again:   {describe_later(s.later_runs)}")
     if s.final_val_accuracy is not None:
         lines.append(
             f"validation:  accuracy {_pct(s.final_val_accuracy)}, loss {s.final_val_loss:.4f}"

@@ -215,3 +215,21 @@ def test_a_store_move_is_reported_once_however_many_nodes_said_it() -> None:
     text = format_summary(summary, source="x")
     assert "store moved: 2x: h:1 -> h:2 (lost); h:2 -> h:3 (leaving)" in text
     assert "store moved" not in format_summary(summarize(events[:1]), source="x")
+
+
+def test_a_job_run_again_after_it_finished_is_named_not_merged_silently() -> None:
+    first = [
+        ev(0, "supervisor.started", supervisor_run="aaaa"),
+        ev(1, "rendezvous.completed", supervisor_run="aaaa", world_size=1),
+        ev(9, "job.finished", supervisor_run="aaaa", status="succeeded", wall_s=9.0),
+    ]
+    again = [
+        ev(20, "supervisor.started", supervisor_run="bbbb"),
+        ev(21, "rendezvous.completed", supervisor_run="bbbb", world_size=1),
+        ev(29, "job.finished", supervisor_run="bbbb", status="succeeded", wall_s=9.0),
+    ]
+    summary = summarize(first + again)
+    assert [r["token"] for r in summary.later_runs] == ["bbbb"]
+    text = format_summary(summary, source="runs/x")
+    assert "ran again:" in text and "bbbb on n1" in text
+    assert summarize(first).later_runs == []
