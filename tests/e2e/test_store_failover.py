@@ -79,7 +79,8 @@ def test_the_store_host_is_lost_twice_and_the_job_finishes(tmp_path, worker_env,
     assert a.proc.returncode == -signal.SIGKILL
     host, moved = _moved_to(survivors, since, 60)
     assert moved["endpoint"] == f"127.0.0.1:{port}" and moved["why"] == "lost"
-    assert moved["old_host"].endswith(f":{a.proc.pid}")  # a member name: address and pid
+    assert moved["old_host"] == "a"  # its --node name; the member name: address and pid
+    assert moved["old_member"].endswith(f":{a.proc.pid}")
     for x in survivors:
         formed = wait_new(x, "rendezvous.completed", rounds[x.name], 60)
         assert formed["world_size"] == 2 and formed["store_host"] == host.name
@@ -95,7 +96,7 @@ def test_the_store_host_is_lost_twice_and_the_job_finishes(tmp_path, worker_env,
     host.kill_tree()
     again, moved = _moved_to([last], since, 60)
     assert again is last and moved["endpoint"] == f"127.0.0.1:{port}"
-    assert moved["old_host"].endswith(f":{old_pid}")
+    assert moved["old_host"] == host.name and moved["old_member"].endswith(f":{old_pid}")
     assert wait_new(last, "rendezvous.completed", rounds, 60)["world_size"] == 1
     wait_for(lambda: len(steps_at(audit, 1)) >= 2, 90, "steps at world size 1")
 
@@ -136,7 +137,7 @@ def test_a_preempted_store_host_hands_the_store_over_and_no_step_is_lost(
     a.proc.send_signal(signal.SIGTERM)
     moved = b.wait_event("store.moved", 60)
     assert moved["why"] == "leaving" and moved["hosted_here"]
-    assert moved["old_host"].endswith(f":{a.proc.pid}")
+    assert moved["old_host"] == "a" and moved["old_member"].endswith(f":{a.proc.pid}")
     assert moved["endpoint"] == f"127.0.0.1:{port}"
     assert a.wait(60) == 143 and a.events("job.finished")[-1]["status"] == "preempted"
     formed = b.wait_event("rendezvous.completed", 60, lambda e: e["world_size"] == 1)
