@@ -42,6 +42,25 @@ def as_user(user: pwd.struct_passwd, code: str) -> subprocess.CompletedProcess[s
     )
 
 
+def refused_all(
+    user: pwd.struct_passwd, *, listed: list[str], read: list[str]
+) -> subprocess.CompletedProcess[str]:
+    """As ``user``: list each folder of ``listed`` and read each file of ``read``; the run
+    exits 0 only when every attempt is refused (PermissionError), else with "allowed"."""
+    return as_user(
+        user,
+        "import os, sys\n"
+        f"acts = [lambda d=d: os.listdir(d) for d in {listed!r}]\n"
+        f"acts += [lambda f=f: open(f, 'rb').read() for f in {read!r}]\n"
+        "for act in acts:\n"
+        "    try:\n"
+        "        act()\n"
+        "    except PermissionError:\n"
+        "        continue\n"
+        "    sys.exit('allowed')\n",
+    )
+
+
 def _runs_as(user: pwd.struct_passwd, python: str) -> bool:
     try:
         subprocess.run(

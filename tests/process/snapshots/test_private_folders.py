@@ -29,7 +29,7 @@ from elastic_trainer.worker import distributed
 from elastic_trainer.worker.context import WorkerContext
 from elastic_trainer.worker.snapshotting import open_snapshots
 from snapshots.format import layout
-from tests.local_users import as_user
+from tests.local_users import refused_all
 
 
 @pytest.fixture
@@ -92,19 +92,7 @@ def test_another_user_can_neither_list_a_run_folder_nor_read_what_is_in_it(
     made = _made(run_dir)
     assert [_mode(p) for p in made] == [0o700, 0o600, 0o600, 0o600, 0o700, 0o600]
     files = [str(p) for p in made if p.is_file()]
-    attempt = as_user(
-        other,
-        "import os, sys\n"
-        f"run, files = {str(run_dir)!r}, {files!r}\n"
-        "acts = [lambda: os.listdir(run)]\n"
-        "acts += [lambda f=f: open(f, 'rb').read() for f in files]\n"
-        "for act in acts:\n"
-        "    try:\n"
-        "        act()\n"
-        "    except PermissionError:\n"
-        "        continue\n"
-        "    sys.exit('allowed')\n",
-    )
+    attempt = refused_all(other, listed=[str(run_dir)], read=files)
     assert attempt.returncode == 0, attempt.stdout + attempt.stderr
 
 
