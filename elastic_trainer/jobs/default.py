@@ -189,6 +189,7 @@ def evaluate_and_export(t: Trainer, session: Any, rank: int) -> None:
         step=session.step,
         accuracy=result.accuracy,
         weights=weights,
+        group_access=session.context.settings.snapshot_group_access,
     )
     if path is not None:
         emit(

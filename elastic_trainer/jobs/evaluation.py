@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import uuid
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from elastic_trainer.jobs.models import logits_of
 from elastic_trainer.jobs.recipe import BestModels, Precision, eval_mode, export_name
+from snapshots.storage.modes import create_file, make_folder, modes_for
 
 EVAL_BATCH = 256
 EXPORT_GLOB = "model-step*.pt"
@@ -94,8 +96,11 @@ def export_if_best(
     step: int,
     accuracy: float,
     weights: dict[str, torch.Tensor] | None = None,
+    group_access: bool = False,
 ) -> str | None:
     """Write the model if it is among the best ``best.keep``, then delete every other export.
+    On local disk the folder is made 0700 and each export 0600 (0750/0640 with
+    ``group_access``), whatever the umask, as snapshots are (``snapshots.storage.modes``).
 
     Written under a temporary name and renamed, so a reader never sees half a file. The sweep
     also removes exports of steps that a restart rolled back. ``weights``: what to write
@@ -105,12 +110,23 @@ def export_if_best(
     target = directory.rstrip("/") + "/" + export_name(step, accuracy)
     keep, _ = best.offer(step=step, accuracy=accuracy, path=target)
     fs, root = _filesystem(directory)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    modes = modes_for(group_access)
+    if local and not os.path.isdir(root):
+        os.makedirs(os.path.dirname(root.rstrip("/")) or ".", exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # made meanwhile: its mode stands
+            make_folder(root, modes.folder)
     fs.makedirs(root, exist_ok=True)
     if keep:
         path = root.rstrip("/") + "/" + export_name(step, accuracy)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with fs.open(tmp, "wb") as handle:
-            torch.save(weights if weights is not None else plain_weights(model), handle)
+        saved = weights if weights is not None else plain_weights(model)
+        if local:
+            with os.fdopen(create_file(tmp, os.O_WRONLY, modes.file), "wb") as handle:
+                torch.save(saved, handle)
+        else:
+            with fs.open(tmp, "wb") as handle:
+                torch.save(saved, handle)
         fs.mv(tmp, path)
     wanted = {e["path"].rstrip("/").rsplit("/", 1)[-1] for e in best.entries}
     for path in fs.glob(root.rstrip("/") + "/" + EXPORT_GLOB):

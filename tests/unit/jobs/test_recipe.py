@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import stat
 
 import pytest
 import torch
@@ -113,3 +115,21 @@ def test_exports_are_plain_weights_and_only_the_best_two_stay(tmp_path) -> None:
     expected = plain_weights(model)
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize(
+    ("group_access", "modes"), [(False, (0o700, 0o600)), (True, (0o750, 0o640))]
+)
+def test_exports_are_private_whatever_the_umask(tmp_path, group_access, modes) -> None:
+    old = os.umask(0o022)
+    try:
+        model = torch.nn.Linear(2, 1)
+        path = export_if_best(model, BestModels(keep=1), directory=str(tmp_path / "best"),
+                              step=1, accuracy=0.5, group_access=group_access)  # fmt: skip
+    finally:
+        os.umask(old)
+    assert path is not None
+    assert (
+        stat.S_IMODE((tmp_path / "best").stat().st_mode),
+        stat.S_IMODE(os.stat(path).st_mode),
+    ) == modes
