@@ -97,18 +97,28 @@ def _local_secret(path: str, *, create: bool = True) -> bytes:
         os.makedirs(folder, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{folder}: cannot hold the job's secret ({exc.strerror})") from exc
+    # written whole under a name of its own, then linked to ``path``: a node that finds
+    # ``path`` never finds it empty, and of two nodes making it at once one link wins
     made = new_secret()
+    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"{folder}: cannot hold the job's secret ({exc.strerror})") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(made)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
     except FileExistsError:
         return _read_private(path)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot hold the job's secret ({exc.strerror})") from exc
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)  # whatever the umask
-        f.write(made)
-        f.flush()
-        os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return made
 
 

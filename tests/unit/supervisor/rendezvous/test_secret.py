@@ -128,3 +128,13 @@ def test_a_node_with_another_secret_is_told_so_and_writes_nothing() -> None:
     assert isinstance(caught.value, ConfigError)  # exit 2
     assert bytes(server.get("torch.rendezvous.job")) == before
     assert ours.state_backend.peek() is None  # ours still reads its own state
+
+
+def test_nodes_starting_at_once_agree_and_never_read_it_half_made(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = str(tmp_path / "run")
+    with ThreadPoolExecutor(8) as pool:
+        keys = list(pool.map(lambda _: _key(snapshot_dir=folder), range(32)))
+    assert len({k.secret for k in keys}) == 1
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [secret.SECRET_NAME]
