@@ -12,20 +12,19 @@ exactly that ``MASTER_ADDR:MASTER_PORT`` (and a script's own ``TCPStore(is_maste
 there is forgiven its failed bind, as under torchrun's agent store). Unmodified scripts see
 nothing else change.
 
-Every interface only where ``MASTER_ADDR`` cannot be bound as given: a name this machine
-resolves to loopback while the others reach it elsewhere (Debian's 127.0.1.1), or an address
-that is not on this machine (NAT); torch's own behaviour then, as before.
+The address is bound as the rendezvous store's is (``elastic_trainer.listeners``): every
+interface only where ``MASTER_ADDR`` cannot be bound as given (a name this machine resolves
+to loopback while the others reach it elsewhere, or an address that is not on this machine),
+torch's own behaviour then, as before.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import ipaddress
 import os
-import socket
 from collections.abc import MutableMapping
 from typing import Any
+
+from elastic_trainer import listeners
 
 ENV_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 LISTEN_BACKLOG = 512
@@ -45,7 +44,7 @@ def host_for_rank0(environ: MutableMapping[str, str] = os.environ) -> Any:
 
     port = int(port_text)
     try:
-        listener = bound_listener(addr, port)
+        listener = listeners.bound_listener(addr, port)
     except OSError:
         return None  # the port is taken or the name does not resolve: torch says so itself
     try:
@@ -67,41 +66,3 @@ def host_for_rank0(environ: MutableMapping[str, str] = os.environ) -> Any:
     environ[ENV_USE_AGENT_STORE] = str(True)
     _hosted = store
     return store
-
-
-def bound_listener(addr: str, port: int) -> socket.socket:
-    """A socket bound to ``addr``'s own address (not listening yet); every interface where
-    that address is not the one peers use (see the module's docstring)."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    everywhere = ("::" if family == socket.AF_INET6 else "0.0.0.0", port, *sockaddr[2:])
-    if _name_on_loopback(addr, sockaddr[0]):
-        return _bind(family, everywhere)
-    try:
-        return _bind(family, sockaddr)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-    return _bind(family, everywhere)
-
-
-def _bind(family: int, sockaddr: Any) -> socket.socket:
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(sockaddr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _name_on_loopback(addr: str, resolved: str) -> bool:
-    """A host name (not ``localhost``, not an address) that resolves to loopback here."""
-    with contextlib.suppress(ValueError):
-        ipaddress.ip_address(addr.split("%", 1)[0])
-        return False
-    if addr == "localhost" or addr.endswith(".localhost"):
-        return False
-    return ipaddress.ip_address(resolved.split("%", 1)[0]).is_loopback

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +28,6 @@ from elastic_trainer.worker.memory.slots import NodeCopies
 from tests.local_users import as_user, refused_all
 
 SECRET = b"root's secret\n"
-
-
-@pytest.fixture
-def shared() -> Iterator[str]:
-    """A shared place like /dev/shm: sticky, world-writable, on tmpfs where there is one."""
-    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.chmod(base, 0o1777)
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

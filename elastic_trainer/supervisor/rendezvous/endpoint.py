@@ -21,7 +21,6 @@ thread's socket is shut down, which ends its blocking read at once.
 from __future__ import annotations
 
 import contextlib
-import errno
 import ipaddress
 import os
 import socket
@@ -35,6 +34,7 @@ import tenacity
 
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, ElasticTrainError, first_line
+from elastic_trainer.listeners import bound_listener, plain_address
 
 # A c10d store answers its handshake in milliseconds; anything slower is not one.
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -165,7 +165,11 @@ def shut_down_connections(host: str, port: int) -> int:
     targets = _addresses(host, port)
     count = 0
     for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.raddr and conn.fd >= 0 and (_plain(conn.raddr.ip), conn.raddr.port) in targets:
+        if (
+            conn.raddr
+            and conn.fd >= 0
+            and (plain_address(conn.raddr.ip), conn.raddr.port) in targets
+        ):
             with contextlib.suppress(OSError):
                 # a duplicate of the fd: shutting it down shuts down the one socket behind both
                 with socket.socket(fileno=os.dup(conn.fd)) as sock:
@@ -194,7 +198,11 @@ def bound_silent_connections(host: str, port: int, *, timeout_s: float) -> int:
     targets = _addresses(host, port)
     count = 0
     for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.raddr and conn.fd >= 0 and (_plain(conn.raddr.ip), conn.raddr.port) in targets:
+        if (
+            conn.raddr
+            and conn.fd >= 0
+            and (plain_address(conn.raddr.ip), conn.raddr.port) in targets
+        ):
             with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fd)) as sock:
                 for level, name, value in options:  # the dup shares the one socket's options
                     sock.setsockopt(level, name, value)
@@ -205,17 +213,8 @@ def bound_silent_connections(host: str, port: int, *, timeout_s: float) -> int:
 def _addresses(host: str, port: int) -> set[tuple[str, int]]:
     with contextlib.suppress(OSError):
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return {(_plain(info[4][0]), port) for info in infos}
+        return {(plain_address(info[4][0]), port) for info in infos}
     return set()
-
-
-def _plain(ip: str) -> str:
-    """``::ffff:127.0.0.1`` -> ``127.0.0.1``: how an IPv4 peer of an IPv6 socket shows."""
-    with contextlib.suppress(ValueError):
-        mapped = ipaddress.ip_address(ip.split("%", 1)[0])
-        if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped:
-            return str(mapped.ipv4_mapped)
-    return ip
 
 
 def connect(host: str, port: int, *, deadline_s: float, read_timeout_s: float) -> Any:
@@ -287,7 +286,7 @@ def claim_port(host: str, port: int) -> socket.socket | None:
     whose preflight happened to finish first. Where old connections of a previous store
     hold the port (TIME_WAIT), no claim: the store binds later, as any agent may."""
     try:
-        return _bound_listener(host, port, reuse=False)
+        return bound_listener(host, port, reuse=False)
     except OSError:
         return None
 
@@ -324,66 +323,12 @@ EXPOSED_HINT = (
 )
 
 
-def _listen(host: str, port: int, *, reuse: bool = True) -> socket.socket:
-    """A socket bound to exactly ``host``'s address (OSError when it cannot be had), not yet
-    listening: until the store serves on it, a connection is refused, which a client takes
-    for a store not up yet and retries, not for a port that is not a store."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        # a restarted agent takes its port back while old connections sit in TIME_WAIT;
-        # on Linux two live listeners still cannot share the port. Two sockets bound and
-        # not yet listening can, so a claim (``claim_port``) goes without it.
-        if reuse:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and host:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(sockaddr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _own_name_on_loopback(host: str) -> bool:
-    """A host name, other than localhost, that this machine resolves to loopback: Debian's
-    /etc/hosts maps the machine's own name to 127.0.1.1, while the other nodes reach it by
-    that name at its real address."""
-    with contextlib.suppress(ValueError):
-        ipaddress.ip_address(host.split("%", 1)[0])
-        return False  # an address, not a name
-    if host == "localhost" or host.endswith(".localhost"):
-        return False
-    try:
-        resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        return False
-    return ipaddress.ip_address(_plain(resolved)).is_loopback
-
-
-def _bound_listener(host: str, port: int, *, reuse: bool = True) -> socket.socket:
-    """The endpoint's own address, so that loopback stays loopback. Every interface only
-    where the endpoint's address cannot be the one the other nodes use: an address that is
-    not on this machine (a Service or NAT address that forwards here, with ``is_host=true``)
-    or this machine's name resolved to loopback here; ``store.exposed`` says so."""
-    if _own_name_on_loopback(host):
-        return _listen("", port, reuse=reuse)
-    try:
-        return _listen(host, port, reuse=reuse)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-    return _listen("", port, reuse=reuse)
-
-
 def _server(
     host: str, port: int, *, read_timeout_s: float, claimed: socket.socket | None = None
 ) -> Any:
     from torch.distributed import TCPStore
 
-    listener = claimed if claimed is not None else _bound_listener(host, port)
+    listener = claimed if claimed is not None else bound_listener(host, port)
     bound_host = listener.getsockname()[0]
     try:
         # Its connections inherit this: once the store is gone, their TIME_WAIT must not keep
@@ -405,8 +350,8 @@ def _server(
         listener.close()  # torch did not take it
         raise
     listener.detach()  # the TCPStore owns the descriptor now and closes it when deleted
-    if not ipaddress.ip_address(_plain(bound_host)).is_loopback:
-        everywhere = ipaddress.ip_address(_plain(bound_host)).is_unspecified
+    if not ipaddress.ip_address(plain_address(bound_host)).is_loopback:
+        everywhere = ipaddress.ip_address(plain_address(bound_host)).is_unspecified
         emit(
             "store.exposed",
             level="warning" if everywhere else "info",

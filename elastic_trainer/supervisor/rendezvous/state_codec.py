@@ -62,15 +62,11 @@ def decode(payload: bytes) -> dict[str, Any] | None:
         "complete": _bool(body, "complete"),
         "deadline": _optional_int(body, "deadline"),
         "closed": _bool(body, "closed"),
-        "participants": _nodes(body, "participants", extra=_is_int),
-        "wait_list": _nodes(body, "wait_list"),
-        "redundancy_list": _nodes(body, "redundancy_list"),
-        "last_heartbeats": _nodes(body, "last_heartbeats", extra=_is_int),
+        "participants": _nodes(body, "participants", width=4),
+        "wait_list": _nodes(body, "wait_list", width=3),
+        "redundancy_list": _nodes(body, "redundancy_list", width=3),
+        "last_heartbeats": _nodes(body, "last_heartbeats", width=4),
     }
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
 
 
 def _in_range(value: Any) -> bool:
@@ -79,7 +75,7 @@ def _in_range(value: Any) -> bool:
 
 def _int(body: dict[str, Any], name: str) -> int:
     value = body.get(name)
-    if not _is_int(value):
+    if not _in_range(value):
         raise ValueError(f"{name}: not an integer in 0..2^63-1")
     return int(value)
 
@@ -95,12 +91,12 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _nodes(body: dict[str, Any], name: str, *, extra: Any = None) -> list[list[Any]]:
-    """``[addr, pid, local_id]`` entries (``[..., value]`` with ``extra``), no node twice."""
+def _nodes(body: dict[str, Any], name: str, *, width: int) -> list[list[Any]]:
+    """``[addr, pid, local_id]`` entries (``width`` 4: and a number, a rank or a time), no
+    node twice."""
     entries = body.get(name)
     if type(entries) is not list or len(entries) > MAX_NODES:
         raise ValueError(f"{name}: not a list of at most {MAX_NODES} nodes")
-    width = 4 if extra else 3
     seen = set()
     for entry in entries:
         # exact types (a bool is no int here), one pass: this runs at every heartbeat

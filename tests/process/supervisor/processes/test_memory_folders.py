@@ -10,12 +10,9 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 
 import psutil
-import pytest
 from structlog.testing import capture_logs
 
 from elastic_trainer.private_files import private_dir
@@ -39,15 +36,6 @@ SUPERVISOR = textwrap.dedent(f"""
     print(folder, flush=True)
     sys.stdin.read()
 """)
-
-
-@pytest.fixture
-def shared() -> Iterator[str]:
-    """A shared place like /dev/shm (sticky, world-writable, tmpfs where there is one)."""
-    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.chmod(base, 0o1777)
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _supervisor(base: str, job: str) -> tuple[subprocess.Popen[str], str]:

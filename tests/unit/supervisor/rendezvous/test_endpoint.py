@@ -11,6 +11,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
+from elastic_trainer import listeners
 from elastic_trainer.supervisor.rendezvous import endpoint
 from elastic_trainer.supervisor.rendezvous.endpoint import EndpointError, StoreUnreachable
 from tests.e2e.workers.harness import not_a_store
@@ -162,14 +163,14 @@ def test_the_hosted_store_listens_on_the_endpoints_address_only():
 
 
 def test_an_endpoint_address_not_on_this_machine_is_hosted_everywhere_and_said_so(monkeypatch):
-    real = endpoint._listen
+    real = listeners.listen
 
     def not_here(host, port, **kwargs):  # a Service/NAT address: bind says EADDRNOTAVAIL
         if host:
             raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
         return real(host, port, **kwargs)
 
-    monkeypatch.setattr(endpoint, "_listen", not_here)
+    monkeypatch.setattr(listeners, "listen", not_here)
     port = _closed_port()
     with capture_logs() as logs:
         store = endpoint.open_store(
@@ -189,9 +190,9 @@ def test_this_machines_name_resolved_to_loopback_is_hosted_everywhere(monkeypatc
         return real("127.0.1.1" if host == "node7" else host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", debian_hosts)
-    assert endpoint._own_name_on_loopback("node7")
-    assert not endpoint._own_name_on_loopback("localhost")
-    assert not endpoint._own_name_on_loopback("127.0.0.1")
+    assert listeners.own_name_on_loopback("node7")
+    assert not listeners.own_name_on_loopback("localhost")
+    assert not listeners.own_name_on_loopback("127.0.0.1")
     port = _closed_port()
     store = endpoint.open_store(
         "node7", port, serve=True, explicit=True, deadline_s=5, read_timeout_s=5
