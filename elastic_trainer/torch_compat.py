@@ -489,7 +489,7 @@ def state_from_plain(plain: dict[str, Any]) -> Any:
 
 # --- torch/distributed/elastic/multiprocessing/api.py -------------------------------------
 # Its logger says "failed (exitcode: N) local_rank: ..." at error level for every worker that
-# ends badly; the agent demotes it where that end is a peer's leaving (agent.PeerLeaving).
+# ends badly; the agent demotes it where that end is a peer's leaving (``PeerLeaving``).
 WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 WORKER_FAILURE_MESSAGE = "failed (exitcode"
 

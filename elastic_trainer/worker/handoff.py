@@ -1,7 +1,7 @@
 """A new worker that starts while the previous attempt's workers still train waits here.
 
 When a node joins, the supervisor forms the new round and starts the new workers while the
-old ones train on (``supervisor.agent``, ``_admit``); it marks their control folder with
+old ones train on (``supervisor/agent/handover.py``); it marks their control folder with
 ``protocol.HANDOFF_FILE``. Such a worker, its process group up, says it is ready and waits
 until the supervisor removes the mark: the old workers have stopped at a step's end and
 copied their state by then, so everything the session does next (its snapshot folder, the

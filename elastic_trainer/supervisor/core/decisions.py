@@ -1,6 +1,6 @@
 """Pure supervisor decisions: (state, observation) -> decision. No I/O, no clocks.
 
-``agent.py`` observes (worker exit codes, hang verdicts, rendezvous results, waiting nodes),
+``supervisor/agent`` observes (worker exit codes, hang verdicts, rendezvous results, waiting nodes),
 asks these functions what it means, and carries the answer out. The model is torch's own
 rendezvous ops, which read state and return an action enum for one executor to run.
 

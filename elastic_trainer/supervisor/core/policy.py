@@ -1,6 +1,6 @@
 """Pure restart decisions: what a group outcome means and what to do next.
 
-No I/O and no clocks: callers pass times in. ``agent.py`` executes the decisions.
+No I/O and no clocks: callers pass times in. ``supervisor/agent`` executes the decisions.
 
 Failure classes:
 - membership: a node left or joined, or a worker exited ``EXIT_PEER_PREEMPTED`` because a

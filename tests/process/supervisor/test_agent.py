@@ -745,21 +745,19 @@ def test_a_first_round_that_waits_for_more_nodes_says_why(nodes, announced):
 
 def test_a_reform_never_waits_for_a_copy_from_a_plain_script(tmp_path, monkeypatch):
     """Regression: every restart of a plain script waited the whole COPY_WAIT_S."""
-    from elastic_trainer.supervisor import agent as agent_mod
+    from elastic_trainer.supervisor.agent import control_files
 
     def no_wait(_s: float) -> None:
         raise AssertionError("waited for a worker that never answers")
 
-    monkeypatch.setattr(agent_mod.time, "sleep", no_wait)
-    plain = SimpleNamespace(
-        _stop=SimpleNamespace(control_dir=str(tmp_path)), _poll_codes=lambda: {0: None, 1: None}
-    )
-    ElasticTrainAgent._await_copies(plain)  # alive, but neither said it would answer
+    monkeypatch.setattr(control_files.time, "sleep", no_wait)
+    alive = lambda: {0: None, 1: None}  # noqa: E731
+    control_files.await_copies(str(tmp_path), alive)  # neither said it would answer
     (tmp_path / protocol.copier_file(1)).touch()  # a session that will answer
     with pytest.raises(AssertionError, match="never answers"):
-        ElasticTrainAgent._await_copies(plain)
+        control_files.await_copies(str(tmp_path), alive)
     (tmp_path / protocol.copied_file(1)).write_text("copied")
-    ElasticTrainAgent._await_copies(plain)
+    control_files.await_copies(str(tmp_path), alive)
 
 
 class OldWorkers:

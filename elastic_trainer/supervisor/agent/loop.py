@@ -2,11 +2,14 @@
 
 torch's agent owns rendezvous, rank assignment, the worker environment and process start;
 we keep all of that and replace ``_invoke_run`` (its template loop). Every decision is a pure
-function in ``decisions.py`` (on ``policy.py``'s restart budget) fed with what this class
-observes; this class carries the answers out and emits the events. Worker trees are killed through
-``procs.py`` (torch only signals each worker's own process group, then waits 30 s); progress,
-hangs and resources are read by ``observer.py``; what workers get besides torchrun's
-environment (ours, the control directory, the bootstrap they run under) is ``workerenv.py``.
+function in ``core/decisions.py`` (on ``core/policy.py``'s restart budget) fed with what this
+class observes; this class carries the answers out. Beside it in this package: the hand-over
+of a joining round (``handover.py``), the store's move when its host goes
+(``store_failover.py``), what failures are reported as (``failure_reports.py``) and the
+control folder shared with the workers (``control_files.py``). Worker trees are killed
+through ``processes/procs.py`` (torch only signals each worker's own process group, then
+waits 30 s); progress, hangs and resources are read by ``processes/observer.py``; what
+workers get besides torchrun's environment is ``processes/workerenv.py``.
 """
 
 from __future__ import annotations
@@ -14,106 +17,53 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RunConfig
-from elastic_trainer.contract.events import FailureCause, JobStatus, MembershipReason, emit
+from elastic_trainer.contract.events import FailureCause, MembershipReason, emit
+from elastic_trainer.supervisor.agent.control_files import await_copies, mark_restarting
+from elastic_trainer.supervisor.agent.failure_reports import FailureReports, PeerLeaving
+from elastic_trainer.supervisor.agent.handover import HandOver
+from elastic_trainer.supervisor.agent.outcome import (
+    STATUS_CONFIG_ERROR,
+    STATUS_FAILED,
+    STATUS_PREEMPTED,
+    STATUS_SUCCEEDED,
+    AgentOutcome,
+)
+from elastic_trainer.supervisor.agent.store_failover import StoreFailover
 from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.core.decisions import PeerStop, SupervisorState, Verdict
-from elastic_trainer.supervisor.core.policy import RestartPolicy, WorkerExit, signal_name
+from elastic_trainer.supervisor.core.policy import RestartPolicy, WorkerExit
 from elastic_trainer.supervisor.core.watchdog import HangVerdict
 from elastic_trainer.supervisor.processes import fd_limit
 from elastic_trainer.supervisor.processes.observer import GroupObserver, read_progress
 from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_count
 from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
-from elastic_trainer.supervisor.processes.tail import exception_line, message_line
-from elastic_trainer.supervisor.processes.workerenv import (
-    new_control_dir,
-    remove_control_dir,
-    set_worker_env,
-)
-from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence, store_record
-from elastic_trainer.supervisor.rendezvous import handler as rendezvous
-from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, node_name
-from elastic_trainer.supervisor.rendezvous.signed_store import signed
+from elastic_trainer.supervisor.processes.workerenv import new_control_dir, set_worker_env
+from elastic_trainer.supervisor.rendezvous import presence
+from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 from elastic_trainer.supervisor.warm import client as warm_workers
 from elastic_trainer.supervisor.warm.launcher import READY_TIMEOUT_S, WarmPool
-
-
-class PeerLeaving(logging.Filter):
-    """While ``active`` (a member said it leaves, so our workers' exit is its leaving),
-    torch's error line for a worker's exit is a debug line: no error-level line for what is
-    no failure (``agent._on_peer_left``)."""
-
-    active = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.active and str(record.msg).startswith(torch_compat.WORKER_FAILURE_MESSAGE):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
 
 # How long a preempted node gives the others' agents to read its goodbye before it stops a
 # plain script's workers (whose peers then fail in a collective): their loops wake on the
 # goodbye itself, so this is an upper bound, well inside any grace period.
 GOODBYE_HEARD_S = 0.2
 
-# kept for callers that compare statuses as strings (run.py, tests)
-STATUS_SUCCEEDED = JobStatus.SUCCEEDED.value
-STATUS_FAILED = JobStatus.FAILED.value
-STATUS_PREEMPTED = JobStatus.PREEMPTED.value
-STATUS_CLOSED = JobStatus.CLOSED.value
-STATUS_STORE_LOST = JobStatus.STORE_LOST.value
-STATUS_CONFIG_ERROR = JobStatus.CONFIG_ERROR.value
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentOutcome:
-    status: str
-    exit_code: int
-    restarts: int
-    goodput: float | None
-    error: str | None = None  # one line for the operator (a worker's configuration error)
-
-
 # What a store that died under a rendezvous raises (torch's rendezvous errors wrap c10d's).
 STORE_ERRORS = (RendezvousError, DistNetworkError, DistStoreError)
 
-# How long the workers' just-in-time copies may delay a re-form (a copy is one pass over the
-# state's bytes in memory; only a worker that cannot answer, hung or frozen, costs all of it).
-COPY_WAIT_S = 10.0
-COPY_POLL_S = 0.01
-# How long the old workers train on while a joining round's new workers start alongside them
-# (``_admit``): a start from the warm pool takes ~0.1 s, a fresh one seconds; past this the
-# old ones stop anyway and the new ones finish starting during the pause.
-HANDOFF_READY_S = 60.0
-HANDOFF_POLL_S = 0.005
 
-
-def _listed(control_dir: str, name_of: Callable[[int], str]) -> set[int]:
-    """The local ranks whose file ``name_of(rank)`` is in the control folder."""
-    prefix = name_of(0)[:-1]
-    with contextlib.suppress(OSError):
-        names = os.listdir(control_dir)
-        ranks = (n[len(prefix) :] for n in names if n.startswith(prefix))
-        return {int(rank) for rank in ranks if rank.isdigit()}
-    return set()
-
-
-class ElasticTrainAgent(LocalElasticAgent):
+class ElasticTrainAgent(HandOver, LocalElasticAgent):
     """Executes ``decisions``: observes, asks, acts, emits. Decides nothing itself."""
 
     def __init__(
@@ -166,7 +116,6 @@ class ElasticTrainAgent(LocalElasticAgent):
             )
         self._membership = membership
         self._peer_stop_seen: float | None = None
-        self._reported_lost: set[Any] = set()  # lost members a peer.lost event has named
         self._oom_kills_at_start: int | None = None
         self._error: str | None = None
         # SIGTERM -> SIGKILL when we stop workers to restart them (torchrun's
@@ -179,6 +128,10 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._joined_once = False  # a first join into a running job waits for the pool
         # the job's secret: signs the store's values and the presence handshakes
         self._job_key = spec.rdzv_handler.job_key
+        self._reports = FailureReports(
+            stderr_tail=self._stderr_tail, observer=self._observer, membership=membership
+        )
+        self._store_failover = StoreFailover(cfg=cfg, membership=membership, job_key=self._job_key)
         self._peer_leaving = PeerLeaving()
         logging.getLogger(torch_compat.WORKER_FAILURE_LOGGER).addFilter(self._peer_leaving)
         self._files_exhausted = fd_limit.ExhaustionStreak(
@@ -252,7 +205,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         elif peers := self._membership.silent_peers():
             outcome = self._on_peers_gone(peers, silent=True)
         elif host := self._membership.store_host_unreachable():
-            self._store_host_silent(host)
+            self._store_failover.host_silent(host)
             return None
         else:
             return None
@@ -290,129 +243,6 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._initialize_workers(self._worker_group)
         return True
 
-    def _may_start_alongside(self) -> bool:
-        control_dir = self._stop.control_dir
-        if control_dir is None:
-            return False
-        return decisions.start_alongside(
-            range(self._worker_group.spec.local_world_size),
-            aware=_listed(control_dir, protocol.handoff_aware_file),
-            accelerator=self._accelerator(),
-        )
-
-    def _admit(self, wg: WorkerGroup) -> None:
-        """A node joins, and the workers may be replaced alongside
-        (``decisions.start_alongside``): the new round forms while they train on, the new
-        workers start alongside them, and they stop at a step's end only once every new one
-        has its process group (``worker.handoff``). The group pauses for that stop and the
-        restore, not for the round or the new processes' start."""
-        self._rendezvous(wg)  # a stop requested meanwhile raises StopRequested: _preempt
-        old_dir = self._stop.control_dir or ""
-        old_procs = self._procs.handover()
-        old_context = torch_compat.take_processes(self)
-        began = time.monotonic()
-        pids = self._start_workers(wg, handoff=True)
-        new_dir = self._stop.control_dir
-        self._stop.control_dir = old_dir  # a stop request now reaches the workers that train
-        step = self._await_new_workers(new_dir or "", began + HANDOFF_READY_S)
-        if step == decisions.Handoff.ABANDON:
-            self._abandon_new_workers(wg, old_procs, old_context, new_dir or "", began)
-            return
-        ready = step == decisions.Handoff.READY
-        stopping = time.monotonic()
-        self._stop_old_workers(old_procs, old_dir)
-        self._stop.control_dir = new_dir
-        with contextlib.suppress(OSError):  # the new workers go on (worker.handoff)
-            os.unlink(os.path.join(new_dir or "", protocol.HANDOFF_FILE))
-        stopped = time.monotonic()
-        old_procs.kill(grace_s=self._kill_grace_s, reap=False)  # exiting, or stuck: killed
-        if old_context is not None:
-            old_context.close(timeout=1)
-        if self._stop.requested:  # it reached the old workers: tell the new ones too
-            self._stop.write_stop_file()
-        remove_control_dir(old_dir)
-        self._attempt_began()
-        emit(
-            "group.handed_over",
-            ready=ready,
-            start_s=round(stopping - began, 3),
-            stop_s=round(stopped - stopping, 3),
-        )
-        self._started(wg, pids)
-
-    def _await_new_workers(self, control_dir: str, deadline: float) -> decisions.Handoff:
-        """Wait while the old workers train, until ``decisions.handoff_step`` says otherwise:
-        every new worker ready, one exited, the round moved on, a stop, a lost peer, or
-        ``deadline``."""
-        moved_on, next_read = False, 0.0
-        while True:
-            if time.monotonic() >= next_read:  # a store read: as often as the loop's own
-                moved_on = self._membership.nodes_waiting() > 0
-                next_read = time.monotonic() + self._cfg.monitor_interval
-            step = decisions.handoff_step(
-                self._poll_codes(),
-                ready=_listed(control_dir, protocol.handoff_ready_file),
-                round_moved_on=moved_on,
-                interrupted=bool(
-                    self._stop.requested
-                    or self._membership.lost_peers()
-                    or time.monotonic() > deadline
-                ),
-            )
-            if step != decisions.Handoff.WAIT:
-                return step
-            time.sleep(HANDOFF_POLL_S)
-
-    def _abandon_new_workers(
-        self,
-        wg: WorkerGroup,
-        old_procs: ProcessTracker,
-        old_context: Any,
-        new_dir: str,
-        began: float,
-    ) -> None:
-        """The round moved on before the new workers had their group: they go (killed: they
-        wait before they touch any state, ``worker.handoff``), and the old ones, which never
-        stopped, are this node's workers again. The loop sees the waiting node next and
-        forms the next round the same way, alongside."""
-        self._procs.kill(grace_s=0, reap=False)  # the old ones would look like strays
-        new_context = torch_compat.take_processes(self)
-        if new_context is not None:
-            new_context.close(timeout=1)
-        self._procs.take_back(old_procs)
-        torch_compat.give_processes(self, old_context)
-        self._started(wg, self._procs.pids())
-        remove_control_dir(new_dir)
-        emit(
-            "group.handover_abandoned",
-            level="warning",
-            reason="round_moved_on",
-            start_s=round(time.monotonic() - began, 3),
-            consequence="the running workers train on; the next round forms alongside them",
-        )
-
-    def _stop_old_workers(self, procs: ProcessTracker, control_dir: str) -> None:
-        """The old workers, while the new ones wait: told it is a restart (unless a stop
-        file says it is a preemption), signalled, so that each stops at its step's end with
-        its copy (``TrainingSession``) and says so as it exits (``protocol.handed_off_file``);
-        one that does neither within the kill grace (blocked in a collective) is asked for
-        its just-in-time copy, then killed. The caller kills the rest once the new ones go on
-        (those that handed off are only exiting)."""
-        with contextlib.suppress(OSError):
-            if not os.path.exists(os.path.join(control_dir, protocol.STOP_FILE)):
-                open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
-        procs.signal_roots(signal.SIGTERM)
-        deadline = time.monotonic() + self._kill_grace_s
-        while not decisions.handed_off(
-            procs.poll_codes(), done=_listed(control_dir, protocol.handed_off_file)
-        ):
-            if time.monotonic() > deadline:
-                self._await_copies(control_dir, procs.poll_codes)
-                # before the new ones go on: nothing of theirs (a snapshot write) may outlive it
-                procs.kill(grace_s=0, reap=False)
-                break
-            time.sleep(HANDOFF_POLL_S)
-
     def _started(self, wg: WorkerGroup, pids: dict[int, Any]) -> None:
         """What torch's ``_initialize_workers`` does after its start."""
         for local_rank, pid in pids.items():
@@ -439,19 +269,7 @@ class ElasticTrainAgent(LocalElasticAgent):
         """Our workers ended after members said they leave on purpose (preempted): a
         membership change, not a failure. Each exit is said at debug level, with its error
         line (gloo's "Connection reset by peer"), for whoever looks."""
-        names = sorted(self._membership.label(p) for p in left)
-        for rank, failure in result.failures.items():
-            emit(
-                "worker.exited",
-                level="debug",
-                rank=rank,
-                local_rank=failure.local_rank,
-                exit_code=failure.exitcode,
-                signal=signal_name(failure.exitcode),
-                why="peer_preempted",
-                peers=names,
-                error_summary=self._error_summary(failure),
-            )
+        self._reports.peer_exits(result, left)
         outcome = decisions.on_peers_left(self._policy, self._state, {})
         self.ledger.failed(
             cause=outcome.recovery_cause or FailureCause.PREEMPTED.value,
@@ -486,16 +304,18 @@ class ElasticTrainAgent(LocalElasticAgent):
             multi_node=(self._worker_group.group_world_size or 1) > 1,
         )
         for rank, cause in outcome.causes.items():
-            self._emit_failed(rank, result.failures[rank], cause)
+            self._reports.worker_failed(
+                rank, result.failures[rank], cause, restart_count=self._state.restarts
+            )
         if outcome.verdict == Verdict.CHECK_PEERS:  # a closed connection needs no wait
             lost = bool(self._membership.lost_peers())
             lost = lost or self._membership.wait_for_lost_peer(self._stop.wait)
-            self._report_lost_peers()  # our worker saw it die first
+            self._reports.lost_peers()  # our worker saw it die first
             outcome = decisions.after_peer_check(self._policy, outcome, peer_lost=lost)
         if outcome.verdict == Verdict.CONFIG_ERROR:
-            self._error = self._config_error_line(outcome, result)
+            self._error = self._reports.config_error_line(outcome, result)
         elif outcome.verdict == Verdict.GIVE_UP:
-            self._error = self._give_up_line(outcome, result)
+            self._error = self._reports.give_up_line(outcome, result)
         self.ledger.failed(
             cause=outcome.recovery_cause or "error",
             now=time.time(),
@@ -503,56 +323,20 @@ class ElasticTrainAgent(LocalElasticAgent):
         )
         return outcome
 
-    def _give_up_line(self, outcome: decisions.Outcome, result: RunResult) -> str | None:
-        """``job.finished.error`` of a job that gives up: the first failed rank's one line."""
-        for rank in sorted(outcome.causes):
-            summary = self._error_summary(result.failures[rank])
-            if summary:
-                return f"worker rank {rank} failed: {summary}"
-        return None
-
-    def _config_error_line(self, outcome: decisions.Outcome, result: RunResult) -> str:
-        rank = min(r for r, c in outcome.causes.items() if c == FailureCause.CONFIG)
-        summary = self._error_summary(result.failures[rank])
-        why = summary or "see its output above"
-        return f"worker rank {rank} refused its configuration (exit 2): {why}"
-
     def _on_peers_gone(self, peers: set[Any], *, silent: bool) -> decisions.Outcome:
         """Members are gone: lost (their agent's connection closed: the process died) or
         silent (no heartbeat and no reset: frozen, partitioned; our workers would block in a
         collective until its timeout). Re-form without them now."""
         if silent:
-            emit(
-                "peer.silent",
-                level="warning",
-                nodes=sorted(self._membership.label(p) for p in peers),
-                addresses=sorted(node_name(p) for p in peers),
-                silent_s=self._cfg.rdzv.dead_after_s,
-            )
+            self._reports.peers_silent(peers, silent_s=self._cfg.rdzv.dead_after_s)
         else:
-            self._report_lost_peers()
+            self._reports.lost_peers()
         self.ledger.failed(
             cause=MembershipReason.NODE_LOST.value,
             now=time.time(),
             world_size=self._state.world_size or 0,
         )
         return decisions.on_peers_gone(self._policy, self._state)
-
-    def _report_lost_peers(self) -> None:
-        """``peer.lost`` for members found gone that no event has named yet: once each,
-        whenever we learn of it -- also after a restart that our worker's failure started
-        before the peer's connection had closed (its workers died a moment before its
-        agent), at the latest when we re-form."""
-        peers = self._membership.lost_peers() - self._reported_lost
-        if peers:
-            self._reported_lost |= peers
-            emit(
-                "peer.lost",
-                level="warning",
-                nodes=sorted(self._membership.label(p) for p in peers),
-                addresses=sorted(node_name(p) for p in peers),
-                how="connection_closed",
-            )
 
     def _on_hang(self, verdict: HangVerdict) -> decisions.Outcome:
         rank = self._global_rank(verdict.local_rank)
@@ -568,140 +352,34 @@ class ElasticTrainAgent(LocalElasticAgent):
         # last step: its watcher thread copies it (never a torn step), then the kill
         self._await_copies()
         self._procs.kill(grace_s=0)
-        emit(
-            "worker.failed",
-            level="error",
-            rank=rank,
-            exit_code=None,
-            signal="SIGKILL",
-            cause=FailureCause.HANG,
-            error_summary=f"no progress for {verdict.stalled_s:.1f}s",
+        self._reports.worker_hung(
+            rank,
             local_rank=verdict.local_rank,
+            stalled_s=verdict.stalled_s,
             restart_count=self._state.restarts,
-            **self._observer.resources_fields(verdict.local_rank),
         )
         self.ledger.failed(cause="hang", now=time.time(), world_size=self._state.world_size or 0)
         return decisions.on_hang(self._policy, self._state, ran_for_s=self._ran_for())
-
-    def _emit_failed(self, rank: int, failure: ProcessFailure, cause: FailureCause) -> None:
-        emit(
-            "worker.failed",
-            level="warning" if cause == FailureCause.PREEMPTED else "error",
-            rank=rank,
-            exit_code=failure.exitcode,
-            signal=signal_name(failure.exitcode),
-            cause=cause,
-            error_summary=self._error_summary(failure),
-            local_rank=failure.local_rank,
-            restart_count=self._state.restarts,
-            **self._observer.resources_fields(failure.local_rank),
-        )
-
-    def _error_summary(self, failure: ProcessFailure) -> str | None:
-        """The one line that says why: the error file's message (written by ``@record`` and
-        our session), else the exception line of the traceback at the end of the worker's
-        stderr (any Python script); None for a death without either (a signal)."""
-        # torch's message without an error file is boilerplate ("To enable traceback see")
-        if os.path.isfile(failure.error_file) and (line := message_line(failure.message)):
-            return line
-        return exception_line(self._stderr_tail(failure.local_rank))
-
-    def _stderr_tail(self, local_rank: int) -> list[str]:
-        tail = getattr(self._logs_specs, "stderr_tail", None)  # torch's own specs keep none
-        return tail(local_rank) if tail is not None else []
-
-    def _store_host(self, handler: Any) -> str | None:
-        store = getattr(handler, "store", None)
-        return rendezvous.store_host(store, self._cfg.job_id) if store is not None else None
-
-    def _store_host_silent(self, host: str) -> None:
-        """The member hosting the store stopped answering: gone (its closed connection) moves
-        the store at the re-form; silent (no reset, e.g. a partition) it may still serve the
-        others, and without a store this node cannot re-form: stop, saying why, rather than
-        train on towards a collective timeout or start a second store for the job."""
-        watch = self._membership
-        election = failover.elect(
-            members=watch.member_names(), store_host=host, gone=watch.gone(), static=False
-        )
-        if election.host is not None:  # it is gone after all: the loop re-forms without it
-            return
-        raise failover.not_moved(host, election.why)
-
-    def _move_store_if_host_gone(self, handler: Any, *, store_failed: bool = False) -> bool:
-        """The agent hosting the rendezvous store is certainly gone (its connection closed,
-        or it said it is leaving): elect a survivor to host it and rebind the handler to it
-        before joining (``failover.py``). False when the store stays where it is; with
-        ``store_failed`` (it no longer answers) an agent-hosted store that may not move is
-        ``StoreMoveFailed``, saying why."""
-        watch, cfg = self._membership, self._cfg
-        leaving = handler.leaving_host() if watch.store_host is not None else None
-        gone = (lambda: watch.gone() | {leaving}) if leaving else watch.gone
-        old_host = watch.store_host
-        election = failover.elect(
-            members=watch.member_names(),
-            store_host=old_host,
-            gone=gone(),
-            static=cfg.torchrun.node_rank is not None,
-        )
-        if election.host is None or old_host is None:
-            if store_failed and old_host is not None:
-                raise failover.not_moved(old_host, election.why)
-            return False
-        began = time.monotonic()
-        read_timeout = cfg.rdzv.read_timeout
-        key = self._job_key  # a moved store holds the job's values, signed as before
-        moved = failover.move_store(
-            me=handler.member_name(),
-            members=watch.member_names(),
-            addresses=watch.addresses,
-            store_host=old_host,
-            gone=gone,
-            port=cfg.rdzv_port,
-            deadline_s=cfg.rdzv.join_timeout,
-            serve=lambda host, port: signed(
-                endpoint.serve(host, port, read_timeout_s=read_timeout), key
-            ),
-            connect=lambda host, port: signed(endpoint.try_once(host, port, read_timeout), key),
-            is_served_by=lambda store, member: rendezvous.hosted_by(store, cfg.job_id, member),
-        )
-        handler.rebind(moved.store, hosted=moved.hosted, node=cfg.node, endpoint=moved.endpoint)
-        # the old host does not rejoin: a leaving one has not said goodbye on its presence
-        # connection yet (it does as it exits), and the round must not wait for it
-        handler.mark_dead(watch.members_named(gone()))
-        if not moved.hosted:  # as run.py bounds the first store's connections
-            host, port = presence.parse_address(moved.endpoint)
-            endpoint.bound_silent_connections(host, port, timeout_s=endpoint.STORE_SILENCE_LIMIT_S)
-        watch.store_moved(moved.host)
-        if moved.hosted:  # how a node started later finds it (store_record.py)
-            record = store_record.StoreRecord(
-                job_id=cfg.job_id, endpoint=moved.endpoint, lineage=handler.lineage
-            )
-            store_record.write(cfg.worker.snapshot_dir, record, key)
-        why = "leaving" if leaving else "lost"
-        failover.report(
-            old_host=old_host, moved=moved, why=why, began=began, label=watch.label_of_member
-        )
-        return True
 
     # ---- torch hooks (the template methods of SimpleElasticAgent; see torch_compat) -------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
         began = time.monotonic()
-        self._report_lost_peers()
+        self._reports.lost_peers()
         self._membership.before_rejoin()
         if not self._joined_once:
             self._announce_first_round()
         self._warm_up_before_joining(handler)
-        self._move_store_if_host_gone(handler)
+        self._store_failover.move_if_host_gone(handler)
         try:
             self._join_round(worker_group)
         except STORE_ERRORS:  # the store died under the join: move it if we may, else end
-            if not self._move_store_if_host_gone(handler, store_failed=True):
+            if not self._store_failover.move_if_host_gone(handler, store_failed=True):
                 raise
             self._join_round(worker_group)
-        self._report_lost_peers()  # found while the round formed (the handler's dead_now)
+        self._reports.lost_peers()  # found while the round formed (the handler's dead_now)
         self._membership.round_formed()
-        self._reported_lost.clear()  # the lost are not members of the new round
+        self._reports.round_formed()
         world_size = worker_group.workers[0].world_size
         emit(
             "rendezvous.completed",
@@ -710,7 +388,7 @@ class ElasticTrainAgent(LocalElasticAgent):
             num_nodes=worker_group.group_world_size,
             duration_ms=round((time.monotonic() - began) * 1000),
             group_rank=worker_group.group_rank,
-            store_host=self._store_host(handler),
+            store_host=self._store_failover.store_host(handler),
         )
         new = decisions.on_new_world(self._state, world_size)
         self._state = new.state
@@ -761,43 +439,10 @@ class ElasticTrainAgent(LocalElasticAgent):
         self._peer_leaving.active = False  # these workers' exits are theirs again
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._mark_restarting()
+        if self._stop.control_dir is not None:
+            mark_restarting(self._stop.control_dir)
         self._procs.kill(grace_s=self._kill_grace_s)
         super()._stop_workers(worker_group)
-
-    def _await_copies(
-        self,
-        control_dir: str | None = None,
-        poll_codes: Callable[[], dict[int, int | None]] | None = None,
-    ) -> None:
-        """Ask the workers for their just-in-time copy (``protocol.copy_now_fifo``) and wait
-        until each has answered or exited, at most ``COPY_WAIT_S``: the group is about to
-        end, and a consistent survivor's state is what the next group resumes from. The
-        current attempt's workers unless ``control_dir`` and ``poll_codes`` say whose."""
-        control_dir = control_dir or self._stop.control_dir
-        poll_codes = poll_codes or self._poll_codes
-        if control_dir is None:
-            return
-        for rank in _listed(control_dir, protocol.copier_file):
-            protocol.request_copy(os.path.join(control_dir, protocol.copy_now_fifo(rank)))
-        deadline = time.monotonic() + COPY_WAIT_S
-        while decisions.copies_pending(
-            poll_codes(),
-            copiers=_listed(control_dir, protocol.copier_file),
-            answered=_listed(control_dir, protocol.copied_file),
-        ):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(COPY_POLL_S)
-
-    def _mark_restarting(self) -> None:
-        """Tell workers the SIGTERM they are about to get is ours (see protocol.RESTART_FILE);
-        during a preemption the stop file already says what is happening."""
-        control_dir = self._stop.control_dir
-        if control_dir is None or os.path.exists(os.path.join(control_dir, protocol.STOP_FILE)):
-            return
-        with contextlib.suppress(OSError):
-            open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         action, self._peer_stop_seen = decisions.on_partial_exit(
@@ -932,3 +577,12 @@ class ElasticTrainAgent(LocalElasticAgent):
     def _global_rank(self, local_rank: int) -> int:
         workers = self._worker_group.workers
         return workers[local_rank].global_rank if local_rank < len(workers) else local_rank
+
+    def _await_copies(self) -> None:
+        """The current attempt's workers' just-in-time copies (``control_files.await_copies``)."""
+        if self._stop.control_dir is not None:
+            await_copies(self._stop.control_dir, self._poll_codes)
+
+    def _stderr_tail(self, local_rank: int) -> list[str]:
+        tail = getattr(self._logs_specs, "stderr_tail", None)  # torch's own specs keep none
+        return tail(local_rank) if tail is not None else []
