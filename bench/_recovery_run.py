@@ -127,6 +127,14 @@ def workers_of(proc: subprocess.Popen, script: str, events: Path) -> list[int]:
     return []
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Each launcher's whole process tree SIGKILLed, the launcher reaped."""
+    for proc in procs:
+        kill(tree(proc))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+
 def wait_until(predicate: Callable[[], object], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -236,10 +244,7 @@ def run_scenario(
             survivor = "b" if scenario.startswith("store_host") else "a"
             return phases(kind, tmp, fault, ws_after, survivor)
         finally:
-            for proc in procs:
-                kill(tree(proc))
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(10)
+            stop_all(procs)
             if keep_logs:
                 name = f"{scenario}-{kind}-{worker}-{int(time.time())}"
                 shutil.copytree(tmp, Path(keep_logs) / name)
