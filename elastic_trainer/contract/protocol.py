@@ -9,13 +9,24 @@ and need no extra ports.
 from __future__ import annotations
 
 import json
-import math
 import os
 import zlib
-from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, fields
 from typing import Any
 
+from elastic_trainer.contract.settings import (
+    TOGGLE,
+    Setting,
+    non_negative_int,
+    one_of,
+    option,
+    positive_int,
+    seconds,
+    setting_of,
+    switch,
+    text,
+)
 from elastic_trainer.errors import ConfigError, EnvironmentProblem
 
 # --- defaults: the one place each is written ----------------------------------------------
@@ -33,212 +44,153 @@ LOG_FORMATS = ("json", "console", "auto")
 
 # --- parsers: text (a flag's value, an environment variable) -> a value ---------------------
 # Each raises ValueError naming what it expects; the same one checks the flag, the
-# supervisor's configuration and the worker's environment.
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise ValueError("expected an integer >= 1")
-    return value
-
-
-def _non_negative_int(raw: str) -> int:
-    value = int(raw)
-    if value < 0:
-        raise ValueError("expected an integer >= 0")
-    return value
-
-
+# supervisor's configuration and the worker's environment (contract.settings).
 def snapshot_interval(raw: str) -> int | str:
     """``--snapshot-every``: steps (>= 1), or ``auto`` (``worker.interval``)."""
     if raw.strip().lower() == "auto":
         return "auto"
-    return _positive_int(raw)
+    return positive_int(raw)
 
 
 def memory_interval(raw: str) -> int | str:
     """``--memory-snapshot-every``: steps (>= 0; 0: no periodic copies), or ``auto``."""
     if raw.strip().lower() == "auto":
         return "auto"
-    return _non_negative_int(raw)
+    return non_negative_int(raw)
 
 
-def _seconds(*, zero: bool) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        value = float(raw)
-        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            raise ValueError(f"expected a number of seconds {'>=' if zero else '>'} 0")
-        return value
-
-    return parse
-
-
-def _log_format(raw: str) -> str:
-    if raw not in LOG_FORMATS:
-        raise ValueError(f"expected one of {', '.join(LOG_FORMATS)}")
-    return raw
-
-
-def _text(raw: str) -> str:
-    if not raw.strip():
-        raise ValueError("expected a non-empty value")
-    return raw
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def switch(raw: str) -> bool:
-    """An on/off setting (its flag takes no value: ``--x`` / ``--no-x``); its variable and
-    ``to_env`` read true/false, 1/0, yes/no, on/off."""
-    low = raw.strip().lower()
-    if low not in _TRUE + _FALSE:
-        raise ValueError("expected true or false")
-    return low in _TRUE
-
-
-@dataclass(frozen=True)
-class Setting:
-    """How one worker setting travels: the environment variable that carries it to the
-    workers (also the default of its flag in the supervisor's own environment), the parser
-    that reads and checks it, and the ``elastic-train`` flag an operator sets it with (None:
-    the supervisor sets it itself) with that flag's help and the fix a bad value names."""
-
-    env: str
-    parse: Callable[[str], Any] = _text
-    flag: str | None = None
-    help: str = ""
-    fix: str = ""
-
-    def check(self, value: Any) -> str | None:
-        """Why ``value`` (already typed) is not valid, or None: it must read back as itself."""
-        try:
-            read_back = self.parse(str(value))
-        except ValueError as exc:
-            return str(exc)
-        return None if read_back == value else f"expected {type(read_back).__name__}"
-
-
-def _setting(default: Any, **how: Any) -> Any:
-    return field(default=default, metadata={"setting": Setting(**how)})
-
-
-def setting_of(cls: type, name: str) -> Setting:
-    """The ``Setting`` declared for field ``name`` of a settings dataclass."""
-    return {f.name: f for f in fields(cls)}[name].metadata["setting"]
+_log_format = one_of(*LOG_FORMATS)
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSettings:
     """What the supervisor tells each worker besides torchrun's variables: the one contract
     across that process boundary, written with ``to_env`` and read back with ``from_env``.
-    Each setting is declared once, here: its type and default, its environment variable,
-    its parser (the one validation), and the flag an operator sets it with
-    (``supervisor/cli/args.py`` builds those flags from these declarations, and
-    ``RunConfig`` embeds the operator's values as ``RunConfig.worker``).
+    Each setting is declared once, here (a ``contract.settings.Setting``): its type and
+    default, its environment variable, its parser (the one validation), and the flag an
+    operator sets it with (``supervisor/cli/args.py`` builds those flags from these
+    declarations, and ``RunConfig`` embeds the operator's values as ``RunConfig.worker``).
 
     ``None`` means the operator did not set it: the worker then takes the training script's
-    own keyword (``TrainingSession(snapshot_every=...)``), else the default above. When both
-    the operator and the script set a value, the operator's wins (it is the later, outer
+    own keyword (``TrainingSession(snapshot_every=...)``), else the setting's ``fallback``.
+    When both the operator and the script set a value, the operator's wins (it is the later, outer
     decision: a deployment tunes cadence and retention without editing code) and the session
     says so in a ``session.setting_overridden`` event.
     """
 
-    job_id: str | None = _setting(None, env="ELASTIC_TRAIN_JOB_ID")
+    job_id: str | None = option(None, env_name="ELASTIC_TRAIN_JOB_ID", parse=text)
     # the node's name in events; None: the hostname
-    node: str | None = _setting(None, env="ELASTIC_TRAIN_NODE")
+    node: str | None = option(None, env_name="ELASTIC_TRAIN_NODE", parse=text)
     # node-local folder of this attempt's control files (below)
-    control_dir: str | None = _setting(None, env="ELASTIC_TRAIN_CONTROL_DIR")
-    snapshot_dir: str | None = _setting(
+    control_dir: str | None = option(None, env_name="ELASTIC_TRAIN_CONTROL_DIR", parse=text)
+    snapshot_dir: str | None = option(
         None,
-        env="ELASTIC_TRAIN_SNAPSHOT_DIR",
-        flag="--snapshot-dir",
+        "--snapshot-dir",
+        env_name="ELASTIC_TRAIN_SNAPSHOT_DIR",
+        parse=text,
+        metavar="URL",
         help="local path or fsspec URL for snapshots",
+        shown="none",
         fix="use a local path or an fsspec URL such as s3://bucket/run",
     )
-    snapshot_every: int | str | None = _setting(
+    snapshot_every: int | str | None = option(
         None,
-        env="ELASTIC_TRAIN_SNAPSHOT_EVERY",
+        "--snapshot-every",
+        env_name="ELASTIC_TRAIN_SNAPSHOT_EVERY",
         parse=snapshot_interval,
-        flag="--snapshot-every",
-        help="steps between snapshots, or auto: from their measured cost and the failure rate "
-        f"(default {DEFAULT_SNAPSHOT_EVERY})",
+        fallback=DEFAULT_SNAPSHOT_EVERY,
+        metavar="N",
+        help="steps between snapshots, or auto: from their measured cost and the failure rate",
         fix="use an integer number of steps >= 1, or auto",
     )
     # the in-memory tier: steps between periodic copies (None: the script's keyword, else
     # none for replicated state, copied just in time; auto for sharded state; 0 = off)
-    memory_snapshot_every: int | str | None = _setting(
+    memory_snapshot_every: int | str | None = option(
         None,
-        env="ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY",
+        "--memory-snapshot-every",
+        env_name="ELASTIC_TRAIN_MEMORY_SNAPSHOT_EVERY",
         parse=memory_interval,
-        flag="--memory-snapshot-every",
-        help="steps between periodic in-memory copies (default: none for replicated state, "
-        "copied just in time on failure; auto for sharded state)",
+        metavar="N",
+        help="steps between periodic in-memory copies",
+        shown="none for replicated state, copied just in time on failure; "
+        f"{DEFAULT_SHARDED_MEMORY_SNAPSHOT_EVERY} for sharded state",
         fix="use an integer number of steps >= 1, or 0 for no in-memory copies, or auto",
     )
-    snapshot_keep: int | None = _setting(
+    snapshot_keep: int | None = option(
         None,
-        env="ELASTIC_TRAIN_SNAPSHOT_KEEP",
-        parse=_positive_int,
-        flag="--snapshot-keep",
-        help=f"newest snapshots kept (default {DEFAULT_SNAPSHOT_KEEP})",
+        "--snapshot-keep",
+        env_name="ELASTIC_TRAIN_SNAPSHOT_KEEP",
+        parse=positive_int,
+        fallback=DEFAULT_SNAPSHOT_KEEP,
+        metavar="K",
+        help="newest snapshots kept",
         fix="use an integer >= 1",
     )
     # what the job creates in a local snapshot (run) folder, its event log included:
     # 0700/0600 (off), or 0750/0640 (on: the owner's group may read, never write)
-    snapshot_group_access: bool = _setting(
+    snapshot_group_access: bool = option(
         False,
-        env="ELASTIC_TRAIN_SNAPSHOT_GROUP_ACCESS",
+        "--snapshot-group-access",
+        env_name="ELASTIC_TRAIN_SNAPSHOT_GROUP_ACCESS",
         parse=switch,
-        flag="--snapshot-group-access",
+        kind=TOGGLE,
         help="let the owner's group read what the job creates in a local snapshot folder "
-        "and its event log (0750/0640 instead of 0700/0600; default off)",
+        "and its event log (0750/0640 instead of 0700/0600)",
         fix="use true or false",
     )
     # None: the snapshot store's own default
-    storage_timeout_s: float | None = _setting(
+    storage_timeout_s: float | None = option(
         None,
-        env="ELASTIC_TRAIN_STORAGE_TIMEOUT",
-        parse=_seconds(zero=False),
-        flag="--storage-timeout",
-        help="seconds one snapshot storage operation may take",
+        "--storage-timeout",
+        env_name="ELASTIC_TRAIN_STORAGE_TIMEOUT",
+        parse=seconds(zero=False),
+        metavar="S",
+        help="seconds one snapshot storage operation may take, retries included",
+        shown="the store's",
         fix="use a number of seconds > 0",
     )
     # this agent's in-memory tier folder (the supervisor's, removed when it exits)
-    memory_dir: str | None = _setting(None, env="ELASTIC_TRAIN_MEMORY_DIR")
-    log_format: str = _setting(
+    memory_dir: str | None = option(None, env_name="ELASTIC_TRAIN_MEMORY_DIR", parse=text)
+    log_format: str = option(
         "auto",
-        env="ELASTIC_TRAIN_LOG_FORMAT",
+        "--log-format",
+        env_name="ELASTIC_TRAIN_LOG_FORMAT",
         parse=_log_format,
-        flag="--log-format",
-        help="json, console or auto (default auto)",
+        metavar="json|console|auto",
+        help="auto = console on a TTY, else JSON lines",
         fix="use json, console or auto",
     )
-    log_file: str | None = _setting(
+    log_file: str | None = option(
         None,
-        env="ELASTIC_TRAIN_LOG_FILE",
-        flag="--log-file",
+        "--log-file",
+        env_name="ELASTIC_TRAIN_LOG_FILE",
+        parse=text,
+        metavar="PATH",
         help="also append JSON lines to this file",
+        shown="none",
         fix="use a file path",
     )
-    collective_timeout_s: float = _setting(
+    collective_timeout_s: float = option(
         DEFAULT_COLLECTIVE_TIMEOUT_S,
-        env="ELASTIC_TRAIN_COLLECTIVE_TIMEOUT",
-        parse=_seconds(zero=False),
-        flag="--collective-timeout",
-        help="process-group timeout for workers, seconds",
+        "--collective-timeout",
+        env_name="ELASTIC_TRAIN_COLLECTIVE_TIMEOUT",
+        parse=seconds(zero=False),
+        metavar="S",
+        help="process-group timeout passed to workers, seconds",
         fix="use a number of seconds > 0",
     )
-    grace_period_s: float = _setting(
+    grace_period_s: float = option(
         DEFAULT_GRACE_PERIOD_S,
-        env="ELASTIC_TRAIN_GRACE_PERIOD",
-        parse=_seconds(zero=True),
-        flag="--grace-period",
-        help=f"seconds to stop after SIGTERM (default {DEFAULT_GRACE_PERIOD_S:g})",
+        "--grace-period",
+        env_name="ELASTIC_TRAIN_GRACE_PERIOD",
+        parse=seconds(zero=True),
+        metavar="S",
+        help="seconds from SIGTERM/SIGUSR1 to killing the workers",
         fix="use a number of seconds >= 0",
     )
     # the job's mean time between failures as the supervisor observed it (--snapshot-every
     # auto); None: none observed yet
-    mtbf_s: float | None = _setting(None, env="ELASTIC_TRAIN_MTBF_S", parse=_seconds(zero=False))
+    mtbf_s: float | None = option(None, env_name="ELASTIC_TRAIN_MTBF_S", parse=seconds(zero=False))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -328,6 +280,14 @@ def lineage_key(job_id: str) -> str:
 # the supervisor's pid: a worker whose parent is not that process at start exits (orphan),
 # and the node sentinel kills whatever still carries it once the supervisor is gone
 ENV_SUPERVISOR_PID = "ELASTIC_TRAIN_SUPERVISOR_PID"
+
+
+def worker_variables() -> tuple[str, ...]:
+    """Every ``ELASTIC_TRAIN_*`` variable the supervisor sets for its workers: the settings'
+    own, then the store's lineage and endpoint and the supervisor's pid (docs/command-line.md
+    lists them; a test compares)."""
+    own = tuple(f.metadata["setting"].env for f in fields(WorkerSettings))
+    return (*own, ENV_RDZV_LINEAGE, ENV_RDZV_ENDPOINT, ENV_SUPERVISOR_PID)
 
 
 # --- files inside the control directory ---------------------------------------------------
@@ -456,7 +416,13 @@ def events_file(local_rank: int) -> str:
 
 
 # The worker events the supervisor's metrics are made from (supervisor/core/metrics.py).
-FORWARDED_EVENTS = ("snapshot.saved", "snapshot.restored", "train.progress")
+FORWARDED_EVENTS = (
+    "snapshot.saved",
+    "snapshot.restored",
+    "train.progress",
+    "straggler.detected",
+    "straggler.recovered",
+)
 
 
 # --- worker exit codes with a meaning for the supervisor ----------------------------------
