@@ -115,6 +115,37 @@ class SnapshotStore(StoreReading):
         fault-injecting wrapper, a backend of your own), rooted where ``url`` points; its
         ``url`` names the store in messages. Retries, the deadline and health tracking are
         added on top as for any backend; ``storage_options`` do not apply to it.
+
+        Args:
+            url: The snapshot folder: a local path or an fsspec URL (``s3://``, ``gs://``,
+                ``memory://``). Credentials stay with fsspec; they are redacted in events.
+            keep: Default 3. The newest committed snapshots kept after each save; None: all.
+            keep_every: Default None. Also keep every snapshot whose step is a multiple of
+                this (long-term milestones), beyond ``keep``.
+            async_save: Default True: ``save`` returns once the state is copied in memory
+                and a background thread writes it; False: every save blocks until committed.
+            storage_options: Default None. Passed to fsspec's file system (credentials,
+                endpoint), plus this package's own: ``writer_process`` (write large local
+                saves from a process of their own) and ``group_access`` (folders 0750,
+                files 0640 instead of 0700/0600).
+            when_busy: Default ``"wait"``: an asynchronous save waits for the one in flight;
+                ``"skip"``: it is skipped instead (``snapshot.skipped``).
+            retry: Default None: ``RetryPolicy()``. Backoff for transient storage errors
+                (``snapshot.storage_retry``).
+            create: Default True: a missing local folder is created.
+            verify_after_write: Default ``"auto"``; ``"listing"``, ``"written"`` or
+                ``"full"`` as above.
+            storage_timeout: Default None: 30 s (``DEFAULT_STORAGE_TIMEOUT_S``). Seconds
+                within which every storage operation succeeds or fails, retries included.
+            owner: Default None: no ownership check. The job and run writing this folder.
+            storage: Default None: the backend ``url`` names. A backend to use instead.
+            owner_probe: Default None. Whether the run recorded in the folder still lives.
+
+        Raises:
+            ValueError: ``keep``, ``keep_every`` or ``when_busy`` out of range.
+            StorageError: The folder cannot be reached or created (``create=False``: it does
+                not exist).
+            SnapshotOwnerError: The folder belongs to another job, or a live run of this one.
         """
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
@@ -209,6 +240,33 @@ class SnapshotStore(StoreReading):
         runs, and ``optimizer.step()`` waits (a step pre-hook) until that copy is done.
         Everything else (BatchNorm buffers, scheduler, scaler, plain values) is copied at the
         call. Only valid if nothing but ``optimizer.step()`` changes those tensors meanwhile.
+
+        Args:
+            step: The step number (>= 0); the snapshot's folder is ``step-<12 digits>``.
+            state: Name -> tensor, nested dict/list of tensors and plain values, or an object
+                with ``state_dict()`` (model, optimizer, ``Stateful``).
+            epoch: Default 0. Recorded in the manifest (``SnapshotInfo.epoch``).
+            world_size: Default 1. The world size that saved it, recorded for the reader.
+            metadata: Default None. JSON-serialisable values recorded in the manifest.
+            blocking: Default None: the store's ``async_save`` decides. True: return only
+                once the snapshot is committed.
+            per_rank: Default None. One state per rank (RNG states gathered to this rank),
+                saved in files of their own; ``load(rank=r)`` returns rank r's.
+            overlap_with: Default None. The optimizer whose state is copied while the next
+                step runs (above).
+            deadline_s: Default None. Blocking saves: give up after this many seconds.
+            shards: Default None. A sharded save's part (``DistributedSnapshotter``'s).
+            token: Default None: a fresh one. The random token in this save's file names.
+
+        Returns:
+            A handle: ``result()`` waits and returns the ``SnapshotInfo`` of the committed
+            snapshot (None when the save was skipped), or raises SnapshotSaveError.
+
+        Raises:
+            SnapshotSaveError: A blocking save failed or passed its deadline, or an earlier
+                asynchronous save failed (raised once, after this save was started).
+            SnapshotExistsError: This step is already committed.
+            SnapshotError: The store is closed.
         """
         if self._closed:
             raise SnapshotError(f"snapshot store {self.url} is closed")
@@ -306,7 +364,14 @@ class SnapshotStore(StoreReading):
     def deadline(self, seconds: float | None) -> contextlib.AbstractContextManager[None]:
         """Inside the block, ``save(blocking=True)`` and ``wait()`` give up after ``seconds``
         (SnapshotSaveError naming the deadline; the save in flight is cancelled). None: no
-        deadline (an enclosing block's, if any, still holds)."""
+        deadline (an enclosing block's, if any, still holds).
+
+        Args:
+            seconds: The deadline from now, or None.
+
+        Returns:
+            A context manager: ``with store.deadline(20): store.save(..., blocking=True)``.
+        """
         return self._deadline.block(seconds)
 
     def _pending_step(self) -> int | None:
@@ -328,7 +393,15 @@ class SnapshotStore(StoreReading):
 
     def wait(self) -> SnapshotInfo | None:
         """Flush the in-flight save; raise the newest unreported save failure, if any.
-        Inside a ``deadline()`` block, gives up (and cancels the save) when it passes."""
+        Inside a ``deadline()`` block, gives up (and cancels the save) when it passes.
+
+        Returns:
+            The ``SnapshotInfo`` the save in flight committed; None when there was none, it
+            was skipped, or its failure was already reported through its handle.
+
+        Raises:
+            SnapshotSaveError: A save failed and was not reported yet, or the deadline passed.
+        """
         handle = self._writer.pending
         if not self._writer.settle(until=self._deadline.end()):
             raise self._past_deadline(self._pending_step(), "it was still")
@@ -340,7 +413,11 @@ class SnapshotStore(StoreReading):
         return handle.result()
 
     def close(self) -> None:
-        """Flush the in-flight save and stop the writer thread. Idempotent."""
+        """Flush the in-flight save and stop the writer thread. Idempotent.
+
+        Raises:
+            SnapshotSaveError: As ``wait()``: the last save failed unreported.
+        """
         if self._closed:
             return
         try:
@@ -354,7 +431,11 @@ class SnapshotStore(StoreReading):
         """Once the job has ended: close, then delete the data files local storage keeps in
         ``.reuse/`` for the next save to write over (about one snapshot's size). The bytes
         freed (``snapshot.reserved_released`` when any); 0 on other storage, which keeps
-        nothing."""
+        nothing.
+
+        Returns:
+            The bytes freed.
+        """
         self.close()
         freed = self._storage.release_set_aside()
         if freed:

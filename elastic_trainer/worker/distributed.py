@@ -32,8 +32,26 @@ def init_worker(
     """Read the environment, configure logging and initialise the process group. Idempotent.
 
     gloo on CPU, NCCL on CUDA (device set from LOCAL_RANK), with the collective timeout from
-    ``ELASTIC_TRAIN_COLLECTIVE_TIMEOUT`` (120 s by default, not torch's 30 min). A group the
-    script initialised itself is kept as is. A plain ``python script.py`` gets a world of one.
+    ``ELASTIC_TRAIN_COLLECTIVE_TIMEOUT`` (``--collective-timeout``; 300 s by default, not
+    torch's 30 min). A group the script initialised itself is kept as is. A plain
+    ``python script.py`` gets a world of one.
+
+    Args:
+        context: The worker's context. Default None: read from the environment the
+            launcher set (``WorkerContext.from_env()``: elastic-train's, torchrun's, or none).
+        configure_logs: Default True: this process logs elastic-train's events as JSON lines
+            (console lines on a terminal), with its rank, node and job id. False: the
+            script's own logging set-up is left alone.
+
+    Returns:
+        The worker's context: ``rank``, ``world_size``, ``local_rank``, ``device`` (use it
+        for the model and the batches), the job id, node and settings.
+
+    Raises:
+        EnvironmentProblem: The launcher's environment is partial or inconsistent (for
+            example ``WORLD_SIZE`` without ``MASTER_ADDR``), or a setting variable is invalid.
+        ConfigError: More workers on this node than visible GPUs (NCCL takes one GPU per
+            rank).
     """
     ctx = context or WorkerContext.from_env()
     if configure_logs:

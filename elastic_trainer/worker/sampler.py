@@ -45,6 +45,32 @@ class ElasticSampler(Sampler[int]):
     the sampler may be built before the process group), else to a single process.
     ``max_micro_batch_size`` caps what one forward pass takes; the micro-batch size and the
     gradient-accumulation count then follow from the world size (see ``micro_batch_size``).
+
+    Args:
+        dataset: Anything with ``len()``; the sampler yields indices into it.
+        num_replicas: The world size. Default None: the process group's, read each time it
+            is needed (1 without a process group).
+        rank: This process's rank. Default None: the process group's (0 without one).
+        shuffle: Default True: a random permutation per epoch from (``seed``, epoch);
+            False: the dataset's order.
+        seed: Default 0. The same on every rank and across restarts: it fixes each epoch's
+            order.
+        drop_last: Default False. With ``global_batch_size``, drop the epoch's last
+            ``len(dataset) % global_batch_size`` positions so every step is full; without,
+            trim the remainder to a multiple of the world size.
+        global_batch_size: Default None. Samples per optimizer step over all ranks, the same
+            at every world size; each rank takes its share (``micro_batch_size``,
+            ``accumulation_steps``). None: a DistributedSampler-like split of what remains,
+            and ``TrainingSession.step_done`` needs ``num_samples``.
+        max_micro_batch_size: Default None: one micro-batch per step. Otherwise the largest
+            batch one forward pass may take; a rank's share is split into micro-batches of at
+            most this size, trained with gradient accumulation.
+
+    Raises:
+        ConfigError: ``drop_last=True`` with a global batch larger than the dataset (every
+            epoch would be empty), or a global batch the world size cannot split (not
+            divisible by it, or smaller than it).
+        SamplerStateError: ``rank`` outside ``[0, num_replicas)``.
     """
 
     def __init__(
@@ -79,12 +105,14 @@ class ElasticSampler(Sampler[int]):
     # --- world ------------------------------------------------------------------------
     @property
     def num_replicas(self) -> int:
+        """The world size: the constructor's ``num_replicas``, else the process group's, else 1."""
         if self._num_replicas is not None:
             return self._num_replicas
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     @property
     def rank(self) -> int:
+        """This process's rank: the constructor's ``rank``, else the process group's, else 0."""
         if self._rank is not None:
             return self._rank
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -109,7 +137,16 @@ class ElasticSampler(Sampler[int]):
         return len(self.dataset)
 
     def batch_plan(self) -> P.BatchPlan:
-        """Per-rank share, micro-batch size and accumulation count at the current world."""
+        """Per-rank share, micro-batch size and accumulation count at the current world.
+
+        Returns:
+            The plan for the current world size (it changes when the world size does).
+
+        Raises:
+            SamplerStateError: The sampler has no ``global_batch_size``.
+            ConfigError: The world size cannot split the global batch (not divisible by it,
+                or smaller than it).
+        """
         if self.global_batch_size is None:
             raise SamplerStateError(
                 "this ElasticSampler has no global_batch_size: pass global_batch_size=... "
@@ -119,16 +156,28 @@ class ElasticSampler(Sampler[int]):
 
     @property
     def micro_batch_size(self) -> int:
-        """The DataLoader ``batch_size`` to use with a global batch (never straddles steps)."""
+        """The DataLoader ``batch_size`` to use with a global batch (never straddles steps).
+
+        Raises:
+            SamplerStateError: The sampler has no ``global_batch_size``.
+        """
         return self.batch_plan().micro_batch_size
 
     @property
     def accumulation_steps(self) -> int:
+        """Micro-batches this rank runs per optimizer step at the current world size."""
         return self.batch_plan().accumulation_steps
 
     # --- epoch & order ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch; moving to another epoch starts it at cursor 0."""
+        """Select the epoch; moving to another epoch starts it at cursor 0.
+
+        ``TrainingSession.epochs`` calls it; a script without a session calls it before each
+        epoch, as with DistributedSampler. The same epoch again keeps the cursor (a resume).
+
+        Args:
+            epoch: The epoch to iterate next (its order derives from ``seed`` and it).
+        """
         if epoch != self.epoch:
             self.epoch = epoch
             self.cursor = 0
@@ -154,6 +203,7 @@ class ElasticSampler(Sampler[int]):
 
     @property
     def epoch_done(self) -> bool:
+        """True once the cursor has reached the epoch's end: every sample was trained."""
         return self.cursor >= self.end
 
     def _positions(self) -> torch.Tensor:
@@ -196,7 +246,22 @@ class ElasticSampler(Sampler[int]):
     ) -> list[int]:
         """Advance the cursor past one completed optimizer step; return the dataset indices
         this rank trained in it. With a global batch the plan knows the counts; without one
-        the caller gives this rank's sample count and the sum over all ranks."""
+        the caller gives this rank's sample count and the sum over all ranks.
+
+        ``TrainingSession.step_done`` calls it; a script without a session calls it once per
+        optimizer step on every rank.
+
+        Args:
+            local_samples: This rank's samples in the step (only without a global batch).
+            global_samples: The step's samples summed over all ranks (only without a global
+                batch).
+
+        Returns:
+            The dataset indices this rank trained in the step (empty for a padding sample).
+
+        Raises:
+            SamplerStateError: No global batch and the counts are missing.
+        """
         if self.global_batch_size is not None:
             share = self.current_share()
             self.cursor += share.step_size
@@ -223,7 +288,14 @@ class ElasticSampler(Sampler[int]):
         return state
 
     def step_indices(self, rank: int) -> list[int]:
-        """The dataset indices ``rank`` trains in the step at the cursor (global batch)."""
+        """The dataset indices ``rank`` trains in the step at the cursor (global batch).
+
+        Args:
+            rank: Any rank of the current world.
+
+        Returns:
+            Those indices; empty where ``rank`` holds only a padding sample.
+        """
         share = P.step_share(self.cursor, end=self.end, plan=self.batch_plan(), rank=rank)
         return [] if share.padding else self._indices(share.positions)
 
@@ -232,6 +304,13 @@ class ElasticSampler(Sampler[int]):
 
     # --- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The resumable state: epoch, cursor and the settings a resume must share.
+
+        Returns:
+            A plain dict (ints, bools, None): ``version``, ``epoch``, ``cursor``,
+            ``num_samples``, ``seed``, ``shuffle``, ``drop_last``, ``global_batch_size`` and
+            the ``world_size`` it was saved at (informational: any world size loads it).
+        """
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -245,6 +324,16 @@ class ElasticSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a saved epoch and cursor, at any world size.
+
+        Args:
+            state: What ``state_dict`` returned, of this or an older state version.
+
+        Raises:
+            SamplerStateError: The state was saved with another dataset length, seed,
+                shuffle, ``drop_last`` or global batch (both values are named), is of a newer
+                version, lacks a field, or its cursor does not fit the dataset.
+        """
         state = migrate_state(state)
         current = self.state_dict()
         for field in _IDENTITY_FIELDS:

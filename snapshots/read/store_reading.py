@@ -37,15 +37,34 @@ class StoreReading:
         return sorted(self._catalog.committed()[0])
 
     def list(self) -> list[SnapshotInfo]:
-        """Committed snapshots whose manifest parses, oldest first (files are not verified)."""
+        """Committed snapshots whose manifest parses, oldest first (files are not verified).
+
+        Returns:
+            One ``SnapshotInfo`` per snapshot (step, epoch, size, when, metadata).
+        """
         return self._catalog.list()
 
     def verify(self, step: int) -> VerifyResult:
-        """Check a snapshot's manifest, file sizes and checksums. Deserialises nothing."""
+        """Check a snapshot's manifest, file sizes and checksums. Deserialises nothing.
+
+        Args:
+            step: The snapshot's step.
+
+        Returns:
+            ``ok`` and, when not, every ``problems`` found (never raises for damage).
+        """
         return self._catalog.verify(step)
 
     def latest(self) -> SnapshotInfo | None:
-        """The newest committed and verified snapshot; None only when nothing is committed."""
+        """The newest committed and verified snapshot; None only when nothing is committed.
+
+        Returns:
+            Its ``SnapshotInfo``, skipping damaged ones (``snapshot.corrupt``); None when
+            nothing is committed.
+
+        Raises:
+            NoValidSnapshotError: Snapshots are committed but none passes verification.
+        """
         return self._catalog.latest()
 
     def load(
@@ -61,6 +80,23 @@ class StoreReading:
         rank's per-rank entry into ``rank_state``; without it ``per_rank`` holds all of them.
         Sharded snapshots: the FSDP2 entries of ``into`` get only their local shards read
         (at any world size); every other tensor is read whole.
+
+        Args:
+            step: Default None: the newest snapshot that verifies, falling back past damaged
+                ones (``snapshot.corrupt``). A step: exactly that snapshot.
+            into: Default None. Name -> object with ``load_state_dict`` (or a tensor dict),
+                restored in place from the entry of that name.
+            rank: Default None: every rank's per-rank state in ``per_rank``. A rank: only
+                that one's, in ``rank_state``.
+
+        Returns:
+            The snapshot's ``info`` and its ``state`` (tensors loaded with
+            ``weights_only=True`` after their checksums matched).
+
+        Raises:
+            SnapshotNotFoundError: Nothing is committed, or not that ``step``.
+            NoValidSnapshotError: Snapshots are committed but none passes verification.
+            SnapshotCorruptError: That ``step`` is damaged.
         """
         from snapshots.sharded import state as _sharded_state
 
@@ -77,7 +113,17 @@ class StoreReading:
     def prune(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` committed snapshots (and every keep_every-th),
         never the newest one that actually loads (deep verification: checksums are not
-        enough when a file passes them but ``weights_only`` refuses it) nor anything newer."""
+        enough when a file passes them but ``weights_only`` refuses it) nor anything newer.
+
+        Args:
+            keep: The newest committed snapshots to keep (>= 1).
+
+        Returns:
+            The steps deleted.
+
+        Raises:
+            SnapshotOwnerError: Another run of the job took the folder over.
+        """
         latest = self._catalog.latest(deep=True)
         return self._prune(keep, latest.step if latest is not None else None)
 
