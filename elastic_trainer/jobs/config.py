@@ -10,8 +10,10 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elastic_trainer.cliparse import OneLineParser
+from elastic_trainer.contract.settings import SWITCH, add_flags, declared, option, resolve
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.jobs.data import (
     DATASET_NAMES,
@@ -20,35 +22,118 @@ from elastic_trainer.jobs.data import (
     DataSpec,
 )
 
-# Sized for a few minutes on a 2-core CPU (docs/built-in-job.md: the default run).
-DEFAULT_GLOBAL_BATCH = 48  # divides every world size of the quick start (1-4 nodes)
-DEFAULT_EPOCHS = 4
-DEFAULT_LR = 0.1
+
+def _job(default: Any, *flags: str, **how: Any) -> Any:
+    """A job flag: read from the command line only (no environment variable)."""
+    return option(default, *flags, own_env=False, **how)
 
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
-    model: str = "resnet18"
-    cifar_stem: bool = False
-    dataset: str = "synthetic"
-    data_dir: str | None = None
-    download: bool = False
-    train_samples: int | None = None  # None: synthetic default, whole real dataset
-    val_samples: int | None = None
-    global_batch_size: int = DEFAULT_GLOBAL_BATCH
-    max_micro_batch_size: int | None = None
-    epochs: int = DEFAULT_EPOCHS
-    max_steps: int | None = None
-    eval_every: int = 1
-    lr: float = DEFAULT_LR
-    warmup_epochs: float = 1.0
-    amp: bool = False
-    fsdp: bool = False
-    seed: int = 0
-    sample_log: str | None = None
-    num_workers: int = 0
-    export_dir: str | None = None
-    progress_every_s: float = 10.0
+    """The built-in job's settings; each field declares its flag (``contract.settings``).
+    The defaults are sized for a few minutes on a 2-core CPU (docs/built-in-job.md)."""
+
+    model: str = _job(
+        "resnet18", "--model", metavar="NAME", help="torchvision classification model"
+    )
+    cifar_stem: bool = _job(
+        False,
+        "--cifar-stem",
+        kind=SWITCH,
+        help="ResNets only: CIFAR-style 3x3 stride-1 stem, no max-pool",
+    )
+    dataset: str = _job("synthetic", "--dataset", metavar="NAME", help=", ".join(DATASET_NAMES))
+    data_dir: str | None = _job(
+        None,
+        "--data-dir",
+        metavar="DIR",
+        shown="none",
+        help="dataset folder (cifar10, imagefolder)",
+    )
+    download: bool = _job(False, "--download", kind=SWITCH, help="download CIFAR-10 if missing")
+    train_samples: int | None = _job(  # None: synthetic default, whole real dataset
+        None,
+        "--train-samples",
+        parse=int,
+        metavar="N",
+        shown=f"{SYNTHETIC_DEFAULT_TRAIN} for synthetic; everything for real data",
+        help="use the first N training samples",
+    )
+    val_samples: int | None = _job(
+        None,
+        "--val-samples",
+        parse=int,
+        metavar="N",
+        shown=f"{SYNTHETIC_DEFAULT_VAL} for synthetic; everything for real data",
+        help="use the first N validation samples",
+    )
+    global_batch_size: int = _job(
+        48,  # divides every world size of the quick start (1-4 nodes)
+        "--global-batch-size",
+        parse=int,
+        metavar="B",
+        help="samples per optimizer step at any world size",
+    )
+    max_micro_batch_size: int | None = _job(
+        None,
+        "--max-micro-batch-size",
+        parse=int,
+        metavar="M",
+        shown="B/W",
+        help="cap per forward pass (gradient accumulation above it)",
+    )
+    epochs: int = _job(4, "--epochs", parse=int, metavar="E", help="passes over the training set")
+    max_steps: int | None = _job(
+        None,
+        "--max-steps",
+        parse=int,
+        metavar="S",
+        shown="none",
+        help="stop (with a snapshot) after this optimizer step",
+    )
+    eval_every: int = _job(
+        1, "--eval-every", parse=int, metavar="K", help="evaluate every K epochs"
+    )
+    lr: float = _job(0.1, "--lr", parse=float, metavar="LR", help="peak learning rate")
+    warmup_epochs: float = _job(
+        1.0,
+        "--warmup-epochs",
+        parse=float,
+        metavar="W",
+        help="epochs until the peak learning rate",
+    )
+    amp: bool = _job(False, "--amp", kind=SWITCH, help="bf16 on CPU, fp16 + GradScaler on CUDA")
+    fsdp: bool = _job(
+        False,
+        "--fsdp",
+        kind=SWITCH,
+        help="shard the model with FSDP2 (one unit per residual block or stage, then the root)",
+    )
+    seed: int = _job(0, "--seed", parse=int, metavar="S", help="the seed everything derives from")
+    sample_log: str | None = _job(
+        None,
+        "--sample-log",
+        metavar="DIR",
+        shown="none",
+        help="write the sampler's audit log here",
+    )
+    num_workers: int = _job(
+        0, "--num-workers", parse=int, metavar="N", help="DataLoader worker processes"
+    )
+    export_dir: str | None = _job(
+        None,
+        "--export-dir",
+        metavar="DIR",
+        shown="best/ in the snapshot folder",
+        help="best-model folder",
+    )
+    progress_every_s: float = _job(
+        10.0,
+        "--progress-every",
+        parse=float,
+        metavar="S",
+        help="seconds between train.progress events",
+    )
 
     def __post_init__(self) -> None:
         _at_least(1, global_batch_size=self.global_batch_size, epochs=self.epochs)
@@ -100,35 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m elastic_trainer.jobs.default",
         description="The built-in elastic-train job: an image classifier, fault tolerant.",
     )
-    p.add_argument("--model", default="resnet18", help="torchvision classification model")
-    p.add_argument("--cifar-stem", action="store_true", help="3x3 stem, no max-pool (ResNets)")
-    p.add_argument("--dataset", default="synthetic", help="synthetic | cifar10 | imagefolder")
-    p.add_argument("--data-dir", help="dataset folder (cifar10, imagefolder)")
-    p.add_argument("--download", action="store_true", help="download CIFAR-10 if missing")
-    p.add_argument("--train-samples", type=int, help=f"default {SYNTHETIC_DEFAULT_TRAIN} synthetic")
-    p.add_argument("--val-samples", type=int, help=f"default {SYNTHETIC_DEFAULT_VAL} synthetic")
-    p.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH)
-    p.add_argument("--max-micro-batch-size", type=int, help="cap per forward pass (accumulate)")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    p.add_argument("--max-steps", type=int, help="stop (with a snapshot) after this step")
-    p.add_argument("--eval-every", type=int, default=1, help="evaluate every k epochs")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate")
-    p.add_argument("--warmup-epochs", type=float, default=1.0)
-    p.add_argument("--amp", action="store_true", help="bf16 on CPU, fp16 + GradScaler on CUDA")
-    p.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="shard the model with FSDP2 (one unit per residual block or stage, then the root)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sample-log", metavar="DIR", help="write the sampler's audit log here")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    p.add_argument("--export-dir", help="best-model folder (default <snapshot-dir>/best)")
-    p.add_argument("--progress-every", type=float, default=10.0, dest="progress_every_s")
+    add_flags(p, declared(JobConfig).values())
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
     """Parse and validate; raises ConfigError with one line on any bad value."""
-    namespace = build_parser().parse_args(argv)
-    return JobConfig(**vars(namespace))
+    ns = build_parser().parse_args(argv)
+    return JobConfig(**{name: resolve(ns, {}, how) for name, how in declared(JobConfig).items()})

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from elastic_trainer.contract.protocol import DEFAULT_COLLECTIVE_TIMEOUT_S, Work
 from elastic_trainer.errors import EnvironmentProblem
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "WorkerContext", "WorkerSettings"]
+_SETTINGS = frozenset(f.name for f in fields(WorkerSettings))
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 T = TypeVar("T")
@@ -56,7 +57,8 @@ class WorkerContext:
                 "the script with elastic-train or torchrun"
             )
 
-    # --- the supervisor's settings, as the worker uses them ------------------------------
+    # --- the supervisor's settings, as the worker uses them (the ones with a fallback here;
+    # the rest through __getattr__) ------------------------------------------------------
     @property
     def job_id(self) -> str | None:
         return self.settings.job_id or self.run_id
@@ -65,33 +67,13 @@ class WorkerContext:
     def node(self) -> str:
         return self.settings.node or socket.gethostname()
 
-    @property
-    def snapshot_dir(self) -> str | None:
-        return self.settings.snapshot_dir
-
-    @property
-    def snapshot_every(self) -> int | None:
-        return self.settings.snapshot_every
-
-    @property
-    def snapshot_keep(self) -> int | None:
-        return self.settings.snapshot_keep
-
-    @property
-    def control_dir(self) -> str | None:
-        return self.settings.control_dir
-
-    @property
-    def log_format(self) -> str:
-        return self.settings.log_format
-
-    @property
-    def log_file(self) -> str | None:
-        return self.settings.log_file
-
-    @property
-    def collective_timeout_s(self) -> float:
-        return self.settings.collective_timeout_s
+    def __getattr__(self, name: str) -> Any:
+        """Every other setting of the supervisor's reads as the context's own
+        (``ctx.snapshot_dir``, ``ctx.collective_timeout_s``...): each is declared once, as a
+        field of ``WorkerSettings``, and never copied here."""
+        if name in _SETTINGS:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def is_distributed(self) -> bool:

@@ -17,13 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from elastic_trainer.contract.protocol import DEFAULT_SNAPSHOT_EVERY
+
 AUTO = "auto"
 # A job's mean time between failures before any is observed: a few preemptions a day across
 # a small spot fleet. Observed failures replace it.
 PRIOR_MTBF_S = 4 * 3600.0
 MIN_EVERY = 10  # steps: below this the snapshot's own cost dominates whatever it saves
 MAX_EVERY = 10_000  # steps: a bound on what a failure can cost when measurements mislead
-FIRST_EVERY = 100  # until a snapshot has been measured (the fixed default)
+FIRST_EVERY = DEFAULT_SNAPSHOT_EVERY  # until a snapshot has been measured: the fixed default
 # a new interval is announced (and taken) only when it moves by more than this fraction
 CHANGE = 0.2
 # the step time is smoothed (one step's time varies by several times: the save's own stall,
