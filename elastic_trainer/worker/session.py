@@ -63,7 +63,51 @@ class TrainingSession:
     ``state`` maps names to Statefuls (model, optimizer, scheduler, scaler...) saved by rank 0
     and restored on every rank. Arguments left as None come from the environment the
     supervisor sets (``WorkerContext``); the operator's flags win over ``snapshot_every`` and
-    ``keep`` given here (``protocol.WorkerSettings``).
+    ``snapshot_keep`` given here (``protocol.WorkerSettings``).
+
+    Creating it initialises the worker (``init_worker``) and restores the newest verified
+    snapshot, from node memory or storage, into ``state`` and ``sampler`` in place. Every
+    setting below that is also an operator flag takes the flag's value when the flag is
+    given (``session.setting_overridden`` says so where they differ), this keyword's
+    otherwise, and the default where neither is. docs/api.md explains each keyword.
+
+    Args:
+        state: Name -> object with ``state_dict()``/``load_state_dict()``: model, optimizer,
+            LR scheduler, GradScaler, your own Statefuls. Replicated state is saved by rank 0,
+            FSDP2-sharded state by every rank; it is restored on every rank.
+            ``elastic_sampler`` and ``elastic_session`` are reserved names.
+        sampler: Default None. An ``ElasticSampler`` whose cursor is saved and restored with
+            the state (exactly-once data at any world size); ``epochs()``, ``step_ready`` and
+            ``scale_loss`` use its global batch. None: the script orders its data itself.
+        context: Default None: ``init_worker()`` reads it from the environment.
+        snapshot_dir: Default None (``--snapshot-dir`` wins). A path or fsspec URL
+            (``s3://...``) for storage snapshots; None without the flag: no storage
+            snapshots, only the copies in node memory.
+        snapshot_every: Default None: 100 (``--snapshot-every`` wins). Optimizer steps
+            between periodic storage snapshots, or ``"auto"`` (from their measured cost and
+            the failure rate).
+        snapshot_keep: Default None: 3 (``--snapshot-keep`` wins). Newest committed
+            snapshots kept. ``keep`` is its former name, still accepted (it warns once).
+        memory_snapshot_every: Default None (``--memory-snapshot-every`` wins): no periodic
+            copies for replicated state (it is copied into node memory just in time, when
+            the group ends), ``"auto"`` for sharded state. Steps between periodic copies of
+            the state into node memory; 0: none.
+        audit_dir: Default None. A folder for the exactly-once audit log (which samples each
+            step trained; ``python -m elastic_trainer.worker.audit`` checks it).
+        max_steps: Default None. Stop (``should_stop`` on every rank) once the run has
+            completed this many optimizer steps, restored ones included.
+        exit_on_stop: Default True: after a coordinated stop ``finish()`` ends the process
+            with the exit code the supervisor expects; False: it returns that code.
+        configure_logs: Default True: set up elastic-train's logging in this process (see
+            ``init_worker``).
+
+    Raises:
+        ConfigError: A reserved state name, or a setting out of range (exit 2: the
+            supervisor ends the job with that line).
+        SamplerStateError: The snapshot's sampler state does not fit ``sampler`` (another
+            dataset length, seed, shuffle, drop_last or global batch), or the snapshot has
+            none while a sampler is given.
+        EnvironmentProblem: The launcher's environment is partial or inconsistent.
     """
 
     # seconds between two train.progress events of log_metrics (the built-in job's default)
@@ -206,6 +250,7 @@ class TrainingSession:
     # --- properties -----------------------------------------------------------------------
     @property
     def epoch(self) -> int:
+        """The sampler's current epoch (0 without a sampler)."""
         return self.sampler.epoch if self.sampler is not None else 0
 
     @property
@@ -225,6 +270,15 @@ class TrainingSession:
         """Scale a *mean*-reduced micro-batch loss of ``batch_size`` samples (see loss_scale).
 
         Without a global batch (plain mode) the loss is returned as is, like DistributedSampler.
+
+        Args:
+            loss: The micro-batch's loss, a mean over its samples (``F.cross_entropy``'s
+                default).
+            batch_size: The samples in this micro-batch (``len(x)``).
+
+        Returns:
+            The loss to call ``backward()`` on: the step's gradient is then the mean over the
+            global batch at any world size and micro-batching.
         """
         if self.sampler is None or self.sampler.global_batch_size is None:
             return loss
@@ -244,7 +298,17 @@ class TrainingSession:
 
     # --- the loop -------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
-        """Yield the epochs still to train, from the restored one; stop when should_stop."""
+        """Yield the epochs still to train, from the restored one; stop when should_stop.
+
+        Args:
+            num_epochs: The epochs the whole run trains (not those left).
+
+        Yields:
+            Each epoch number still to train, the sampler already set to it.
+
+        Raises:
+            ConfigError: The session has no sampler.
+        """
         if self.sampler is None:
             raise ConfigError("TrainingSession.epochs needs a sampler: pass sampler=...")
         epoch = self.sampler.epoch + (1 if self.sampler.epoch_done else 0)
@@ -271,7 +335,19 @@ class TrainingSession:
 
     def step_done(self, num_samples: int | None = None) -> None:
         """Call after every ``optimizer.step()``. ``num_samples`` (this rank's samples of the
-        step) is needed only without a global batch."""
+        step) is needed only without a global batch.
+
+        Collective: every rank calls it once per optimizer step. It advances the sampler's
+        cursor, publishes progress (the hang watchdog, ``status``), takes the periodic
+        snapshot when one is due and agrees on a stop (``should_stop``).
+
+        Args:
+            num_samples: This rank's samples in the step; only without a global batch.
+
+        Raises:
+            ConfigError: The step ended after another number of micro-batches than the
+                rank's share needs, or ``num_samples`` is missing without a global batch.
+        """
         if self._on_failure is not None:
             self._on_failure.steps_ended()
         self._check_micro_batches()
@@ -469,7 +545,15 @@ class TrainingSession:
     def log_metrics(self, **figures: Any) -> None:
         """The script's figures (``loss=loss.item()``, any name) in a ``train.progress`` event
         of this step: rank 0, at most one per ``METRICS_EVERY_S`` (call it every step).
-        ``elastic-train report`` plots ``loss``. ConfigError: not a number, or reserved."""
+        ``elastic-train report`` plots ``loss``.
+
+        Args:
+            **figures: Name -> number (``loss=loss.item()``, ``lr=...``, your own).
+
+        Raises:
+            ConfigError: A figure is not a number, or its name is one of the event's own
+                fields.
+        """
         try:
             values = figures_of(figures)
         except ValueError as exc:
@@ -509,7 +593,12 @@ class TrainingSession:
     def finish(self) -> int:
         """Commit a final snapshot (synchronously) and close. After a coordinated stop the
         process exits with the supervisor's code (protocol.EXIT_PREEMPTED /
-        EXIT_PEER_PREEMPTED) unless ``exit_on_stop=False``; returns that code otherwise."""
+        EXIT_PEER_PREEMPTED) unless ``exit_on_stop=False``; returns that code otherwise.
+
+        Returns:
+            0 after training that ran to its end; after a coordinated stop with
+            ``exit_on_stop=False``, the exit code the supervisor expects (exit with it).
+        """
         if not self._resumes_from_memory():
             self._save(blocking=True)
         code = stop_exit_code(self.stop_reason)
