@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_trainer.contract.protocol import WorkerSettings
+from elastic_trainer.contract.settings import SWITCH, TOGGLE, Setting, flagged, option, text
 from elastic_trainer.errors import ConfigError
 
 DEFAULT_MODULE = "elastic_trainer.jobs.default"
 DEFAULT_RDZV_PORT = 29400
+# SIGTERM -> SIGKILL when the supervisor stops workers to restart them: short, every second
+# of it is downtime (torchrun's --shutdown-timeout sets another)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
 
 
 def _check(ok: bool, name: str, value: Any, fix: str) -> None:
@@ -175,43 +179,129 @@ class Entrypoint:
 class RunConfig:
     """Everything one ``elastic-train`` supervisor needs, validated."""
 
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int = 1
+    min_nodes: int = option(
+        1, "--min-nodes", parse=int, metavar="N", help="fewest nodes the job runs with"
+    )
+    max_nodes: int = option(
+        1, "--max-nodes", parse=int, metavar="N", shown="--min-nodes", help="most nodes admitted"
+    )
+    nproc_per_node: int = option(
+        1,
+        "--nproc-per-node",
+        "--nproc_per_node",
+        pet="PET_NPROC_PER_NODE",
+        metavar="N|auto",
+        help="workers per node (auto: the allocation's GPUs, else its CPUs)",
+    )
     rdzv_host: str = "127.0.0.1"
     rdzv_port: int = DEFAULT_RDZV_PORT
     is_host: bool | None = None  # None: host the store when the endpoint is this machine
     # the address this node advertises for the rendezvous and, as rank 0, for MASTER_ADDR
     # (None: torch's default, the FQDN, which some pods cannot resolve)
-    local_addr: str | None = None
-    job_id: str = "elastic-train"
+    local_addr: str | None = option(
+        None,
+        "--local-addr",
+        "--local_addr",
+        pet="PET_LOCAL_ADDR",
+        metavar="ADDR",
+        shown="the FQDN",
+        help="the address this node advertises to its peers",
+    )
+    job_id: str = option(
+        "elastic-train",
+        "--job-id",
+        "--rdzv-id",
+        "--rdzv_id",
+        pet="PET_RDZV_ID",
+        metavar="ID",
+        help="id shared by all nodes of a job",
+    )
     # the job's secret, the same on every node (None: the snapshot folder's, else one kept
     # privately for this user on this machine: supervisor/rendezvous/secret.py)
-    rdzv_secret_file: str | None = None
+    rdzv_secret_file: str | None = option(
+        None,
+        "--rdzv-secret-file",
+        metavar="PATH",
+        shown="made in the snapshot folder, else kept privately for this user on this machine",
+        help="file holding the job's secret, the same on every node",
+    )
     # a snapshot folder whose finished.json says the job finished: run it again from its end
     # (off: exit 0 at once, nothing run; supervisor/finished.py)
-    resume_finished: bool = False
+    resume_finished: bool = option(
+        False,
+        "--resume-finished",
+        kind=TOGGLE,
+        help="run a job whose snapshot folder says it finished again, from its end (off: exit "
+        "0 at once)",
+    )
     rdzv: RendezvousTuning = field(default_factory=RendezvousTuning)
     restart: RestartTuning = field(default_factory=RestartTuning)
-    max_restarts: int = 3
-    monitor_interval: float = 0.2
-    hang_timeout: float = 300.0  # 0 disables the watchdog
+    max_restarts: int = option(
+        3,
+        "--max-restarts",
+        "--max_restarts",
+        parse=int,
+        pet="PET_MAX_RESTARTS",
+        metavar="N",
+        help="failures tolerated (membership changes and preemptions are free)",
+    )
+    monitor_interval: float = option(
+        0.2,
+        "--monitor-interval",
+        "--monitor_interval",
+        parse=float,
+        pet="PET_MONITOR_INTERVAL",
+        metavar="S",
+        help="seconds between worker checks",
+    )
+    hang_timeout: float = option(  # 0 disables the watchdog
+        300.0,
+        "--hang-timeout",
+        parse=float,
+        metavar="S",
+        help="seconds without progress on any rank = hang (0 = off)",
+    )
     # the workers' settings an operator chose (snapshots, logs, timeouts; WorkerSettings
     # declares each once); worker_settings() adds what the supervisor sets at each start
     worker: WorkerSettings = field(default_factory=WorkerSettings)
-    node: str = "localhost"
+    node: str = option(
+        "localhost",
+        "--node",
+        metavar="NAME",
+        shown="the hostname",
+        help="this node's name in events",
+    )
     entrypoint: Entrypoint = field(default_factory=Entrypoint)
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
     exit_barrier_timeout: float = 60.0
     resources_interval: float = 30.0
     control_root: str | None = None  # None: the system temp dir
     # Prometheus /metrics and /health (supervisor/metrics_server.py); None: not served
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"  # loopback unless the operator opens it up
+    metrics_port: int | None = option(
+        None,
+        "--metrics-port",
+        parse=int,
+        metavar="PORT",
+        shown="off",
+        help="serve Prometheus /metrics and /health on this port",
+    )
+    metrics_host: str = option(  # loopback unless the operator opens it up
+        "127.0.0.1", "--metrics-host", metavar="ADDR", help="address the metrics server binds"
+    )
     # workers forked from a pool that has imported torch (supervisor/warm/)
-    warm_workers: bool = True
+    warm_workers: bool = option(
+        True,
+        "--warm-workers",
+        kind=TOGGLE,
+        help="fork workers from a per-node pool that has imported torch",
+    )
     # in-memory copies of the workers' state (worker.memory); off: storage snapshots only
-    memory_tier: bool = True
+    memory_tier: bool = option(
+        True,
+        "--memory-tier",
+        kind=TOGGLE,
+        help="keep state copies in node memory, so a failure costs at most one step",
+    )
 
     def __post_init__(self) -> None:
         self._check_nodes()
@@ -323,3 +413,62 @@ class RunConfig:
             "snapshot_dir": self.worker.snapshot_dir,
             "warm_workers": self.warm_workers,
         }
+
+
+# --- elastic-train's flags that are no single RunConfig field (supervisor/cli/args.py
+# resolves each); the others are declared on RunConfig's and WorkerSettings' fields
+NNODES = Setting(
+    flags=("--nnodes",),
+    pet="PET_NNODES",
+    metavar="N|MIN:MAX",
+    shown="--min-nodes:--max-nodes",
+    help="torchrun's spelling of the node range; must agree with --min-nodes/--max-nodes",
+)
+RDZV_ENDPOINT = Setting(
+    flags=("--rdzv-endpoint", "--rdzv_endpoint"),
+    pet="PET_RDZV_ENDPOINT",
+    metavar="HOST[:PORT]",
+    shown=f"127.0.0.1:{DEFAULT_RDZV_PORT}",
+    help="the c10d store, hosted by this node when HOST is this machine (else "
+    "PET_MASTER_ADDR:PET_MASTER_PORT)",
+)
+RDZV_BACKEND = Setting(
+    flags=("--rdzv-backend", "--rdzv_backend"),
+    pet="PET_RDZV_BACKEND",
+    default="c10d",
+    metavar="c10d|static",
+    help="c10d, or static: torchrun's static rendezvous, run as a c10d one of fixed size",
+)
+RDZV_CONF = Setting(
+    flags=("--rdzv-conf", "--rdzv_conf"),
+    pet="PET_RDZV_CONF",
+    metavar="k=v,...",
+    shown="the recovery defaults below",
+    help="rendezvous tuning; is_host=false joins an elastic-train store",
+)
+STANDALONE = Setting(
+    flags=("--standalone",),
+    kind=SWITCH,
+    pet="PET_STANDALONE",
+    help="one node, local store on a free port (an independent job)",
+)
+MODULE = Setting(
+    flags=("-m", "--module"),
+    own_env=False,
+    parse=text,
+    metavar="MODULE",
+    shown=f"the built-in job, {DEFAULT_MODULE}",
+    help="run a Python module instead of a script",
+)
+FLAG_ONLY = (NNODES, RDZV_ENDPOINT, RDZV_BACKEND, RDZV_CONF, STANDALONE)
+
+
+def supervisor_flags() -> tuple[Setting, ...]:
+    """Every flag of ``elastic-train`` itself, in ``--help``'s order (torchrun's others are
+    ``supervisor/cli/torchrun_flags.py``'s)."""
+    return (
+        *flagged(RunConfig).values(),
+        *FLAG_ONLY,
+        *flagged(WorkerSettings).values(),
+        MODULE,
+    )

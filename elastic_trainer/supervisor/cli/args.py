@@ -17,20 +17,26 @@ import dataclasses
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from elastic_trainer.cliparse import UNKNOWN_OPTION, OneLineParser
-from elastic_trainer.contract import protocol
+from elastic_trainer.contract import protocol, settings
 from elastic_trainer.contract.config import (
     DEFAULT_MODULE,
     DEFAULT_RDZV_PORT,
+    NNODES,
+    RDZV_BACKEND,
+    RDZV_CONF,
+    RDZV_ENDPOINT,
     Entrypoint,
     RendezvousTuning,
     RunConfig,
+    supervisor_flags,
 )
 from elastic_trainer.contract.protocol import WorkerSettings
+from elastic_trainer.contract.settings import Setting, flagged, lookup
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor.cli import torchrun_flags
 from elastic_trainer.supervisor.cli.allocation import detect_local_workers
@@ -42,7 +48,9 @@ _FALSE = {"0", "false", "no", "off"}
 _BACKEND_KEYS = {"is_host", "store_type"}
 
 
-ENV_PREFIX = "ELASTIC_TRAIN_"
+_RUN = flagged(RunConfig)  # RunConfig's fields an operator sets with a flag
+# ... resolved with other flags in ``parse``; the rest are taken as they are
+_RESOLVED_WITH_OTHERS = {"min_nodes", "max_nodes", "nproc_per_node", "local_addr", "job_id", "node"}
 SUBCOMMANDS_HELP = """sub-commands (each has --help):
   elastic-train snapshots list|show|verify|export|prune URL   inspect and manage snapshots
   elastic-train report RUN                          what happened in a run, as a PNG
@@ -63,57 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=SUBCOMMANDS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    a = p.add_argument
-    a("--version", action="version", version=f"{PROG} {__version__}")
-    a("--min-nodes", type=int, help="fewest nodes the job runs with (default 1)")
-    a("--max-nodes", type=int, help="most nodes admitted (default: --min-nodes)")
-    a("--nnodes", help="torchrun spelling: N or MIN:MAX (env PET_NNODES)")
-    a("--nproc-per-node", "--nproc_per_node", help="workers per node: N or auto")
-    a("--rdzv-endpoint", "--rdzv_endpoint", help="HOST[:PORT] of the c10d store")
-    a("--rdzv-backend", "--rdzv_backend", help="only c10d is supported")
-    a("--local-addr", "--local_addr", help="address this node advertises (default: its FQDN)")
-    a("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", help="id shared by all nodes")
-    a(
-        "--rdzv-secret-file",
-        help="file holding the job's secret, the same on every node (default: made in the "
-        "snapshot folder, else kept privately for this user on this machine)",
-    )
-    a("--rdzv-conf", "--rdzv_conf", help="k=v,... rendezvous settings (see docs/command-line.md)")
-    a("--standalone", action="store_true", help="single node, local store on a free port")
-    a("--max-restarts", "--max_restarts", type=int, help="failures tolerated (default 3)")
-    a("--monitor-interval", "--monitor_interval", type=float, help="seconds between checks")
-    a("--hang-timeout", type=float, help="seconds without progress = hang (0 = off)")
-    for dest, (_, how) in _worker_flags().items():  # declared once, in WorkerSettings
-        if how.parse is protocol.switch:  # on/off: --x / --no-x, no value
-            a(how.flag, dest=dest, action=argparse.BooleanOptionalAction, help=how.help)
-        else:
-            a(how.flag, dest=dest, type=_arg_type(how), help=how.help)
-    a("--node", help="this node's name in events (default: hostname)")
-    a(
-        "--resume-finished",
-        action=argparse.BooleanOptionalAction,
-        help="run a job whose snapshot folder says it finished again, from its end (default "
-        "off: exit 0 at once)",
-    )
-    a("--metrics-port", type=int, help="serve Prometheus /metrics and /health on this port")
-    a("--metrics-host", help="address the metrics server binds (default 127.0.0.1)")
-    a(
-        "--memory-tier",
-        action=argparse.BooleanOptionalAction,
-        help="keep state copies in node memory, so a failure costs at most one step (default on)",
-    )
-    a(
-        "--warm-workers",
-        action=argparse.BooleanOptionalAction,
-        help="fork workers from a process that has imported torch (default on)",
-    )
-    a("-m", "--module", help="run a Python module instead of a script")
-    p.set_defaults(_own_options=[x.dest for x in p._actions if x.dest not in _NO_ENV])
-    for flag in torchrun_flags.FLAGS:  # the rest of torchrun's command line
-        if flag.takes_value:
-            a(*flag.names, dest=flag.dest, help=flag.help or "torchrun's; see docs/command-line.md")
-        else:
-            a(*flag.names, dest=flag.dest, action="store_true", default=None, help=flag.help)
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    settings.add_flags(p, supervisor_flags())  # declared once: contract/config.py, protocol.py
+    settings.add_flags(p, torchrun_flags.FLAGS)  # the rest of torchrun's command line
     return p
 
 
@@ -163,27 +123,6 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> SplitArg
 
 def _job_args(rest: list[str]) -> list[str]:
     return rest[1:] if rest[:1] == ["--"] else rest
-
-
-def _worker_flags() -> dict[str, tuple[str, protocol.Setting]]:
-    """The worker settings an operator sets: argparse name -> (WorkerSettings field, how).
-    The argparse name is the flag's, so ``ELASTIC_TRAIN_<NAME>`` (``env_defaults``) is the
-    setting's own variable."""
-    out = {}
-    for name in WorkerSettings.operator_settings():
-        how = protocol.setting_of(WorkerSettings, name)
-        out[(how.flag or "").removeprefix("--").replace("-", "_")] = (name, how)
-    return out
-
-
-def _arg_type(how: protocol.Setting) -> Callable[[str], Any]:
-    def parse(raw: str) -> Any:
-        try:
-            return how.parse(raw)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"invalid value {raw!r}: {how.fix or exc}") from None
-
-    return parse
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, str]:
@@ -281,22 +220,11 @@ def tuning_from_conf(conf: Mapping[str, str]) -> tuple[RendezvousTuning, bool | 
     return RendezvousTuning(**values), is_host
 
 
-def _pick(flag: Any, env: Mapping[str, str], name: str) -> Any:
-    return flag if flag is not None else env.get(name)
-
-
 def _as_int(name: str, value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} is invalid: use an integer") from None
-
-
-def _as_float(name: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is invalid: use a number") from None
 
 
 def resolve_nodes(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int]:
@@ -313,9 +241,9 @@ def resolve_nodes(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, 
                     "give one spelling, or make them agree"
                 )
         return lo, hi
-    if ns.min_nodes is None and ns.max_nodes is None and env.get("PET_NNODES"):
-        return parse_nnodes(env["PET_NNODES"])
-    low = ns.min_nodes if ns.min_nodes is not None else 1
+    if ns.min_nodes is None and ns.max_nodes is None and env.get(NNODES.pet or ""):
+        return parse_nnodes(env[NNODES.pet or ""])
+    low = ns.min_nodes if ns.min_nodes is not None else _RUN["min_nodes"].default
     high = ns.max_nodes if ns.max_nodes is not None else max(low, 1)
     return low, high
 
@@ -323,7 +251,7 @@ def resolve_nodes(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, 
 def resolve_nproc(value: Any, env: Mapping[str, str] | None = None) -> int:
     """N, or auto|cpu|gpu counted from this node's allocation (supervisor/cli/allocation.py)."""
     if value is None:
-        return 1
+        return int(_RUN["nproc_per_node"].default)
     text = str(value).strip()
     if text in ("auto", "cpu", "gpu"):
         return detect_local_workers(text, env)
@@ -339,7 +267,7 @@ def _free_port() -> int:
 def resolve_endpoint(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, int]:
     if ns.standalone or env.get("PET_STANDALONE", "").lower() in _TRUE:
         return "127.0.0.1", _free_port()
-    text = _pick(ns.rdzv_endpoint, env, "PET_RDZV_ENDPOINT")
+    text = lookup(ns, env, RDZV_ENDPOINT)
     if not text and env.get("PET_MASTER_ADDR"):
         # Kubeflow's non-elastic PyTorchJob: the master pod hosts the store.
         text = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', DEFAULT_RDZV_PORT)}"
@@ -362,7 +290,7 @@ def _check_standalone(ns: argparse.Namespace, lo: int, hi: int) -> None:
 
 
 def _check_backend(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
-    backend = (_pick(ns.rdzv_backend, env, "PET_RDZV_BACKEND") or "c10d").strip().lower()
+    backend = (lookup(ns, env, RDZV_BACKEND) or RDZV_BACKEND.default).strip().lower()
     if backend not in ("c10d", "static"):
         raise ConfigError(
             f"--rdzv-backend={backend!r} is not supported: use c10d (the default), or static "
@@ -398,31 +326,17 @@ def _static_addr(static: torchrun_flags.StaticRendezvous | None) -> str | None:
     return static.host if static is not None and static.hosts_store else None
 
 
-_NO_ENV = {"help", "version", "module"}
-
-
-def env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> dict[str, Any]:
+def env_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     """Our options' ELASTIC_TRAIN_<NAME> variables, as parser defaults: argparse converts
     them like command-line values, and a flag still wins."""
-    found: dict[str, Any] = {}
-    for action in parser._actions:  # argparse has no public list of actions
-        if action.dest not in parser.get_default("_own_options"):
-            continue
-        raw = env.get(ENV_PREFIX + action.dest.upper(), "")
-        if raw == "":
-            continue
-        if action.nargs == 0:  # a switch such as --standalone
-            found[action.dest] = _parse_bool(ENV_PREFIX + action.dest.upper(), raw)
-        else:
-            found[action.dest] = raw
-    return found
+    return settings.env_defaults(supervisor_flags(), env)
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfig:
     """The whole command line and environment -> RunConfig, or ConfigError."""
     env = os.environ if env is None else env
     parser = build_parser()
-    parser.set_defaults(**env_defaults(parser, env))
+    parser.set_defaults(**env_defaults(env))
     split = split_argv(argv, parser)
     try:
         ns = parser.parse_args(split.options)
@@ -433,26 +347,26 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> RunConfi
     lo, hi = resolve_nodes(ns, env)
     static = _static_rendezvous(ns, env, backend, (lo, hi))
     host, port = resolve_endpoint(ns, env)
-    if static is not None and not _pick(ns.rdzv_endpoint, env, "PET_RDZV_ENDPOINT"):
+    if static is not None and not lookup(ns, env, RDZV_ENDPOINT):
         host, port = static.host, static.port  # torchrun: MASTER_ADDR:MASTER_PORT
     if ns.standalone:
         _check_standalone(ns, lo, hi)
         lo, hi = 1, 1
-    tuning, is_host = tuning_from_conf(parse_rdzv_conf(_pick(ns.rdzv_conf, env, "PET_RDZV_CONF")))
+    tuning, is_host = tuning_from_conf(parse_rdzv_conf(lookup(ns, env, RDZV_CONF)))
     if static is not None and is_host is None:
         is_host = static.hosts_store  # torchrun: node rank 0 hosts the store
     return with_run_folder(
         RunConfig(
             min_nodes=lo,
             max_nodes=hi,
-            nproc_per_node=resolve_nproc(_pick(ns.nproc_per_node, env, "PET_NPROC_PER_NODE"), env),
+            nproc_per_node=resolve_nproc(lookup(ns, env, _RUN["nproc_per_node"]), env),
             rdzv_host=host,
             rdzv_port=port,
             is_host=is_host,
-            local_addr=_pick(ns.local_addr, env, "PET_LOCAL_ADDR") or _static_addr(static),
-            job_id=_pick(ns.job_id, env, "PET_RDZV_ID") or "elastic-train",
+            local_addr=lookup(ns, env, _RUN["local_addr"]) or _static_addr(static),
+            job_id=lookup(ns, env, _RUN["job_id"]) or _RUN["job_id"].default,
             rdzv=tuning,
-            **_optional_fields(ns, env),
+            **_given_fields(ns, env),
             node=ns.node or env.get(protocol.ENV_NODE) or socket.gethostname(),
             entrypoint=Entrypoint(
                 script=split.script,
@@ -502,30 +416,20 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text) or "_"
 
 
-def _optional_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+def _given_fields(ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The declared RunConfig and WorkerSettings fields given by a flag or a variable
+    (the rest keep their declared defaults)."""
     out: dict[str, Any] = {}
-    restarts = _pick(ns.max_restarts, env, "PET_MAX_RESTARTS")
-    if restarts is not None:
-        out["max_restarts"] = _as_int("--max-restarts", restarts)
-    interval = _pick(ns.monitor_interval, env, "PET_MONITOR_INTERVAL")
-    if interval is not None:
-        out["monitor_interval"] = _as_float("--monitor-interval", interval)
-    worker = {
-        name: getattr(ns, dest)
-        for dest, (name, _) in _worker_flags().items()
-        if getattr(ns, dest) is not None
-    }
+    for name, how in _RUN.items():
+        if name not in _RESOLVED_WITH_OTHERS:
+            _put(out, name, how, lookup(ns, env, how))
+    worker: dict[str, Any] = {}
+    for name, how in flagged(WorkerSettings).items():
+        _put(worker, name, how, getattr(ns, how.dest))
     out["worker"] = WorkerSettings(**worker)
-    for name in (
-        "rdzv_secret_file",
-        "resume_finished",
-        "hang_timeout",
-        "metrics_port",
-        "metrics_host",
-        "memory_tier",
-        "warm_workers",
-    ):
-        value = getattr(ns, name)
-        if value is not None:
-            out[name] = value
     return out
+
+
+def _put(out: dict[str, Any], name: str, how: Setting, raw: Any) -> None:
+    if raw is not None:
+        out[name] = how.read(raw)

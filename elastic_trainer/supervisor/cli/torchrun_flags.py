@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_trainer.contract.config import TorchrunOptions
+from elastic_trainer.contract.config import DEFAULT_SHUTDOWN_TIMEOUT_S, TorchrunOptions
+from elastic_trainer.contract.settings import SWITCH, VALUE, Setting
 from elastic_trainer.errors import ConfigError
 
 TORCHRUN_MASTER_PORT = 29500  # torchrun's static default port
@@ -33,80 +34,154 @@ _STD = re.compile(r"^([0-3]|\d+:[0-3](,\d+:[0-3])*)$")  # torch's Std.from_str s
 _RANKS = re.compile(r"^\d+(,\d+)*$")
 
 
-@dataclass(frozen=True)
-class Flag:
-    names: tuple[str, ...]
-    takes_value: bool = True
-    help: str = ""
-    # None: honoured. Otherwise why a non-default value cannot be honoured, and the fix.
-    refused: str | None = None
-    torchrun_default: Any = None
-
-    @property
-    def dest(self) -> str:
-        long = next(n for n in self.names if n.startswith("--"))
-        return long.lstrip("-").replace("-", "_")
-
-    @property
-    def long(self) -> str:
-        return "--" + self.dest.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return f"PET_{self.dest.upper()}"
+def _flag(
+    *names: str,
+    takes_value: bool = True,
+    help: str = "",
+    refused: str | None = None,
+    torchrun_default: Any = None,
+    shown: str | None = None,
+    metavar: str | None = None,
+) -> Setting:
+    """One torchrun flag, read from its ``PET_*`` variable (never ``ELASTIC_TRAIN_*``); its
+    value is kept as text (checked in ``options``). A refused flag's help says why."""
+    dest = next(n for n in names if n.startswith("--")).lstrip("-").replace("-", "_")
+    return Setting(
+        flags=names,
+        kind=VALUE if takes_value else SWITCH,
+        help=help or f"only torchrun's default is accepted: {refused}",
+        refused=refused,
+        accepted=torchrun_default,
+        default=torchrun_default,
+        shown=shown,
+        metavar=metavar,
+        own_env=False,
+        pet=f"PET_{dest.upper()}",
+    )
 
 
 # torchrun's flags that the supervisor's own parser (args.py) does not define already.
-FLAGS: tuple[Flag, ...] = (
-    Flag(("--node-rank", "--node_rank"), help="torchrun static mode: rank 0 hosts the store"),
-    Flag(("--master-addr", "--master_addr"), help="torchrun static mode: the store's address"),
-    Flag(("--master-port", "--master_port"), help="torchrun static mode: the store's port"),
-    Flag(("--log-dir", "--log_dir"), help="per-rank log files (torchrun's layout)"),
-    Flag(("-r", "--redirects"), help="redirect worker std streams to --log-dir files (0-3)"),
-    Flag(("-t", "--tee"), help="tee worker std streams to --log-dir files and the console"),
-    Flag(("--local-ranks-filter", "--local_ranks_filter"), help="console output of these ranks"),
-    Flag(("--log-line-prefix-template", "--log_line_prefix_template"), help="tee line prefix"),
-    Flag(("--role",), help="worker role name (default trainer)"),
-    Flag(("--start-method", "--start_method"), help="accepted; command workers are processes"),
-    Flag(("--run-path", "--run_path"), takes_value=False, help="accepted: scripts run this way"),
-    Flag(("--no-python", "--no_python"), takes_value=False, help="run SCRIPT as an executable"),
-    Flag(("--shutdown-timeout", "--shutdown_timeout"), help="SIGTERM -> SIGKILL on restarts, s"),
-    Flag(
-        ("--signals-to-handle", "--signals_to_handle"),
+FLAGS: tuple[Setting, ...] = (
+    _flag(
+        "--node-rank",
+        "--node_rank",
+        metavar="N",
+        torchrun_default="0",
+        help="torchrun static mode: this node's rank; rank 0 hosts the store",
+    ),
+    _flag(
+        "--master-addr",
+        "--master_addr",
+        metavar="ADDR",
+        torchrun_default="127.0.0.1",
+        help="torchrun static mode: the store's address",
+    ),
+    _flag(
+        "--master-port",
+        "--master_port",
+        metavar="PORT",
+        torchrun_default=str(TORCHRUN_MASTER_PORT),
+        help="torchrun static mode: the store's port",
+    ),
+    _flag(
+        "--log-dir",
+        "--log_dir",
+        metavar="DIR",
+        shown="a private folder removed at exit",
+        help="per-rank log files (torchrun's layout)",
+    ),
+    _flag(
+        "-r",
+        "--redirects",
+        torchrun_default="0",
+        help="redirect worker std streams to --log-dir files (0-3, or LOCAL_RANK:0-3,...)",
+    ),
+    _flag(
+        "-t",
+        "--tee",
+        torchrun_default="0",
+        help="tee worker std streams to --log-dir files and the console (0-3)",
+    ),
+    _flag(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        metavar="RANKS",
+        shown="every rank",
+        help="console output of these local ranks only",
+    ),
+    _flag(
+        "--log-line-prefix-template",
+        "--log_line_prefix_template",
+        metavar="TEMPLATE",
+        shown="[${role_name}${local_rank}]:",
+        help="prefix of tee'd lines",
+    ),
+    _flag("--role", torchrun_default="trainer", help="worker role name"),
+    _flag(
+        "--start-method",
+        "--start_method",
+        metavar="|".join(START_METHODS),
+        torchrun_default="spawn",
+        help="accepted; workers run the script as processes already",
+    ),
+    _flag(
+        "--run-path",
+        "--run_path",
+        takes_value=False,
+        help="accepted: scripts run this way already",
+    ),
+    _flag("--no-python", "--no_python", takes_value=False, help="run SCRIPT as an executable"),
+    _flag(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        metavar="S",
+        shown=f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}",
+        help="seconds from SIGTERM to SIGKILL when workers are stopped for a restart",
+    ),
+    _flag(
+        "--signals-to-handle",
+        "--signals_to_handle",
         refused="elastic-train handles SIGTERM, SIGINT and SIGUSR1 itself (a stop with a final "
         "snapshot); drop the flag",
         torchrun_default=",".join(SIGNALS_WE_HANDLE),
     ),
-    Flag(
-        ("--event-log-handler", "--event_log_handler"),
+    _flag(
+        "--event-log-handler",
+        "--event_log_handler",
         refused="elastic-train logs its own structured events (docs/events-and-metrics.md), not "
         "torch's event handlers; drop the flag",
         torchrun_default="null",
     ),
-    Flag(
-        ("--logs-specs", "--logs_specs"),
+    _flag(
+        "--logs-specs",
+        "--logs_specs",
         refused="custom LogsSpecs plugins are not supported; use --log-dir, --redirects, --tee",
     ),
-    Flag(
-        ("--numa-binding", "--numa_binding"),
+    _flag(
+        "--numa-binding",
+        "--numa_binding",
         refused="NUMA binding is not supported yet; bind with numactl inside the worker command",
     ),
-    Flag(
-        ("--virtual-local-rank", "--virtual_local_rank"),
+    _flag(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
         takes_value=False,
         refused="virtual local ranks are not supported yet; set CUDA_VISIBLE_DEVICES per worker",
         torchrun_default=False,
     ),
-    Flag(
-        ("--duplicate-stdout-filters", "--duplicate_stdout_filters"),
+    _flag(
+        "--duplicate-stdout-filters",
+        "--duplicate_stdout_filters",
         refused="output filters are not supported yet; use --log-dir with --tee",
     ),
-    Flag(
-        ("--duplicate-stderr-filters", "--duplicate_stderr_filters"),
+    _flag(
+        "--duplicate-stderr-filters",
+        "--duplicate_stderr_filters",
         refused="output filters are not supported yet; use --log-dir with --tee",
     ),
-    Flag(
-        ("--print-completion", "--print_completion"),
+    _flag(
+        "--print-completion",
+        "--print_completion",
         refused="shell completion is not provided; use elastic-train --help",
     ),
 )
@@ -135,15 +210,21 @@ def value(ns: Any, env: Mapping[str, str], dest: str) -> Any:
     return raw if raw not in (None, "") else None
 
 
+def given_or_default(ns: Any, env: Mapping[str, str], dest: str) -> Any:
+    """``value``, else (none, or empty) the flag's declared default (torchrun's)."""
+    found = value(ns, env, dest)
+    return found if found not in (None, "") else BY_DEST[dest].default
+
+
 def refuse_unsupported(ns: Any, env: Mapping[str, str]) -> None:
     """One line for the first flag we cannot honour with the value given."""
     for flag in FLAGS:
         if flag.refused is None:
             continue
         given = value(ns, env, flag.dest)
-        if given is None or given is False or _same(given, flag.torchrun_default):
+        if given is None or given is False or _same(given, flag.accepted):
             continue
-        raise ConfigError(f"{flag.long}={given!r} cannot be honoured: {flag.refused}")
+        raise ConfigError(f"{flag.flag}={given!r} cannot be honoured: {flag.refused}")
 
 
 def _same(given: Any, default: Any) -> bool:
@@ -154,8 +235,8 @@ def _same(given: Any, default: Any) -> bool:
 
 def options(ns: Any, env: Mapping[str, str]) -> TorchrunOptions:
     """The honoured flags, validated: one line naming the flag for a bad value."""
-    redirects = _std("--redirects", value(ns, env, "redirects") or "0")
-    tee = _std("--tee", value(ns, env, "tee") or "0")
+    redirects = _std("--redirects", given_or_default(ns, env, "redirects"))
+    tee = _std("--tee", given_or_default(ns, env, "tee"))
     log_dir = value(ns, env, "log_dir")
     if (redirects != "0" or tee != "0") and not log_dir:
         raise ConfigError(
@@ -171,7 +252,7 @@ def options(ns: Any, env: Mapping[str, str]) -> TorchrunOptions:
         tee=tee,
         local_ranks_filter=_ranks(value(ns, env, "local_ranks_filter")),
         log_line_prefix_template=value(ns, env, "log_line_prefix_template"),
-        role=value(ns, env, "role") or "trainer",
+        role=given_or_default(ns, env, "role"),
         shutdown_timeout=_seconds(value(ns, env, "shutdown_timeout")),
     )
 
@@ -183,9 +264,9 @@ def static_rendezvous(
     flags_given = any(getattr(ns, d, None) is not None for d in ("node_rank", "master_addr"))
     if backend != "static" and not flags_given:
         return None
-    host = value(ns, env, "master_addr") or "127.0.0.1"
-    port = _int("--master-port", value(ns, env, "master_port") or TORCHRUN_MASTER_PORT)
-    rank = _int("--node-rank", value(ns, env, "node_rank") or 0)
+    host = given_or_default(ns, env, "master_addr")
+    port = _int("--master-port", given_or_default(ns, env, "master_port"))
+    rank = _int("--node-rank", given_or_default(ns, env, "node_rank"))
     if rank < 0:
         raise ConfigError(f"--node-rank={rank} is invalid: use 0 .. --nnodes - 1")
     return StaticRendezvous(host=host, port=port, node_rank=rank)
