@@ -3,13 +3,17 @@ former name: accepted, with one warning per process; the fallback is the declara
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from torch import nn
 
 from elastic_trainer.contract.protocol import DEFAULT_SNAPSHOT_KEEP
+from elastic_trainer.contract.settings import flagged
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.worker import session as session_module
 from elastic_trainer.worker.context import WorkerContext, WorkerSettings
@@ -67,3 +71,18 @@ def test_keep_and_snapshot_keep_that_disagree_are_one_line(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="give snapshot_keep only") as info:
         kept(tmp_path, monkeypatch, keep=2, snapshot_keep=3)
     assert "\n" not in str(info.value)
+
+
+def test_the_api_page_lists_every_keyword_and_the_declared_flag_and_default() -> None:
+    page = Path(__file__).parents[3] / "docs" / "api.md"
+    rows = {
+        re.match(r"\| `(\w+)`", line).group(1): line
+        for line in page.read_text().splitlines()
+        if re.match(r"\| `\w+`", line)
+    }
+    keywords = set(inspect.signature(TrainingSession.__init__).parameters) - {"self"}
+    assert keywords <= rows.keys()
+    with_fallback = {n: h for n, h in flagged(WorkerSettings).items() if h.fallback is not None}
+    assert with_fallback.keys() <= keywords
+    for name, how in with_fallback.items():  # "--snapshot-keep, else 3"
+        assert f"`{how.flag}`, else {how.fallback}" in rows[name], name
