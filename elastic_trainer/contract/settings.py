@@ -23,12 +23,15 @@ import argparse
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Final, Literal
 
 from elastic_trainer.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_TRAIN_"
-VALUE, SWITCH, TOGGLE = "value", "switch", "toggle"  # --x V · --x alone · --x / --no-x
+Kind = Literal["value", "switch", "toggle"]  # --x V · --x alone · --x / --no-x
+VALUE: Final = "value"
+SWITCH: Final = "switch"
+TOGGLE: Final = "toggle"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -101,7 +104,7 @@ class Setting:
     fallback: Any = None
     shown: str | None = None
     parse: Callable[[str], Any] = str
-    kind: str = VALUE
+    kind: Kind = VALUE
     env_name: str | None = None
     own_env: bool = True
     pet: str | None = None

@@ -169,7 +169,12 @@ def table(heading: str) -> list[list[str]]:
 def test_the_docs_flag_tables_are_the_declarations(heading, declared) -> None:
     """Flags, variables and defaults exactly; each meaning begins with the flag's --help."""
     rows = table(heading)
-    assert [tuple(r[:3]) for r in rows] == [how.doc_row() for how in declared]
+    expected = [how.doc_row() for how in declared]
+    lines = "\n".join(
+        f"| {' | '.join(cells)} | {how.help} |"
+        for cells, how in zip(expected, declared, strict=True)
+    )
+    assert [tuple(r[:3]) for r in rows] == expected, f"the rows of {heading} begin:\n{lines}"
     for row, how in zip(rows, declared, strict=True):
         assert row[3].startswith(how.help), how.flag
 
