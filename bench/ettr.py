@@ -98,6 +98,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GB of state each GPU holds (405B params x 14 B / 16,384)")  # fmt: skip
     p.add_argument("--reform-per-node", type=float, default=REFORM_PER_NODE_S,
                    help="seconds the re-form grows per node (the b of a + b*nodes)")  # fmt: skip
+    p.add_argument(
+        "--memory-stall-s-per-gb",
+        type=float,
+        default=PER_GB_SOURCES["memory_stall_s_per_gb"][0],
+        help="the periodic in-memory copy's stall per GB (sharded state)",
+    )
+    p.add_argument(
+        "--storage-share",
+        type=float,
+        default=0.0,
+        help="share of failures no node memory survives (resumed from storage)",
+    )
     p.add_argument("--trace", default="", help="a failure trace CSV: seconds[,kind] per line")
     p.add_argument("--trace-gpus", type=int, default=16_384)
     p.add_argument("--json", default="", help="write the figures here")
@@ -106,6 +118,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--from-json and --from-logs go together: the run's JSON and its log folder")
     if min(args.step_time, args.duration, args.failure_every) <= 0 or args.state_gb_per_gpu < 0:
         p.error("--step-time, --duration, --failure-every must be > 0; --state-gb-per-gpu >= 0")
+    if args.memory_stall_s_per_gb < 0 or not 0 <= args.storage_share <= 1:
+        p.error("--memory-stall-s-per-gb must be >= 0 and --storage-share within 0..1")
     return args
 
 
@@ -207,7 +221,8 @@ def recovery_at_scale(v: dict | None, reform_per_node: float) -> Recovery:
 
 def job_at(gpus: int, args: argparse.Namespace, **over: object) -> Job:
     fields = {"gpus": gpus, "step_s": args.step_time, "state_gb_per_gpu": args.state_gb_per_gpu,
-              "memory_stall_s_per_gb": PER_GB_SOURCES["memory_stall_s_per_gb"][0],
+              "memory_stall_s_per_gb": args.memory_stall_s_per_gb,
+              "storage_share": args.storage_share,
               "storage_stall_s_per_gb": PER_GB_SOURCES["storage_stall_s_per_gb"][0],
               "replace_s": REPLACE_S} | over  # fmt: skip
     return Job(**fields)
@@ -271,6 +286,27 @@ def _compare(what: str, est: Estimate, job: Job, rec: Recovery) -> str:
     return f"downtime {est.per_failure_s:.1f} s per failure; ETTR {100 * est.ettr:.1f} %"
 
 
+SENSITIVITY = (  # one input changed at a time, at 16,384 GPUs, with target 2's re-form
+    ("as above", {}),
+    ("in-memory copy fully overlapped (no stall)", {"memory_stall_s_per_gb": 0.0}),
+    ("10 % of failures resumed from storage", {"storage_share": 0.1}),
+    ("4 GB of state per GPU", {"state_gb_per_gpu": 4.0}),
+    ("1 s steps", {"step_s": 1.0}),
+    ("replicated state (a just-in-time copy, nothing redone)", {"sharded": False}),
+)
+
+
+def sensitivity_table(args: argparse.Namespace, rec: Recovery, gpus: int = 16_384) -> str:
+    lines = ["| at 16,384 GPUs | ETTR | dominant | its share % | downtime / failure s |",
+             "|---|---:|---|---:|---:|"]  # fmt: skip
+    for label, over in SENSITIVITY:
+        est = ettr(job_at(gpus, args, **over), rec)
+        share = 100 * est.losses[est.dominant]
+        lines.append(f"| {label} | {est.ettr:.4f} | {est.dominant} | {share:.2f} | "
+                     f"{est.per_failure_s:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def trace_row(args: argparse.Namespace, rec: Recovery) -> str:
     failures = parse_trace(Path(args.trace).read_text())
     job = job_at(args.trace_gpus, args)
@@ -320,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nThe same with the re-form at target 2's {REFORM_TARGET_S * 1000:g} ms per node:\n")
     target_table, target_estimates = scale_table(args, target)
     print(target_table)
+    print("\nOne input changed at a time (target 2's re-form):\n")
+    print(sensitivity_table(args, target))
     print("\nBeside the published figures (theirs measured, ours modelled):\n")
     print(published_table(args, rec, target))
     if args.trace:

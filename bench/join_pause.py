@@ -105,7 +105,7 @@ def measure(tmp: Path, joined: float) -> dict:
     return {
         "gap_s": p.gap_s, "step_s": p.step_s, "pause_s": p.pause_s,
         "stop_s": max((e["stop_s"] for e in handed), default=None),
-        "reported_pause_s": max((e.get("pause_s", -1) for e in handed), default=-1),
+        "reported_pause_s": max((e.get("pause_s") or -1 for e in handed), default=-1),
         "to_handed_over_s": first["_t"] - p.last_old_t if first else None,
         "to_restored_s": max(restored) - p.last_old_t if restored else None,
         "first_step_s": p.first_new_t - max(restored) if restored else None,
