@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
-from elastic_trainer.contract.config import RunConfig
+from elastic_trainer.contract.config import DEFAULT_SHUTDOWN_TIMEOUT_S, RunConfig
 from elastic_trainer.contract.events import FailureCause, MembershipReason, emit
 from elastic_trainer.supervisor.agent.control_files import await_copies, mark_restarting
 from elastic_trainer.supervisor.agent.failure_reports import FailureReports, PeerLeaving
@@ -121,7 +121,7 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
         # SIGTERM -> SIGKILL when we stop workers to restart them (torchrun's
         # --shutdown-timeout); short by default: every second here is downtime
         timeout = cfg.torchrun.shutdown_timeout
-        self._kill_grace_s = 2.0 if timeout is None else timeout
+        self._kill_grace_s = DEFAULT_SHUTDOWN_TIMEOUT_S if timeout is None else timeout
         self._pool = pool
         if pool is not None:
             self._procs.spare(pool.pid)  # not a stray to reap between attempts
