@@ -5,6 +5,7 @@ docs/command-line.md exactly as declared."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from elastic_trainer.cliparse import OneLineParser
 from elastic_trainer.contract import protocol
-from elastic_trainer.contract.config import RunConfig, supervisor_flags
+from elastic_trainer.contract.config import RendezvousTuning, RunConfig, supervisor_flags
 from elastic_trainer.contract.protocol import WorkerSettings
 from elastic_trainer.contract.settings import (
     SWITCH,
@@ -203,3 +204,11 @@ def test_the_api_page_says_the_declared_collective_timeout() -> None:
 
     shown = f"{protocol.DEFAULT_COLLECTIVE_TIMEOUT_S:g} s by default"
     assert shown in " ".join((init_worker.__doc__ or "").split())
+
+
+def test_the_docs_recovery_defaults_are_rendezvous_tunings() -> None:
+    """--rdzv-conf's keys: the table's defaults are RendezvousTuning's, key for key."""
+    rows = table("## Recovery defaults")
+    documented = {r[0].strip("`"): r[1].removesuffix(" s") for r in rows if r[0] != "`is_host`"}
+    declared_ = {f.name: f"{f.default:g}" for f in dataclasses.fields(RendezvousTuning)}
+    assert documented == declared_
