@@ -57,8 +57,9 @@ SUBCOMMANDS_HELP = """sub-commands (each has --help):
   elastic-train status RUN | --rdzv-endpoint H:P    is it running, where, at what step
   elastic-train store --host ADDR --port N          a standalone rendezvous store
 
-Every option also reads ELASTIC_TRAIN_<NAME> (e.g. ELASTIC_TRAIN_SNAPSHOT_DIR); a flag wins
-over its variable, which wins over torchrun's PET_* and the default."""
+elastic-train's own options also read ELASTIC_TRAIN_<NAME> (e.g. ELASTIC_TRAIN_SNAPSHOT_DIR), and
+torchrun's read PET_<NAME>: a flag wins over its ELASTIC_TRAIN_* variable, which wins over
+torchrun's PET_* and the default (docs/command-line.md lists each flag's variables)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
