@@ -176,7 +176,7 @@ def main() -> None:
         )
         result = rank_job(args.rank, 2, args.mode, args.steps, args.mb, args.dir)
         print(json.dumps(result), flush=True)
-        from elastic_trainer.worker.bootstrap import exit_without_finalizing
+        from elastic_trainer.entrypoints.worker import exit_without_finalizing
 
         exit_without_finalizing(0)  # gloo threads can abort CPython's finalization
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None

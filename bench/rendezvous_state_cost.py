@@ -36,8 +36,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore
 from elastic_trainer.supervisor.rendezvous.state_backend import SignedStateBackend
 

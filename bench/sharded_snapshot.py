@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from elastic_trainer.worker.bootstrap import exit_without_finalizing
+from elastic_trainer.entrypoints.worker import exit_without_finalizing
 from snapshots import SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
 

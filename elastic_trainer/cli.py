@@ -67,7 +67,7 @@ def _exit_without_finalizing(code: int) -> None:
     then asks for the GIL is ended with ``pthread_exit``, whose unwind through ``noexcept``
     frames aborts the process (SIGABRT, "terminate called without an active exception")
     after the job's own exit code was decided: seen once in four runs of a failing job."""
-    from elastic_trainer.worker.bootstrap import exit_without_finalizing
+    from elastic_trainer.entrypoints.worker import exit_without_finalizing
 
     exit_without_finalizing(code)
 

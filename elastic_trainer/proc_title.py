@@ -1,7 +1,7 @@
 """What ``ps`` and ``top`` show for each process elastic-train starts, and setting it.
 
 Without titles every worker, and every DataLoader child it forks, showed as the warm pool's
-command line (``python -u -m elastic_trainer.supervisor.warm.pool 6 torch ...``): an operator
+command line (``python -u -m elastic_trainer.entrypoints.warm_pool 6 torch ...``): an operator
 could not tell which process runs the training script. Each process now names its role, as
 a command line (``ps -ef``, ``top -c``, htop) and a process name (``top``, ``ps -e``):
 

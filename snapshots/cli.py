@@ -30,7 +30,7 @@ from snapshots.errors import NoValidSnapshotError, SnapshotError, SnapshotNotFou
 from snapshots.info import VerifyResult
 from snapshots.read.catalog import Catalog
 from snapshots.storage import RetryingStorage, backend_fix, open_storage, redact_url
-from snapshots.write import housekeeping as _housekeeping
+from snapshots.write import housekeeping
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 ERROR_PREFIX = "elastic-train: error:"
@@ -276,14 +276,14 @@ def _cmd_prune(catalog: Catalog, args: argparse.Namespace) -> int:
             f"write(s): {partial}"
         )
         return EXIT_OK
-    deleted = _housekeeping.prune(
+    deleted = housekeeping.prune(
         catalog.storage,
         catalog,
         keep=args.keep,
         keep_every=args.keep_every,
         newest_verified=anchor,
         in_flight=(),
-        stray_grace_s=_housekeeping.DEFAULT_STRAY_GRACE_S,
+        stray_grace_s=housekeeping.DEFAULT_STRAY_GRACE_S,
     )
     print(f"deleted {len(deleted)} snapshot(s): {deleted}" if deleted else "nothing to delete")
     return EXIT_OK
@@ -311,11 +311,11 @@ def _newest_loadable(
 
 
 def _cmd_export(catalog: Catalog, args: argparse.Namespace) -> int:
-    from snapshots.read import export as _export
+    from snapshots.read import export
 
     _require_some(catalog)
     step = _newest_verified(catalog) if args.step is None else _require_step(catalog, args.step)
-    count = _export.export(catalog, step, args.output)
+    count = export.export(catalog, step, args.output)
     print(f"exported step {step} ({count} tensors, full) to {args.output}")
     return EXIT_OK
 

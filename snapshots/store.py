@@ -1,7 +1,7 @@
 """SnapshotStore: save / latest / load / list / verify / prune on any fsspec URL.
 
-A small facade over single-purpose modules: ``_commit`` writes one save (data files, then
-the manifest), ``_writer`` runs saves on one background thread, ``_catalog`` reads and
+A small facade over single-purpose modules: ``commit`` writes one save (data files, then
+the manifest), ``writer`` runs saves on one background thread, ``catalog`` reads and
 verifies, ``_housekeeping`` carries out the pure ``retention`` rules.
 
 Commit protocol: data files go to a fresh ``step-<12 digits>/`` folder under names no other
@@ -50,7 +50,7 @@ from snapshots.events import emit
 from snapshots.format import layout
 from snapshots.info import SaveHandle, SnapshotInfo
 from snapshots.ownership import Owner
-from snapshots.read import catalog as _catalog
+from snapshots.read import catalog
 from snapshots.read.store_reading import StoreReading
 from snapshots.read.store_reading import restore_into as restore_into  # re-exported
 from snapshots.storage import (
@@ -63,9 +63,7 @@ from snapshots.storage import (
 from snapshots.storage import deadline as _deadline
 from snapshots.storage.retry import RetryPolicy
 from snapshots.write import capture as _capture
-from snapshots.write import commit as _commit
-from snapshots.write import sharded_commit as _sharded_commit
-from snapshots.write import writer as _writer
+from snapshots.write import commit, sharded_commit, writer
 
 WhenBusy = Literal["wait", "skip"]
 
@@ -86,7 +84,7 @@ class SnapshotStore(StoreReading):
         when_busy: WhenBusy = "wait",
         retry: RetryPolicy | None = None,
         create: bool = True,
-        verify_after_write: _commit.VerifyMode = "auto",
+        verify_after_write: commit.VerifyMode = "auto",
         storage_timeout: float | None = None,
         owner: Owner | None = None,
         storage: Storage | None = None,
@@ -164,16 +162,16 @@ class SnapshotStore(StoreReading):
         check_reachable(self._storage, url, create)
         if owner is not None:
             ownership.claim(self._storage, self.url, owner, probe=owner_probe)
-        self._catalog = _catalog.Catalog(self._storage, self.url)
-        self._committer = _commit.Committer(
+        self._catalog = catalog.Catalog(self._storage, self.url)
+        self._committer = commit.Committer(
             self._storage,
             self._catalog,
             verify_after_write,
             guard=self._ensure_owner,
             sole_copy=keep == 1,
         )
-        self._writer = _writer.BackgroundWriter(self._storage.health)
-        self._job: _commit.SaveJob | None = None  # the save in flight, to cancel at a deadline
+        self._writer = writer.BackgroundWriter(self._storage.health)
+        self._job: commit.SaveJob | None = None  # the save in flight, to cancel at a deadline
         self._deadline = _deadline.Deadline()
         # Staging on shared memory only where the writer process may read it.
         shared = getattr(self._storage.inner, "writer_process", False)
@@ -226,7 +224,7 @@ class SnapshotStore(StoreReading):
         per_rank: Sequence[Any] | None = None,
         overlap_with: torch.optim.Optimizer | None = None,
         deadline_s: float | None = None,
-        shards: Callable[[], _sharded_commit.ShardPart] | None = None,
+        shards: Callable[[], sharded_commit.ShardPart] | None = None,
         token: str | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` at ``step``. Blocks for the in-memory copy only, unless blocking.
@@ -275,7 +273,7 @@ class SnapshotStore(StoreReading):
         blocking = (not self.async_save) if blocking is None else blocking
         started = time.perf_counter()
 
-        def capture(overlap: torch.optim.Optimizer | None = None) -> _commit.SaveJob:
+        def capture(overlap: torch.optim.Optimizer | None = None) -> commit.SaveJob:
             return self._capturer.capture(
                 step, state, epoch=epoch, world_size=world_size, meta=meta,
                 per_rank=per_rank, started=started, overlap=overlap, shards=shards,
@@ -295,7 +293,7 @@ class SnapshotStore(StoreReading):
         previous = self._writer.take_unreported()
         handle = self._submit(job)
         if previous is not None:
-            raise _writer.previous_failure(previous, handle)
+            raise writer.previous_failure(previous, handle)
         return handle
 
     def why_skip(self) -> str | None:
@@ -325,7 +323,7 @@ class SnapshotStore(StoreReading):
         return None
 
     def _save_blocking(
-        self, step: int, capture: Callable[[], _commit.SaveJob], started: float
+        self, step: int, capture: Callable[[], commit.SaveJob], started: float
     ) -> SaveHandle:
         """Runs on the writer thread, so that the caller can stop waiting at its deadline."""
         late = self.flush_before_blocking(step)
@@ -340,7 +338,7 @@ class SnapshotStore(StoreReading):
         if exc is not None:
             raise exc from exc.__cause__  # this save's own failure, raised here, once
         if previous is not None:
-            raise _writer.previous_failure(previous, handle)
+            raise writer.previous_failure(previous, handle)
         return handle
 
     def flush_before_blocking(self, step: int) -> SnapshotSaveError | None:
@@ -353,7 +351,7 @@ class SnapshotStore(StoreReading):
             return None
         return self._past_deadline(step, f"the save of step {self._pending_step()} is still")
 
-    def _submit(self, job: _commit.SaveJob, *, stall_started: float | None = None) -> SaveHandle:
+    def _submit(self, job: commit.SaveJob, *, stall_started: float | None = None) -> SaveHandle:
         self._job = job
         return self._writer.submit(
             job.step,
@@ -407,7 +405,7 @@ class SnapshotStore(StoreReading):
             raise self._past_deadline(self._pending_step(), "it was still")
         previous = self._writer.take_unreported()
         if previous is not None:
-            raise _writer.previous_failure(previous, None)
+            raise writer.previous_failure(previous, None)
         if handle is None or handle.skipped or handle.exception() is not None:
             return None  # a failure seen here was already reported through its handle
         return handle.result()
@@ -449,7 +447,7 @@ class SnapshotStore(StoreReading):
         self.close()
 
     # ------------------------------------------------------------- the writer
-    def _write(self, job: _commit.SaveJob, *, stall_started: float | None = None) -> SnapshotInfo:
+    def _write(self, job: commit.SaveJob, *, stall_started: float | None = None) -> SnapshotInfo:
         """Runs on the writer thread (or the caller's, for blocking saves)."""
         begun = time.perf_counter()
         with self._writer.tracking(job.step):
@@ -474,7 +472,7 @@ class SnapshotStore(StoreReading):
         self._prune_after_save(job.step)  # reached only once the new snapshot verified
         return info
 
-    def _commit(self, job: _commit.SaveJob) -> SnapshotInfo:
+    def _commit(self, job: commit.SaveJob) -> SnapshotInfo:
         try:
             self._capturer.finish_deferred(job)
             return self._committer.commit(job)

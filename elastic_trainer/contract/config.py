@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_trainer.contract.endpoint import DEFAULT_PORT, format_endpoint
 from elastic_trainer.contract.protocol import WorkerSettings
 from elastic_trainer.contract.settings import SWITCH, TOGGLE, Setting, flagged, option, text
 from elastic_trainer.errors import ConfigError
 
 DEFAULT_MODULE = "elastic_trainer.jobs.default"
-DEFAULT_RDZV_PORT = 29400
 # SIGTERM -> SIGKILL when the supervisor stops workers to restart them: short, every second
 # of it is downtime (torchrun's --shutdown-timeout sets another)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
@@ -194,7 +194,7 @@ class RunConfig:
         help="workers per node (auto: the allocation's GPUs, else its CPUs)",
     )
     rdzv_host: str = "127.0.0.1"
-    rdzv_port: int = DEFAULT_RDZV_PORT
+    rdzv_port: int = DEFAULT_PORT
     is_host: bool | None = None  # None: host the store when the endpoint is this machine
     # the address this node advertises for the rendezvous and, as rank 0, for MASTER_ADDR
     # (None: torch's default, the FQDN, which some pods cannot resolve)
@@ -395,8 +395,6 @@ class RunConfig:
     @property
     def rdzv_endpoint(self) -> str:
         """HOST:PORT as --rdzv-endpoint takes it back: an IPv6 literal in brackets."""
-        from elastic_trainer.tools.store_server import format_endpoint  # light; no import cycle
-
         return format_endpoint(self.rdzv_host, self.rdzv_port)
 
     def summary(self) -> Mapping[str, Any]:
@@ -428,7 +426,7 @@ RDZV_ENDPOINT = Setting(
     flags=("--rdzv-endpoint", "--rdzv_endpoint"),
     pet="PET_RDZV_ENDPOINT",
     metavar="HOST[:PORT]",
-    shown=f"127.0.0.1:{DEFAULT_RDZV_PORT}",
+    shown=f"127.0.0.1:{DEFAULT_PORT}",
     help="the c10d store, hosted by this node when HOST is this machine (else "
     "PET_MASTER_ADDR:PET_MASTER_PORT)",
 )

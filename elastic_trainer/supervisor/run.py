@@ -3,6 +3,12 @@
 Exit codes (``protocol``): 0 the job finished; 1 it failed (restart budget spent, rendezvous
 timed out, store lost); 2 bad configuration, found before any worker starts; 143 this node
 was preempted (SIGTERM/SIGUSR1) and stopped within its grace period.
+
+Imports: torch, and every module of ours that loads it (the agent, the rendezvous handler,
+the signed store, ``torch_compat``), are imported inside the functions that need them, on
+purpose: a bad flag, ``--help`` or a finished job is answered before torch loads (seconds on
+a loaded machine), and the warm pool imports torch meanwhile. Everything else is imported
+here.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import urlsplit
 
-from elastic_trainer import stderr_router
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import RunConfig
+from elastic_trainer.contract.endpoint import split_address
 from elastic_trainer.contract.events import JobStatus, emit
 from elastic_trainer.errors import (
     ConfigError,
@@ -36,13 +43,34 @@ from elastic_trainer.logging import (
     route_torch_logs,
     static_fields,
 )
-from elastic_trainer.supervisor import finished
+from elastic_trainer.supervisor import finished, metrics_server
+from elastic_trainer.supervisor.cli import args
 from elastic_trainer.supervisor.cli import preflight as entrypoint_preflight
 from elastic_trainer.supervisor.core.ledger import Ledger
-
-if TYPE_CHECKING:  # the agent imports torch: run.py loads it only once a run starts
-    from elastic_trainer.supervisor.agent import AgentOutcome
-    from elastic_trainer.supervisor.warm.launcher import WarmPool
+from elastic_trainer.supervisor.core.outcome import (
+    STATUS_CLOSED,
+    STATUS_CONFIG_ERROR,
+    STATUS_PREEMPTED,
+    STATUS_STORE_LOST,
+    STATUS_SUCCEEDED,
+    AgentOutcome,
+)
+from elastic_trainer.supervisor.processes import fd_limit, procs, signals, stderr_router, workerenv
+from elastic_trainer.supervisor.processes.signals import StopRequested
+from elastic_trainer.supervisor.rendezvous import endpoint, static_host, store_record
+from elastic_trainer.supervisor.rendezvous.endpoint import (
+    STORE_SILENCE_LIMIT_S,
+    EndpointError,
+    StoreUnreachable,
+    bound_silent_connections,
+)
+from elastic_trainer.supervisor.rendezvous.failover import StoreMoveFailed
+from elastic_trainer.supervisor.rendezvous.secret import job_key
+from elastic_trainer.supervisor.warm import launcher
+from elastic_trainer.supervisor.warm.launcher import WarmPool
+from snapshots.format.manifest import now_iso
+from snapshots.storage import open_storage
+from snapshots.storage.retry import RetryPolicy, is_transient
 
 # torch's C++ warnings (c10d's TCPStore retries, with stack traces) are noise in a job whose
 # failures we report as events; errors still show. Set before torch loads; workers inherit it.
@@ -54,8 +82,6 @@ _RENDEZVOUS_TIMEOUT = JobStatus.RENDEZVOUS_TIMEOUT.value
 def main(argv: Sequence[str] | None = None) -> int:
     # First of all, before any heavy import: SIGTERM/SIGINT in the first second is a stop
     # (exit 143), not a death by signal; until the supervisor runs, it interrupts at once.
-    from elastic_trainer.supervisor.cli import args
-    from elastic_trainer.supervisor.processes import fd_limit, signals
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", _CPP_LOG_LEVEL)
     fd_limit.raise_soft_limit()  # the store's connections are unbounded (fd_limit.py)
@@ -81,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         _check_entrypoint(cfg)  # a typo in the script's name: one line at once, no pool
         if (done := _already_finished(cfg)) is not None:  # the end of a job is final
-            return _nothing_to_run(cfg, done, signals, previous)
+            return _nothing_to_run(cfg, done, previous)
         pool = prepare_node(cfg)
         claimed = claim_store_port(cfg)
         warn_untested_torch()  # our own import of torch, while the pool imports its own
@@ -117,7 +143,6 @@ def _already_finished(cfg: RunConfig) -> str | None:
     to run. Storage that cannot be read now is the preflight's to report."""
     if not cfg.worker.snapshot_dir:
         return None
-    from snapshots.storage import open_storage
 
     try:
         storage = open_storage(
@@ -134,9 +159,8 @@ def _already_finished(cfg: RunConfig) -> str | None:
         return None
 
 
-def _nothing_to_run(cfg: RunConfig, line: str, signals: Any, previous: Any) -> int:
+def _nothing_to_run(cfg: RunConfig, line: str, previous: Any) -> int:
     """Exit 0 with ``line``: the job finished before this command started."""
-    from elastic_trainer.supervisor.agent import STATUS_CLOSED
 
     signals.restore(previous)
     emit("job.finished", status=STATUS_CLOSED, exit_code=protocol.SUPERVISOR_EXIT_OK,
@@ -150,8 +174,6 @@ def prepare_node(cfg: RunConfig) -> WarmPool | None:
     the guards that make them die with us -- then the warm pool, first thing: it imports
     torch while this process imports its own, binds the store and runs the preflight
     (seconds each on a loaded machine), instead of after them."""
-    from elastic_trainer.supervisor.processes import procs, workerenv
-    from elastic_trainer.supervisor.warm import launcher
 
     # Workers must not reuse the agent's store across rounds: a restarted rank would read
     # the dead rank 0's address and dial it, and scale-up deadlocks (torchrun shares it,
@@ -173,13 +195,10 @@ def _close(pool: WarmPool | None, *, at_once: bool = False) -> None:
     if pool is not None:
         pool.close(grace_s=0 if at_once else None)
     if at_once:
-        from elastic_trainer.supervisor.processes import procs
-
         procs.end_node_sentinel()
 
 
 def _start_metrics(cfg: RunConfig) -> Any:
-    from elastic_trainer.supervisor import metrics_server
 
     return metrics_server.start(cfg.metrics_host, cfg.metrics_port)
 
@@ -209,7 +228,7 @@ def warn_untested_torch() -> None:
     hears so once, before a failure that may be the release's."""
     import torch
 
-    from elastic_trainer import torch_compat
+    from elastic_trainer.supervisor import torch_compat
 
     if (untested := torch_compat.untested_torch(torch.__version__)) is not None:
         emit("preflight.warning", level="warning", warning=untested)
@@ -260,8 +279,6 @@ def check_snapshot_dir(
     its deadline (``--storage-timeout``). A permanent problem (permissions, a missing bucket,
     no backend) is ConfigError (exit 2); storage that stays unreachable through the deadline
     is StorageUnavailable (exit 1): it may come up, so a restart policy should retry."""
-    from snapshots.storage import open_storage
-    from snapshots.storage.retry import RetryPolicy, is_transient
 
     safe = redact(url)
     try:
@@ -291,7 +308,6 @@ def check_snapshot_dir(
 
 def _scrub(text: str, url: str) -> str:
     """Redact URLs in ``text`` and the URL's own credentials wherever they were echoed."""
-    from urllib.parse import urlsplit
 
     text = redact(text)
     parts = urlsplit(url)
@@ -307,7 +323,6 @@ def claim_store_port(cfg: RunConfig) -> Any:
     rendezvous, which reports it as before (bad input only when asked to host)."""
     if not hosts_store(cfg):
         return None
-    from elastic_trainer.supervisor.rendezvous import endpoint
 
     return endpoint.claim_port(cfg.rdzv_host, cfg.rdzv_port)
 
@@ -317,7 +332,7 @@ def hosts_store(cfg: RunConfig) -> bool:
         return cfg.is_host
     if is_loopback(cfg.rdzv_host):  # torch's answer too, without importing torch (seconds)
         return True  # before the port is claimed: the agent started first must win it
-    from elastic_trainer import torch_compat
+    from elastic_trainer.supervisor import torch_compat
 
     return torch_compat.matches_machine_hostname(cfg.rdzv_host)
 
@@ -335,7 +350,6 @@ def is_loopback(host: str) -> bool:
 def check_endpoint(host: str, port: int, *, read_timeout_s: float) -> None:
     """Exit 2 now for a name that does not resolve or a port that is not a c10d store; a
     store that is not up yet is not an error: ``create_handler`` waits for it."""
-    from elastic_trainer.supervisor.rendezvous import endpoint
 
     endpoint.check(host, port, read_timeout_s=read_timeout_s)
 
@@ -374,7 +388,6 @@ class Supervisor:
 
     def run(self) -> int:
         started = time.monotonic()
-        from elastic_trainer.supervisor.processes import signals
 
         _route_torch_logs()
 
@@ -384,7 +397,6 @@ class Supervisor:
             return self._supervise(stop, metrics, started)
 
     def _supervise(self, stop: object, metrics: object, started: float) -> int:
-        from elastic_trainer.supervisor.processes import procs
 
         emit("supervisor.started", **self.cfg.summary())
         started_at = time.time()
@@ -418,13 +430,11 @@ class Supervisor:
         """A node that arrived as the job ended: its rendezvous failed because the job's
         nodes left (the store host with them), which the folder's record shows. Exit 0 and
         say so, not "store lost, restart the job"."""
-        from elastic_trainer.supervisor import agent as agent_mod
 
         cfg = self.cfg
-        joining = {agent_mod.STATUS_STORE_LOST, _RENDEZVOUS_TIMEOUT}
+        joining = {STATUS_STORE_LOST, _RENDEZVOUS_TIMEOUT}
         if outcome.status not in joining or outcome.restarts or not cfg.worker.snapshot_dir:
             return outcome
-        from snapshots.storage import open_storage
 
         with contextlib.suppress(Exception):
             storage = open_storage(
@@ -433,7 +443,7 @@ class Supervisor:
             recorded = finished.read(storage, cfg.job_id)
             if finished.finished_while_joining(recorded, started_at=started_at):
                 line = finished.done_line(redact(cfg.worker.snapshot_dir), recorded or {})
-                return _ended(agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, line)
+                return _ended(STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK, line)
         return outcome
 
     def _record_finished(self) -> None:
@@ -442,8 +452,6 @@ class Supervisor:
         cfg = self.cfg
         if not cfg.worker.snapshot_dir:
             return
-        from snapshots.format.manifest import now_iso
-        from snapshots.storage import open_storage
 
         body = finished.record(cfg.job_id, list(cfg.entrypoint.argv()), now_iso())
         with contextlib.suppress(Exception):
@@ -461,18 +469,7 @@ class Supervisor:
         )
 
         from elastic_trainer.supervisor import agent as agent_mod
-        from elastic_trainer.supervisor.processes import workerenv
-        from elastic_trainer.supervisor.processes.signals import StopRequested
-        from elastic_trainer.supervisor.rendezvous import presence, static_host
-        from elastic_trainer.supervisor.rendezvous.endpoint import (
-            STORE_SILENCE_LIMIT_S,
-            EndpointError,
-            StoreUnreachable,
-            bound_silent_connections,
-        )
-        from elastic_trainer.supervisor.rendezvous.failover import StoreMoveFailed
         from elastic_trainer.supervisor.rendezvous.handler import create_handler
-        from elastic_trainer.supervisor.rendezvous.secret import job_key
 
         cfg = self.cfg
         stop.interruptible = True  # type: ignore[attr-defined]  # nothing to stop gracefully yet
@@ -490,7 +487,7 @@ class Supervisor:
                     cfg, key=key, serve=False, store=found, store_endpoint=where
                 )
                 probe = None
-                host, port = presence.parse_address(where)
+                host, port = split_address(where)
                 bound_silent_connections(host, port, timeout_s=STORE_SILENCE_LIMIT_S)
             else:
                 handler = create_handler(cfg, key=key, serve=hosts_store(cfg), claimed=self.claimed)
@@ -500,17 +497,17 @@ class Supervisor:
                         cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
                     )
         except StopRequested:
-            return _ended(agent_mod.STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED)
+            return _ended(STATUS_PREEMPTED, protocol.SUPERVISOR_EXIT_PREEMPTED)
         except EndpointError as exc:  # bad input found only now (the port was taken, ...)
             line = str(exc) + _static_host_hint(cfg)
-            return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, line)
+            return _ended(STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, line)
         except ConfigError as exc:  # the job's secret: unreadable, or not the others'
-            return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, str(exc))
+            return _ended(STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, str(exc))
         except StoreUnreachable as exc:  # waited the join timeout (one warning said so)
             return _ended(_RENDEZVOUS_TIMEOUT, protocol.SUPERVISOR_EXIT_FAILED, str(exc))
         except Exception as exc:
             self._store_unreachable(exc)
-            return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
+            return _ended(STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
         finally:
             stop.interruptible = False  # type: ignore[attr-defined]
         workerenv.point_gloo_at(cfg.local_addr, os.environ)  # the workers inherit it
@@ -542,9 +539,9 @@ class Supervisor:
             self.goodput_estimated = agent.ledger.goodput_estimated
             self.ledger = agent.ledger
         except RendezvousClosedError:
-            return _ended(agent_mod.STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK)
+            return _ended(STATUS_CLOSED, protocol.SUPERVISOR_EXIT_OK)
         except ConfigError as exc:  # found once the round closed (static: a node rank twice)
-            return _ended(agent_mod.STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, str(exc))
+            return _ended(STATUS_CONFIG_ERROR, protocol.SUPERVISOR_EXIT_CONFIG, str(exc))
         except RendezvousTimeoutError:
             # too few nodes within --rdzv-conf join_timeout
             return _ended(_RENDEZVOUS_TIMEOUT, protocol.SUPERVISOR_EXIT_FAILED)
@@ -552,17 +549,17 @@ class Supervisor:
         # errors from a direct read or write. Any other RuntimeError is a bug and propagates.
         except (RendezvousError, DistNetworkError, DistStoreError) as exc:
             self._store_unreachable(exc)
-            return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
+            return _ended(STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED)
         except StoreMoveFailed as exc:  # its host silent, or gone and no new store came up
             self._store_unreachable(exc)
-            return _ended(agent_mod.STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, str(exc))
+            return _ended(STATUS_STORE_LOST, protocol.SUPERVISOR_EXIT_FAILED, str(exc))
         finally:
             if probe is not None:
                 probe.stop()
             workerenv.close_logs(logs)
             shutil.rmtree(control_root, ignore_errors=True)
             workerenv.remove_memory_dir(cfg)
-        if outcome.status == agent_mod.STATUS_SUCCEEDED:
+        if outcome.status == STATUS_SUCCEEDED:
             # close the rendezvous so that a node arriving now exits instead of waiting
             with contextlib.suppress(Exception):
                 handler.shutdown()
@@ -572,7 +569,6 @@ class Supervisor:
         """The job's store where the snapshot folder says it moved (``store_record``), if it
         answers there: joined instead of the configured endpoint, which this node would
         otherwise host again (a second store) or wait at in vain."""
-        from elastic_trainer.supervisor.rendezvous import endpoint, store_record
         from elastic_trainer.supervisor.rendezvous.signed_store import signed
 
         cfg = self.cfg
@@ -609,6 +605,4 @@ class Supervisor:
 def _ended(status: str, exit_code: int, error: str | None = None) -> AgentOutcome:
     """The outcome of a run the agent could not report on itself (it never started, or its
     rendezvous ended it): no restarts counted, no goodput."""
-    from elastic_trainer.supervisor.agent import AgentOutcome
-
     return AgentOutcome(status=status, exit_code=exit_code, restarts=0, goodput=None, error=error)

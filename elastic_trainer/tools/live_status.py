@@ -2,8 +2,9 @@
 
 Read-only and bounded: a c10d client (``supervisor.rendezvous.endpoint.handshake``: a listener
 that is not a store is named within seconds), one existence check and one read of the job's
-key. The value is used only when it is signed with the job's secret (``contract.auth``; found
-as the supervisor finds it, never made here) and passes the state's schema
+key and of each node's heartbeat key. A value is used only when it is signed with the job's
+secret (``contract.auth``; found as the supervisor finds it, never made here) and the state
+passes its schema
 (``state_codec.decode``: sizes, depth, types, ranges, printable addresses). Anything else is
 one line, never a traceback, and nothing from the store reaches the terminal unchecked.
 """
@@ -14,9 +15,10 @@ import json
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import auth
+from elastic_trainer.contract.endpoint import parse_endpoint, resolve
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.supervisor import torch_compat
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
@@ -25,9 +27,8 @@ def read_state(
     endpoint: str, job_id: str, timeout_s: float, key: auth.JobKey
 ) -> dict[str, Any] | None:
     """The job's rendezvous as plain data, or None when the store has no such job."""
-    from elastic_trainer.supervisor.cli.args import parse_endpoint
     from elastic_trainer.supervisor.rendezvous import state_codec
-    from elastic_trainer.supervisor.rendezvous.endpoint import handshake, resolve
+    from elastic_trainer.supervisor.rendezvous.endpoint import handshake
 
     host, port = parse_endpoint(endpoint)
     resolve(host, port)
@@ -53,7 +54,22 @@ def read_state(
         raise ConfigError(
             f"the store at {endpoint} holds no readable state for {job_id!r}: {exc}"
         ) from None
+    if plain is not None:
+        plain = _with_beats(store, job_id, key, plain)
     return describe(plain, now=datetime.now(timezone.utc))
+
+
+def _with_beats(store: Any, job_id: str, key: auth.JobKey, plain: dict[str, Any]) -> dict[str, Any]:
+    """``plain`` with each node's own heartbeat key (``state_backend.beat``: a node's beats
+    are not in the state), where one is signed with the job's secret."""
+    from elastic_trainer.supervisor.rendezvous.state_backend import beat_key, parse_beat, with_beats
+
+    beats = []
+    for entry in plain["last_heartbeats"]:
+        name = beat_key(job_id, entry)
+        found = store.check([name]) and auth.verify_value(key, name, bytes(store.get(name)))
+        beats.append(parse_beat(found or None))
+    return with_beats(plain, beats)
 
 
 def describe(plain: dict[str, Any] | None, *, now: datetime) -> dict[str, Any]:

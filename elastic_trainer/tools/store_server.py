@@ -29,11 +29,11 @@ from datetime import timedelta
 from typing import Any
 
 from elastic_trainer.cliparse import OneLineParser
+from elastic_trainer.contract.endpoint import DEFAULT_PORT, format_endpoint
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, ElasticTrainError
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 _ALL_INTERFACES = frozenset({"0.0.0.0", "::", ""})
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -172,11 +172,6 @@ def write_ready_file(path: str, host: str, port: int) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(f"{format_endpoint(host, port)}\n")
     os.replace(tmp, path)
-
-
-def format_endpoint(host: str, port: int) -> str:
-    """An ``--rdzv-endpoint`` value: IPv6 addresses need brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def serve(config: StoreConfig, stop: Stopper) -> int:

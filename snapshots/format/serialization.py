@@ -22,9 +22,9 @@ import torch
 
 from snapshots.errors import SnapshotCorruptError, UnsafeStateError
 from snapshots.format import manifest
-from snapshots.sharded import torch_compat as _torch_compat
+from snapshots.sharded import torch_compat
 from snapshots.storage.local import DIRECT_ALIGN
-from snapshots.write import shared_staging as _shared_staging
+from snapshots.write import shared_staging
 
 # Values copied as they are (matched by exact type) and the types a mapping's keys may have:
 # what torch.load(weights_only=True) reads back. tests/unit/snapshots/format/test_weights_only.py
@@ -48,12 +48,12 @@ def is_stateful(value: Any) -> bool:
 class Stager:
     """Copies state trees into buffers reused across saves (one save in flight at a time).
     ``shared``: the buffers are on shared memory where the platform has it
-    (``_shared_staging``), so the writer process can serialise them (``_writer_process``)."""
+    (``shared_staging``), so the writer process can serialise them (``_writer_process``)."""
 
     def __init__(self, *, shared: bool = False) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        use_arena = shared and _shared_staging.available()
-        self._arena = _shared_staging.SharedArena() if use_arena else None
+        use_arena = shared and shared_staging.available()
+        self._arena = shared_staging.SharedArena() if use_arena else None
         self._stranded = 0  # bytes of arena buffers replaced (a tensor changed shape or dtype)
         self._defer: frozenset[int] = frozenset()
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
@@ -172,7 +172,7 @@ class Stager:
             # start a new arena, every buffer reallocated there as it is next staged.
             self._stranded += replacing.numel() * replacing.element_size()
             if self._stranded > self.staged_bytes:
-                self._arena, self._stranded = _shared_staging.SharedArena(), 0
+                self._arena, self._stranded = shared_staging.SharedArena(), 0
                 self._buffers.clear()
         return self._arena.tensor(shape, dtype)
 
@@ -182,7 +182,7 @@ class Stager:
 
 
 # Staging buffers from this size up get pages of their own (an anonymous mapping; on shared
-# staging memory, ``_shared_staging``, every buffer does), outside the malloc heap the
+# staging memory, ``shared_staging``, every buffer does), outside the malloc heap the
 # training loop allocates its activations and gradients from. In that
 # heap, the long-lived buffers placed by the first save change how glibc reuses and trims
 # it, so that every later training step faults in fresh pages.
@@ -211,7 +211,7 @@ def _fmt(path: tuple[Any, ...]) -> str:
 
 def serialize(obj: Any) -> bytes:
     buf = io.BytesIO()
-    _torch_compat.save_without_crc32(obj, buf, alignment=DIRECT_ALIGN)
+    torch_compat.save_without_crc32(obj, buf, alignment=DIRECT_ALIGN)
     return buf.getvalue()
 
 
@@ -219,10 +219,10 @@ def serialize_into(obj: Any, sink: Any, algorithm: str) -> tuple[int, str]:
     """``torch.save`` straight into ``sink`` (a file), hashed on the way in one pass:
     (size, hex digest) of exactly the bytes written. The same bytes as ``serialize``:
     a ``torch.save`` file without CRCs, its tensors at page-aligned offsets (see
-    ``_torch_compat.save_without_crc32``), which ``torch.load`` reads as any other."""
+    ``torch_compat.save_without_crc32``), which ``torch.load`` reads as any other."""
     with cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-hash") as pool:
         hashing = _Hashing(sink, algorithm, pool)
-        _torch_compat.save_without_crc32(obj, hashing, alignment=DIRECT_ALIGN)
+        torch_compat.save_without_crc32(obj, hashing, alignment=DIRECT_ALIGN)
     return hashing.size, hashing.hasher.hexdigest()
 
 

@@ -14,8 +14,7 @@ from snapshots.events import emit
 from snapshots.format import layout, sharding
 from snapshots.format.manifest import Manifest
 from snapshots.info import LoadedSnapshot, SnapshotInfo, VerifyResult
-from snapshots.read import reader as _reader
-from snapshots.read import shard_reader as _shard_reader
+from snapshots.read import reader, shard_reader
 from snapshots.storage import Storage
 
 if TYPE_CHECKING:
@@ -37,8 +36,8 @@ class Catalog:
     def committed(self) -> tuple[list[int], list[int]]:
         """(committed steps, partial steps), newest first."""
         committed, partial = [], []
-        for step in _reader.step_folders(self._storage):
-            (committed if _reader.has_manifest(self._storage, step) else partial).append(step)
+        for step in reader.step_folders(self._storage):
+            (committed if reader.has_manifest(self._storage, step) else partial).append(step)
         return committed, partial
 
     def list(self) -> list[SnapshotInfo]:
@@ -46,7 +45,7 @@ class Catalog:
         infos = []
         for step in sorted(self.committed()[0]):
             try:
-                manifest = _reader.read_manifest(self._storage, step)
+                manifest = reader.read_manifest(self._storage, step)
             except (FileNotFoundError, SnapshotCorruptError):
                 continue
             infos.append(SnapshotInfo.from_manifest(manifest, self.step_url(step)))
@@ -55,7 +54,7 @@ class Catalog:
     def describe(self, step: int) -> VerifyResult:
         """The manifest alone (no file is read): ``ok`` says only that it parses."""
         try:
-            manifest = _reader.read_manifest(self._storage, step)
+            manifest = reader.read_manifest(self._storage, step)
         except (SnapshotCorruptError, FileNotFoundError) as exc:
             return VerifyResult(step=step, ok=False, problems=[_manifest_problem(exc)])
         info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
@@ -65,12 +64,12 @@ class Catalog:
         """Check a snapshot's manifest, file sizes and checksums; ``deep`` also deserialises
         every file with the weights-only loader (nothing is restored into anything)."""
         try:
-            manifest = _reader.read_manifest(self._storage, step)
+            manifest = reader.read_manifest(self._storage, step)
         except (SnapshotCorruptError, FileNotFoundError) as exc:
             return VerifyResult(step=step, ok=False, problems=[_manifest_problem(exc)])
         problems, data = _table_size_problems(manifest), {}
         if not problems:
-            problems, data = _reader.check_files(self._storage, step, manifest, manifest.files)
+            problems, data = reader.check_files(self._storage, step, manifest, manifest.files)
         if deep and not problems:
             problems = _load_problems(step, manifest, data)
         info = SnapshotInfo.from_manifest(manifest, self.step_url(step))
@@ -79,11 +78,11 @@ class Catalog:
     def shard_summary(self, step: int) -> dict[str, Any] | None:
         """A sharded snapshot's files per rank and its shard table in figures (``snapshots
         show``); None for a format-1 snapshot. SnapshotCorruptError: the table is damaged."""
-        manifest = _reader.read_manifest(self._storage, step)
-        table = _shard_reader.table_entry(manifest)
+        manifest = reader.read_manifest(self._storage, step)
+        table = shard_reader.table_entry(manifest)
         if table is None:
             return None
-        data = _reader.verified_bytes(self._storage, step, manifest, [table])
+        data = reader.verified_bytes(self._storage, step, manifest, [table])
         files = {f.name: (f.shard, f.size) for f in manifest.files if f.shard is not None}
         return sharding.summary(sharding.from_json(data[table.name]), files)
 
@@ -119,7 +118,7 @@ class Catalog:
         from snapshots.format.serialization import deserialize  # torch: only when loading
 
         try:
-            manifest = _reader.read_manifest(self._storage, step)
+            manifest = reader.read_manifest(self._storage, step)
         except FileNotFoundError as exc:
             raise SnapshotNotFoundError(
                 f"no committed snapshot of step {step} at {self.url}"
@@ -127,19 +126,19 @@ class Catalog:
         entry_files = manifest.entry_files()
         rank_files = manifest.rank_files()
         wanted = list(entry_files.values())
-        table = _shard_reader.table_entry(manifest)
+        table = shard_reader.table_entry(manifest)
         wanted += [table] if table is not None else []
         if rank is not None:
             wanted += [rank_files[rank]] if rank in rank_files else []
         else:
             wanted += list(rank_files.values())
-        data = _reader.verified_bytes(self._storage, step, manifest, wanted)  # before unpickling
+        data = reader.verified_bytes(self._storage, step, manifest, wanted)  # before unpickling
         state = {
             k: deserialize(data[f.name], what=f"step {step} file {f.name}")
             for k, f in entry_files.items()
         }
         if table is not None:
-            state = _shard_reader.assemble(
+            state = shard_reader.assemble(
                 self._storage, step, manifest, data[table.name], state, templates
             )
         per_rank = {
@@ -168,7 +167,7 @@ class Catalog:
 
 def _table_size_problems(manifest: Manifest) -> list[str]:
     try:
-        _shard_reader.table_entry(manifest)
+        shard_reader.table_entry(manifest)
     except SnapshotCorruptError as exc:
         return [str(exc)]
     return []
@@ -179,7 +178,7 @@ def _load_problems(step: int, manifest: Manifest, data: dict[str, bytes]) -> lis
     sharded snapshot also the table and every chunk's checksum (shard bytes are raw)."""
     from snapshots.format.serialization import deserialize
 
-    problems = _shard_reader.chunk_problems(manifest, data)
+    problems = shard_reader.chunk_problems(manifest, data)
     pickled = {f.name for f in manifest.files if f.key is not None or f.rank is not None}
     for name, blob in data.items():
         if name not in pickled:

@@ -23,7 +23,7 @@ from snapshots.errors import SnapshotCorruptError
 from snapshots.format import sharding
 from snapshots.format.manifest import FileEntry, Manifest, checksum
 from snapshots.format.sharding import ShardTable
-from snapshots.read import reader as _reader
+from snapshots.read import reader
 from snapshots.storage import Storage
 
 if TYPE_CHECKING:
@@ -55,10 +55,10 @@ def parse_table(manifest: Manifest, data: bytes) -> ShardTable:
 def check_extents(manifest: Manifest, table: ShardTable) -> None:
     """Every chunk inside its shard file (the manifest's sizes, which a load checks against a
     listing first) and consistent with its tensor's dtype and shape."""
-    from snapshots.sharded import shards as _shards
+    from snapshots.sharded import shards
 
     sizes = {f.name: f.size for f in manifest.shard_files().values()}
-    sharding.check_extents(table, sizes, _shards.itemsize_of)
+    sharding.check_extents(table, sizes, shards.itemsize_of)
 
 
 def assemble(
@@ -70,14 +70,14 @@ def assemble(
     templates: TemplateFn | None,
 ) -> dict[str, Any]:
     """The loaded state: skeletons with their tensors (local shards where templated)."""
-    from snapshots.sharded import shards as _shards
+    from snapshots.sharded import shards
 
     table = parse_table(manifest, table_bytes)
-    problems = _reader.check_sizes(storage, step, manifest.shard_files().values())
+    problems = reader.check_sizes(storage, step, manifest.shard_files().values())
     if problems:
         raise SnapshotCorruptError("; ".join(problems))
     check_extents(manifest, table)
-    return _shards.assemble(storage, step, table, skeleton, templates)
+    return shards.assemble(storage, step, table, skeleton, templates)
 
 
 def chunk_problems(manifest: Manifest, data: Mapping[str, bytes]) -> list[str]:

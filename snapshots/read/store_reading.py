@@ -1,6 +1,6 @@
 """The read side of ``SnapshotStore``: list, verify, load, and retention's deletions.
 
-Thin: each method is one call into ``_catalog`` (reading and verifying) or ``_housekeeping``
+Thin: each method is one call into ``catalog`` (reading and verifying) or ``housekeeping``
 (carrying out ``retention``). Kept apart from the save side, whose writer thread, deadlines
 and outage handling are what ``store.py`` is about; ``SnapshotStore`` inherits this.
 """
@@ -11,17 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from snapshots.info import LoadedSnapshot, SnapshotInfo, VerifyResult
-from snapshots.read import catalog as _catalog
+from snapshots.read import catalog
 from snapshots.storage import RetryingStorage
-from snapshots.write import housekeeping as _housekeeping
-from snapshots.write import writer as _writer
+from snapshots.write import housekeeping, writer
 
 
 class StoreReading:
     # set up by SnapshotStore.__init__
-    _catalog: _catalog.Catalog
+    _catalog: catalog.Catalog
     _storage: RetryingStorage
-    _writer: _writer.BackgroundWriter
+    _writer: writer.BackgroundWriter
     keep_every: int | None
     stray_grace_s: float
 
@@ -129,7 +128,7 @@ class StoreReading:
 
     def _prune(self, keep: int, newest_verified: int | None) -> list[int]:
         self._ensure_owner()  # never delete in a folder another run took over
-        return _housekeeping.prune(
+        return housekeeping.prune(
             self._storage,
             self._catalog,
             keep=keep,

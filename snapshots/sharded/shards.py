@@ -40,7 +40,7 @@ from snapshots.format import layout, sharding
 from snapshots.format.manifest import FileEntry, checksum
 from snapshots.format.serialization import staging_buffer
 from snapshots.format.sharding import CHUNK_ALGORITHM, Chunk, ShardTable, TensorRecord
-from snapshots.read import spans as _spans
+from snapshots.read import spans
 from snapshots.storage.base import Storage, read_range
 
 # A stored chunk is at most this long: a local shard is cut into blocks of whole rows (dim 0)
@@ -306,7 +306,7 @@ def read_into(
     stored = {(n, c.offsets): (r, c) for n, r in table.tensors.items() for c in r.chunks}
     keys = {stored[key][1]: key for key in by_chunk}
     with torch.no_grad():
-        for span in _spans.spans(keys):
+        for span in spans.spans(keys):
             data = read_range(
                 storage, f"{layout.step_dir(step)}/{span.file}", span.start, span.length
             )

@@ -25,7 +25,7 @@ from snapshots.errors import SnapshotError, UnsafeStateError
 from snapshots.format import sharding
 from snapshots.format.serialization import is_stateful
 from snapshots.format.sharding import ShardTable
-from snapshots.sharded import shards as _shards
+from snapshots.sharded import shards
 
 
 def is_sharded_module(value: Any) -> bool:
@@ -76,7 +76,7 @@ def split_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tor
     return skeletons, tensors
 
 
-def templates_for(into: Mapping[str, Any] | None) -> _shards.TemplateFn:
+def templates_for(into: Mapping[str, Any] | None) -> shards.TemplateFn:
     """Local shards to read into: this rank's current DTensors for the FSDP2 entries of
     ``into`` (only their overlapping chunks are read); other tensors are read whole."""
 

@@ -1,8 +1,9 @@
 """The torch APIs the sharded snapshots rely on beyond plain tensors, in one place.
 
 ``snapshots`` does not import elastic_trainer, so it keeps its own list, with the same
-discipline as ``elastic_trainer/torch_compat.py``: each use with the reason, checked against
-torch 2.14.1 and 2.15.0, and ``tests/unit/snapshots/sharded/test_torch_compat.py`` asserts that each
+discipline as ``elastic_trainer/supervisor/torch_compat.py``: each use with the reason, checked
+against torch 2.14.1 and 2.15.0, and ``tests/unit/snapshots/sharded/test_torch_compat.py``
+asserts that each
 still exists, so a torch release that moves one fails a millisecond test, not a job.
 
 One torch *private* piece is used, behind ``save_without_crc32`` below, which falls back to

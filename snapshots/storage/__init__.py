@@ -34,7 +34,7 @@ import tenacity
 
 from snapshots.errors import SnapshotCorruptError, StorageError
 from snapshots.events import emit
-from snapshots.storage import faults as _faults
+from snapshots.storage import faults
 from snapshots.storage.base import Entry, Storage, read_range, within
 from snapshots.storage.health import StorageHealth
 from snapshots.storage.local import LocalStorage, kill_point
@@ -113,7 +113,7 @@ class FsspecStorage:
 
     def write(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         target = self._abs(path)
-        _faults.hit(kill_point(path))  # an object PUT is all-or-nothing; a crash here = none
+        faults.hit(kill_point(path))  # an object PUT is all-or-nothing; a crash here = none
         if not exclusive:
             self.fs.pipe_file(target, data)
             return

@@ -24,8 +24,7 @@ import numpy as np
 
 from snapshots.errors import NotRegularFileError
 from snapshots.format import layout, manifest
-from snapshots.storage import faults as _faults
-from snapshots.storage import modes as _modes
+from snapshots.storage import faults, modes
 from snapshots.storage.base import Entry, within
 
 T = TypeVar("T")
@@ -60,7 +59,7 @@ class LocalStorage:
         self.direct_io = direct_io
         self.reuse_files = reuse_files
         self.writer_process = writer_process
-        self.modes = _modes.modes_for(group_access)
+        self.modes = modes.modes_for(group_access)
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *[p for p in path.split("/") if p])
@@ -117,7 +116,7 @@ class LocalStorage:
         if parent != folder:
             self._makedirs(parent)
         try:
-            _modes.make_folder(folder, self.modes.folder)  # one that exists keeps its mode
+            modes.make_folder(folder, self.modes.folder)  # one that exists keeps its mode
         except FileExistsError:
             return
         _fsync_dir(parent)  # make the new folder's entry durable before files appear in it
@@ -258,18 +257,18 @@ def _fill_temp(
     direct: bool,
     reused: bool = False,
     writer_process: bool = False,
-    mode: int = _modes.PRIVATE.file,
+    mode: int = modes.PRIVATE.file,
 ) -> T:
     """``reused``: ``tmp`` is a set-aside file; written over from its start and cut to what
     was written (a file that is not a plain one of ours is replaced by a new one). The file
     gets ``mode`` either way: a set-aside file may have been made under another setting."""
     fd = _open_reused(tmp) if reused else None
     if fd is None:
-        fd = _modes.create_file(tmp, os.O_WRONLY, mode)
+        fd = modes.create_file(tmp, os.O_WRONLY, mode)
     try:
         if reused:
-            _modes.set_mode(fd, mode)
-        sink = _Sink(fd, point, direct=direct, writer_process=writer_process)
+            modes.set_mode(fd, mode)
+        sink = Sink(fd, point, direct=direct, writer_process=writer_process)
         result = fill(sink)  # type: ignore[arg-type]
         sink.flush()
         if reused:
@@ -298,7 +297,7 @@ def _open_reused(tmp: str) -> int | None:
     return None
 
 
-class _Sink:
+class Sink:
     """A write-only file over a descriptor: small writes gathered, large ones written as
     they are (os.write releases the GIL), past the page cache where they can be (see
     ``_write_direct``). The mid_file kill point follows the first write.
@@ -348,7 +347,7 @@ class _Sink:
         if self._point is not None:
             self.flush()
             point, self._point = self._point, None
-            _faults.hit(point)
+            faults.hit(point)
         return len(view)
 
     @property

@@ -19,8 +19,7 @@ import torch
 from snapshots.errors import UnsafeStateError
 from snapshots.format import layout
 from snapshots.format.serialization import Stager
-from snapshots.write import commit as _commit
-from snapshots.write import sharded_commit as _sharded_commit
+from snapshots.write import commit, sharded_commit
 
 
 class Capturer:
@@ -43,9 +42,9 @@ class Capturer:
         per_rank: Sequence[Any] | None,
         started: float,
         overlap: torch.optim.Optimizer | None = None,
-        shards: Callable[[], _sharded_commit.ShardPart] | None = None,
+        shards: Callable[[], sharded_commit.ShardPart] | None = None,
         token: str | None = None,
-    ) -> _commit.SaveJob:
+    ) -> commit.SaveJob:
         if overlap is not None:
             self._hook_optimizer(overlap)
             self.copy_done.clear()
@@ -61,7 +60,7 @@ class Capturer:
             # the hook must copy the shards' tensors too before the step changes them.
             self.stager.deferred.extend(part.staged.deferred)
             part.staged.deferred.clear()
-        return _commit.SaveJob(
+        return commit.SaveJob(
             step=step,
             epoch=epoch,
             world_size=world_size,
@@ -74,7 +73,7 @@ class Capturer:
             shards=part,
         )
 
-    def finish_deferred(self, job: _commit.SaveJob) -> None:
+    def finish_deferred(self, job: commit.SaveJob) -> None:
         """On the writer thread: the deferred copies of an overlapped save."""
         if not job.overlapped:
             return

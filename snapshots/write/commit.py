@@ -23,7 +23,7 @@ else):
   listing at the manifest's size; every file is read back and its checksum equals the
   manifest's. The shard files of a sharded save are the exception: listed at their size,
   not read back (their chunks are hashed from the very buffer written, and written past the
-  page cache; see ``_sharded_commit._write_own``); every load verifies each chunk it uses.
+  page cache; see ``sharded_commit._write_own``); every load verifies each chunk it uses.
 - ``"listing"`` (object stores: s3, gs, az...; reading back would double the traffic): the
   manifest is read back and is byte for byte the one this save wrote; one listing of the
   step folder shows every file at the manifest's size; on S3 each file's listed ETag must
@@ -64,11 +64,9 @@ from snapshots.format.manifest import (
 from snapshots.format.serialization import serialize, serialize_into
 from snapshots.info import SnapshotInfo
 from snapshots.read import catalog as _catalog
-from snapshots.read import reader as _reader
-from snapshots.storage import RetryingStorage
-from snapshots.storage import faults as _faults
-from snapshots.write import sharded_commit as _sharded_commit
-from snapshots.write import writer_process as _writer_process
+from snapshots.read import reader
+from snapshots.storage import RetryingStorage, faults
+from snapshots.write import sharded_commit, writer_process
 
 VerifyMode = Literal["auto", "full", "listing"]
 
@@ -85,7 +83,7 @@ class SaveJob:
     token: str
     overlapped: bool = False
     # A sharded save (format 2): this rank's part; every rank's writer runs the commit.
-    shards: _sharded_commit.ShardPart | None = None
+    shards: sharded_commit.ShardPart | None = None
     # Set when the caller stopped waiting (its deadline passed): the save stops before its
     # next write and never commits, so an exiting process is not held by it.
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -128,9 +126,9 @@ class Committer:
 
     def commit(self, job: SaveJob) -> SnapshotInfo:
         """Write the job's files and manifest, then verify the commit before anyone prunes.
-        A sharded job: every rank writes its shards, rank 0 commits (``_sharded_commit``)."""
+        A sharded job: every rank writes its shards, rank 0 commits (``sharded_commit``)."""
         if job.shards is not None:
-            return _sharded_commit.commit(self, job, job.shards)
+            return sharded_commit.commit(self, job, job.shards)
         return self.commit_files(job)
 
     def commit_files(
@@ -145,24 +143,24 @@ class Committer:
         in the manifest beside this job's own. ``verify``: the ``full`` verification to run
         instead of reading every file back (a sharded save: each rank checked its own)."""
         self._guard()
-        if _reader.has_manifest(self._storage, job.step):
+        if reader.has_manifest(self._storage, job.step):
             raise SnapshotExistsError(
                 f"step {job.step} is already committed at {self._catalog.step_url(job.step)}; "
                 "committed snapshots are never overwritten (save a later step, or delete it "
                 "first)",
                 step=job.step,
             )
-        _faults.hit("before_data")
+        faults.hit("before_data")
         mode = self.mode()
         listing = mode == "listing"
         written = self._write_files(job, etags=listing)
         files = [entry for entry, _ in written] + list(extra)
         manifest = _manifest_for(job, files, format_version)
-        _faults.hit("before_manifest")
+        faults.hit("before_manifest")
         _stop_if_cancelled(job)
         self._guard()
         body = self._put_manifest(job, manifest)
-        _faults.hit("after_manifest")
+        faults.hit("after_manifest")
         if mode == "full":
             return (verify or self._verify_fully)(job.step)
         # "written": the manifest as written and every file at its size, from one listing.
@@ -219,7 +217,7 @@ class Committer:
 
     def manifest_is_ours(self, job: SaveJob, storage: RetryingStorage | None = None) -> bool:
         try:
-            manifest = _reader.read_manifest(storage or self._storage, job.step)
+            manifest = reader.read_manifest(storage or self._storage, job.step)
         except (FileNotFoundError, SnapshotError):
             return False
         return all(job.token in f.name for f in manifest.files) and bool(manifest.files)
@@ -237,10 +235,10 @@ class Committer:
         (no whole copy in memory): the manifest parses, every file is listed at its size,
         and its sha256 read back from storage equals the manifest's."""
         try:
-            manifest = _reader.read_manifest(self._storage, step)
+            manifest = reader.read_manifest(self._storage, step)
         except (SnapshotCorruptError, FileNotFoundError) as exc:
             raise _unverified(step, [f"{layout.MANIFEST_NAME}: {exc}"]) from exc
-        problems = _reader.check_sizes(self._storage, step, manifest.files)
+        problems = reader.check_sizes(self._storage, step, manifest.files)
         for f in [] if problems else manifest.files:
             path = f"{layout.step_dir(step)}/{f.name}"
             try:
@@ -264,7 +262,7 @@ class Committer:
             stored = None
         if stored != body:
             raise _unverified(step, [f"{layout.MANIFEST_NAME} is not the one this save wrote"])
-        problems = _reader.check_written(self._storage, step, manifest, etags)
+        problems = reader.check_written(self._storage, step, manifest, etags)
         if problems:
             raise _unverified(step, problems)
         return SnapshotInfo.from_manifest(manifest, self._catalog.step_url(step))
@@ -300,12 +298,12 @@ def _manifest_for(job: SaveJob, files: list[FileEntry], format_version: int) -> 
 
 def _fill(job: SaveJob, value: Any, sink: Any) -> tuple[int, str]:
     """Serialise ``value`` into ``sink``: through the writer process where it takes the save
-    (``_writer_process``), else here; from the start again here if the process was lost."""
+    (``writer_process``), else here; from the start again here if the process was lost."""
     try:
-        done = _writer_process.try_write(
+        done = writer_process.try_write(
             value, sink, CHECKSUM_ALGORITHM, lambda: _stop_if_cancelled(job)
         )
-    except _writer_process.WriterProcessLost:
+    except writer_process.WriterProcessLost:
         sink.restart()
         done = None
     return done if done is not None else serialize_into(value, sink, CHECKSUM_ALGORITHM)

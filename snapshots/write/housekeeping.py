@@ -10,7 +10,7 @@ from snapshots.errors import SnapshotCorruptError
 from snapshots.events import emit
 from snapshots.format import layout
 from snapshots.read import catalog as _catalog
-from snapshots.read import reader as _reader
+from snapshots.read import reader
 from snapshots.storage import Storage
 
 # Strays younger than this may belong to a writer still running (SnapshotStore.stray_grace_s).
@@ -57,7 +57,7 @@ def _sweep_strays(storage: Storage, steps: list[int], *, grace_s: float) -> None
         if not retention.may_hold_strays(e.name for e in entries):
             continue
         try:
-            manifest = _reader.read_manifest(storage, step)
+            manifest = reader.read_manifest(storage, step)
         except (FileNotFoundError, SnapshotCorruptError):
             continue  # pruned meanwhile, or unreadable: strays cannot be told from data
         strays = retention.strays_to_sweep(

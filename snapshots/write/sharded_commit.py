@@ -22,10 +22,9 @@ from snapshots.errors import SnapshotCorruptError, SnapshotSaveError
 from snapshots.format import layout, sharding
 from snapshots.format.manifest import SHARDED_VERSION, FileEntry, checksum
 from snapshots.info import SnapshotInfo
-from snapshots.read import reader as _reader
-from snapshots.sharded import shards as _shards
-from snapshots.storage import RetryingStorage
-from snapshots.storage import faults as _faults
+from snapshots.read import reader
+from snapshots.sharded import shards
+from snapshots.storage import RetryingStorage, faults
 from snapshots.storage.local import LocalStorage
 
 if TYPE_CHECKING:
@@ -38,7 +37,7 @@ class ShardPart:
 
     rank: int
     world_size: int
-    staged: _shards.StagedShard
+    staged: shards.StagedShard
     group: Any = None  # the snapshot gloo group; None in a single process
 
 
@@ -70,12 +69,12 @@ def _write_own(committer: Committer, job: SaveJob, part: ShardPart) -> _Report:
         if not part.staged.pieces:
             return _Report(rank=part.rank, records={})
         name = sharding.shard_file_name(part.rank, job.token)
-        _faults.hit("before_data")
+        faults.hit("before_data")
         path = f"{layout.step_dir(job.step)}/{name}"
         with cf.ThreadPoolExecutor(1, thread_name_prefix="snapshot-hash") as pool:
             # BLAKE3 releases the GIL: the hashing runs while the file is written and fsynced
             # (both only read the staging buffer, which nothing changes during the save).
-            hashed = pool.submit(_shards.encode, part.staged, name, shard=part.rank)
+            hashed = pool.submit(shards.encode, part.staged, name, shard=part.rank)
             committer.storage.write(path, _writable(committer.storage, part.staged.data))
             entry, records = hashed.result()
         # No read-back: the checksums are of the very buffer handed to storage, which nothing
@@ -124,7 +123,7 @@ def _commit_all(
         return f"step {job.step} not committed: {'; '.join(failed)}"[:1000]
     try:
         shard_files = [r.entry for r in reports if r.entry is not None]
-        table = _shards.merge(part.world_size, [r.records or {} for r in reports])
+        table = shards.merge(part.world_size, [r.records or {} for r in reports])
         body = sharding.to_json(table)
         if len(body) > sharding.MAX_TABLE_BYTES:
             problem = sharding.table_size_problem(len(body))
@@ -149,11 +148,11 @@ def _verify_commit(storage: RetryingStorage, step: int, checked: set[str]) -> Sn
     is there at its size (one listing), and rank 0's own files pass their checksums. The
     shard files in ``checked`` are checked by size only (see ``_write_own``): their chunks
     were hashed from the buffer that was written, and every load verifies them."""
-    manifest = _reader.read_manifest(storage, step)
-    problems = _reader.check_sizes(storage, step, manifest.files)
+    manifest = reader.read_manifest(storage, step)
+    problems = reader.check_sizes(storage, step, manifest.files)
     if not problems:
         own = [f for f in manifest.files if f.name not in checked]
-        problems = _reader.check_files(storage, step, manifest, own)[0]
+        problems = reader.check_files(storage, step, manifest, own)[0]
     if problems:
         raise SnapshotCorruptError(
             f"step {step} failed verification right after writing: {'; '.join(problems)}"

@@ -23,7 +23,7 @@ import torch
 
 from snapshots import proc_title
 from snapshots.format import serialization
-from snapshots.storage.local import _Sink
+from snapshots.storage.local import Sink
 from snapshots.write.writer_process import HEADER, MAX_FDS, recv_exactly
 
 # How often a wait for the next request checks that the parent is still there.
@@ -105,7 +105,7 @@ def _write(
 ) -> dict[str, Any]:
     try:
         value = _Decoder(tree, blocks).load()
-        sink = _Sink(target, None, direct=header["direct"])
+        sink = Sink(target, None, direct=header["direct"])
         size, digest = serialization.serialize_into(value, sink, header["algorithm"])
         sink.flush()
         return {"id": header["id"], "size": size, "digest": digest, "written": sink.written}

@@ -7,7 +7,7 @@ save spends part of it waiting (blocked, not running). The same work in another 
 leaves this one's GIL to training (``bench/snapshot_stall.py``; docs/snapshots.md, "A writer
 process for large local saves").
 
-How: the staged tensors are already on shared memory (``_shared_staging``). The writer
+How: the staged tensors are already on shared memory (``shared_staging``). The writer
 thread pickles the state *tree* with each tensor replaced by where its bytes lie (a block
 and an offset, plus dtype and shape: small, no tensor data), and passes it with the open
 temp file's descriptor over a socket pair. The child maps the blocks once, rebuilds each
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from snapshots.events import emit
-from snapshots.storage import faults as _faults
-from snapshots.write import shared_staging as _shared_staging
+from snapshots.storage import faults
+from snapshots.write import shared_staging
 
 # A save smaller than this stays on the thread: its pickling is short, and a process that
 # imports torch (seconds of CPU, hundreds of MB) would not pay for itself.
@@ -87,7 +87,7 @@ class _Encoder(pickle.Pickler):
             return None
         if obj.numel() == 0 and obj.device.type == "cpu" and obj.layout == torch.strided:
             return ("empty", str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
-        place = _shared_staging.locate(obj)
+        place = shared_staging.locate(obj)
         if place is None or obj.requires_grad:
             self.unshareable = True
             return ("none",)
@@ -179,9 +179,9 @@ class WriterProcess:
         with self._lock:
             if self.lost is not None:
                 raise WriterProcessLost(self.lost)
-            live = _shared_staging.live_blocks()
+            live = shared_staging.live_blocks()
             new = sorted(blocks - self._mapped)
-            found = [_shared_staging.descriptor(b) for b in new]
+            found = [shared_staging.descriptor(b) for b in new]
             descriptors = [d for d in found if d is not None]
             if len(descriptors) != len(new):
                 raise WriterProcessLost("a staging block was freed while the save was queued")
@@ -336,9 +336,9 @@ def try_write(
 ) -> tuple[int, str] | None:
     """Write ``value`` (a staged tree) into ``sink`` through the writer process: (size,
     digest); None where this save stays on the thread (see the module docstring)."""
-    if not getattr(sink, "writer_process", False) or not _shared_staging.available():
+    if not getattr(sink, "writer_process", False) or not shared_staging.available():
         return None
-    if _faults.injected():  # a crash test's kill point must be reached in this process
+    if faults.injected():  # a crash test's kill point must be reached in this process
         return None
     try:
         request = encode(value)

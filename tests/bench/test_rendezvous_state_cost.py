@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from rendezvous_state_cost import MODES, backends, per_round_ms, per_sync_us, state_of
 
-from elastic_trainer import torch_compat
+from elastic_trainer.supervisor import torch_compat
 
 
 def test_each_arm_syncs_the_whole_state_through_the_store() -> None:

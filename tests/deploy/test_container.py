@@ -151,7 +151,7 @@ def version_under_test(distribution: str) -> str:
 def test_torch_is_pinned_to_the_version_we_test(arg: str, distribution: str) -> None:
     """The image pins the newest torch of the tested range (torch_compat.TESTED_TORCH); when
     the suite itself runs on that release, the pin is exactly the installed version."""
-    from elastic_trainer.torch_compat import TESTED_TORCH
+    from elastic_trainer.supervisor.torch_compat import TESTED_TORCH
 
     pinned = build_args()[arg]
     if distribution == "torch":

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
-from elastic_trainer.worker.bootstrap import exit_without_finalizing
+from elastic_trainer.entrypoints.worker import exit_without_finalizing
 from elastic_trainer.worker.memory.shards import ShardedMemoryTier
 from elastic_trainer.worker.snapshotting import (
     SessionSnapshots,

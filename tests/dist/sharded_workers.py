@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from elastic_trainer.worker.bootstrap import exit_without_finalizing
+from elastic_trainer.entrypoints.worker import exit_without_finalizing
 from snapshots import RNGState, SnapshotSaveError, SnapshotStore
 from snapshots.distributed import DistributedSnapshotter
 from snapshots.storage import faults
@@ -44,7 +44,7 @@ def spawn_phase(rank: int, world: int, tmp: str, phase: str, args: dict[str, Any
     # Done: leave without interpreter finalization. gloo's threads (this group's, the
     # snapshotter's own, FSDP's mesh) can still be releasing work objects, and CPython's
     # finalization then aborts the process (SIGABRT, pytorch #190489): the bootstrap that real
-    # workers run under does the same (elastic_trainer.worker.bootstrap).
+    # workers run under does the same (elastic_trainer.entrypoints.worker).
     exit_without_finalizing(0)
 
 

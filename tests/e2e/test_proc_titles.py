@@ -25,9 +25,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 TITLED = str(HERE / "titled.py")
 # what every process of ours showed before it had a title
 MODULES = (
-    "elastic_trainer.supervisor.warm.pool",
-    "elastic_trainer.worker.bootstrap",
-    "elastic_trainer.supervisor.processes.sentinel",
+    "elastic_trainer.entrypoints.warm_pool",
+    "elastic_trainer.entrypoints.worker",
+    "elastic_trainer.entrypoints.sentinel",
 )
 
 

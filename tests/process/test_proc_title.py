@@ -24,6 +24,8 @@ REPORT = textwrap.dedent(
     """
 )
 
+WORKER_MODULE = "elastic_trainer.entrypoints.worker"
+
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SPT_NOENV")}
@@ -34,7 +36,7 @@ def test_a_worker_shows_its_rank_and_script_before_the_script_runs(tmp_path) -> 
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     done = subprocess.run(
-        [sys.executable, "-u", "-m", "elastic_trainer.worker.bootstrap", str(script), "--lr", "1"],
+        [sys.executable, "-u", "-m", WORKER_MODULE, str(script), "--lr", "1"],
         env=_env(RANK="3", MARK="ours"), capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     seen = json.loads(done.stdout)

@@ -7,6 +7,14 @@
 - Code that runs inside every worker (``worker``, ``jobs``) never imports the supervisor's or
   the operator tools' modules: a worker must not load them.
 - Every package has an ``__init__`` whose docstring says what it is and where it runs.
+- Layers (``LAYERS``): a module imports only its own layer's modules and those below. The
+  base (the contract, errors, logging, the small shared helpers, and the ``snapshots``
+  library) is below ``worker`` and ``supervisor``, which never import each other; the
+  built-in job sits on the worker side, the operator tools on the supervisor side (they read
+  what a supervisor runs: its store, its state); the process entry points (``entrypoints``,
+  ``cli``) are on top and alone wire the two sides together.
+- A private *name* (``_x``) is imported only within its own package; torch's private names
+  only in the compatibility modules (``TORCH_COMPAT``).
 """
 
 from __future__ import annotations
@@ -24,6 +32,26 @@ IMPURE = {
     "os", "io", "socket", "subprocess", "threading", "multiprocessing", "shutil", "select",
     "pathlib", "tempfile", "logging", "structlog", "torch", "psutil", "fsspec", "numpy",
 }  # fmt: skip
+BASE = (
+    "snapshots",
+    "elastic_trainer.contract",
+    "elastic_trainer.errors",
+    "elastic_trainer.cliparse",
+    "elastic_trainer.logging",
+    "elastic_trainer.listeners",
+    "elastic_trainer.private_files",
+    "elastic_trainer.proc_title",
+)
+# (the layer, what it may import besides its own modules); anything not named is the top
+LAYERS = (
+    ("base", BASE),
+    ("elastic_trainer.worker", BASE),
+    ("elastic_trainer.supervisor", BASE),
+    # the built-in job is written as any user's script: against the public face
+    ("elastic_trainer.jobs", (*BASE, "elastic_trainer.worker", "elastic_trainer.PUBLIC")),
+    ("elastic_trainer.tools", (*BASE, "elastic_trainer.supervisor")),
+)
+TORCH_COMPAT = ("elastic_trainer.supervisor.torch_compat", "snapshots.sharded.torch_compat")
 CORE_MAY_IMPORT = (
     "elastic_trainer.contract",
     "elastic_trainer.errors",
@@ -121,6 +149,51 @@ def test_worker_code_never_imports_the_supervisor(runs_in_workers: str) -> None:
     assert _violations(rule) == []
 
 
+def _layer(module: str) -> tuple[str, tuple[str, ...]] | None:
+    if any(_within(module, base) for base in BASE):
+        return LAYERS[0]
+    return next((layer for layer in LAYERS[1:] if _within(module, layer[0])), None)
+
+
+def _breaks_layers(module: str, target: str) -> bool:
+    layer = _layer(module)
+    if layer is None or target.split(".")[0] not in PACKAGES or target == "elastic_trainer":
+        return False  # the top imports anything; outside the project is not ours to order
+    if target == "elastic_trainer.__version__":
+        return False
+    if target.rpartition(".")[0] == "elastic_trainer" and target not in MODULES:
+        target = "elastic_trainer.PUBLIC"  # a name the package's __init__ exports
+    name, below = layer
+    own = name != "base" and _within(target, name)
+    return not own and not any(_within(target, allowed) for allowed in below)
+
+
+def test_imports_run_down_the_layers_never_up_or_sideways() -> None:
+    assert _violations(_breaks_layers) == []
+
+
+def _private_name_imports() -> list[str]:
+    found = []
+    for name, path in MODULES.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            private = [n for n in private if not n.startswith("__")]
+            if node.module.split(".")[0] == "torch":
+                allowed = name in TORCH_COMPAT
+            else:
+                allowed = node.module.rpartition(".")[0] == package or node.module == package
+            if private and not allowed:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module} {private}")
+    return found
+
+
+def test_private_names_stay_in_their_package() -> None:
+    assert _private_name_imports() == []
+
+
 def test_every_package_says_what_it_is() -> None:
     silent = [
         str(path.relative_to(ROOT))
@@ -142,3 +215,10 @@ def test_the_rules_can_fail() -> None:
     finally:
         del MODULES[fake]
     assert "os" in IMPURE and _within("elastic_trainer.supervisor.core.policy", CORE_MAY_IMPORT[2])
+    # the breaks this rule was written against
+    assert _breaks_layers("elastic_trainer.contract.config", "elastic_trainer.tools.store_server")
+    assert _breaks_layers("elastic_trainer.supervisor.warm.pool", "elastic_trainer.worker.x")
+    assert _breaks_layers("elastic_trainer.worker.session", "elastic_trainer.supervisor.run")
+    assert not _breaks_layers("elastic_trainer.tools.status", "elastic_trainer.supervisor.run")
+    assert not _breaks_layers("elastic_trainer.entrypoints.warm_pool", "elastic_trainer.worker")
+    assert not _breaks_layers("elastic_trainer.worker.session", "snapshots.store")

@@ -2,7 +2,7 @@
 with the hand-over, the store's failover and failure reporting beside it."""
 
 from elastic_trainer.supervisor.agent.loop import GOODBYE_HEARD_S, STORE_ERRORS, ElasticTrainAgent
-from elastic_trainer.supervisor.agent.outcome import (
+from elastic_trainer.supervisor.core.outcome import (
     STATUS_CLOSED,
     STATUS_CONFIG_ERROR,
     STATUS_FAILED,

@@ -12,8 +12,8 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract.events import FailureCause, emit
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.core.policy import signal_name
 from elastic_trainer.supervisor.processes.observer import GroupObserver

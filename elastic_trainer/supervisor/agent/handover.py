@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.events import emit
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.agent.control_files import await_copies, listed, mark_restarting
 from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.processes.procs import ProcessTracker

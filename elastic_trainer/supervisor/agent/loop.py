@@ -25,23 +25,23 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import DEFAULT_SHUTDOWN_TIMEOUT_S, RunConfig
 from elastic_trainer.contract.events import FailureCause, MembershipReason, emit
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.agent.control_files import await_copies, mark_restarting
 from elastic_trainer.supervisor.agent.failure_reports import FailureReports, PeerLeaving
 from elastic_trainer.supervisor.agent.handover import HandOver
-from elastic_trainer.supervisor.agent.outcome import (
+from elastic_trainer.supervisor.agent.store_failover import StoreFailover
+from elastic_trainer.supervisor.core import decisions
+from elastic_trainer.supervisor.core.decisions import PeerStop, SupervisorState, Verdict
+from elastic_trainer.supervisor.core.outcome import (
     STATUS_CONFIG_ERROR,
     STATUS_FAILED,
     STATUS_PREEMPTED,
     STATUS_SUCCEEDED,
     AgentOutcome,
 )
-from elastic_trainer.supervisor.agent.store_failover import StoreFailover
-from elastic_trainer.supervisor.core import decisions
-from elastic_trainer.supervisor.core.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.core.policy import RestartPolicy, WorkerExit
 from elastic_trainer.supervisor.core.watchdog import HangVerdict
 from elastic_trainer.supervisor.processes import fd_limit

@@ -8,7 +8,8 @@ from typing import Any
 
 from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.contract.config import RunConfig
-from elastic_trainer.supervisor.rendezvous import endpoint, failover, presence, store_record
+from elastic_trainer.contract.endpoint import split_address
+from elastic_trainer.supervisor.rendezvous import endpoint, failover, store_record
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 from elastic_trainer.supervisor.rendezvous.signed_store import signed
@@ -81,7 +82,7 @@ class StoreFailover:
         # connection yet (it does as it exits), and the round must not wait for it
         handler.mark_dead(watch.members_named(gone()))
         if not moved.hosted:  # as run.py bounds the first store's connections
-            host, port = presence.parse_address(moved.endpoint)
+            host, port = split_address(moved.endpoint)
             endpoint.bound_silent_connections(host, port, timeout_s=endpoint.STORE_SILENCE_LIMIT_S)
         watch.store_moved(moved.host)
         if moved.hosted:  # how a node started later finds it (store_record.py)

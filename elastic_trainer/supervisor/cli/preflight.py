@@ -9,7 +9,7 @@ A script or module may define, at top level::
 ``argv`` is what its workers will get; ``world_sizes`` every world size the job may run at
 (``--nproc-per-node`` x each node count from ``--min-nodes`` to ``--max-nodes``). The
 supervisor finds the function by reading the source (nothing runs if there is none), then
-calls it in a process of its own (``python -m elastic_trainer.supervisor.cli.preflight ...``)
+calls it in a process of its own (``python -m elastic_trainer.entrypoints.preflight ...``)
 that imports the entrypoint under a name other than ``__main__``: training code behind the
 usual ``if __name__ == "__main__":`` guard does not run. A refusal is exit 2 with its one
 line before any worker starts, instead of a crash in every worker.
@@ -27,18 +27,17 @@ import importlib
 import importlib.util
 import json
 import os
-import runpy
 import subprocess
 import sys
-import traceback
 from collections.abc import Sequence
 
-from elastic_trainer import proc_title
 from elastic_trainer.contract.config import Entrypoint
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor.warm.launcher import WarmPool, WarmPoolUnavailable
 
 FUNCTION = "preflight"
+# the child that imports the entrypoint and calls its preflight
+PREFLIGHT_MODULE = "elastic_trainer.entrypoints.preflight"
 ENV_WORLD_SIZES = "ELASTIC_TRAIN_PREFLIGHT_WORLD_SIZES"
 # importing torch, a model and a dataset index: generous, but bounded
 TIMEOUT_S = 180.0
@@ -83,7 +82,7 @@ def run(
     if path is None or not defines_preflight(path):
         return []
     env = {**os.environ, ENV_WORLD_SIZES: ",".join(map(str, world_sizes))}
-    argv = ["-m", __name__, *entry.argv()]
+    argv = ["-m", PREFLIGHT_MODULE, *entry.argv()]
     try:
         done = _forked(pool, argv, env, timeout_s)
         if done is None:
@@ -131,34 +130,3 @@ def _answer(entry: Entrypoint, done: subprocess.CompletedProcess[str]) -> list[s
         last = (done.stderr.strip().splitlines() or [f"exit {answer['exit']}"])[-1]
         raise ConfigError(f"{entry.name()} refused its arguments: {last}")
     return [str(w) for w in answer.get("warnings") or []]
-
-
-# ---- the subprocess side ---------------------------------------------------------------
-def _load(argv: list[str]) -> object:
-    if argv[0] == "-m":
-        return importlib.import_module(argv[1])
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    return runpy.run_path(argv[0], run_name="__elastic_train_preflight__")[FUNCTION]
-
-
-def _main(argv: list[str]) -> int:
-    proc_title.set_title(proc_title.preflight(argv))
-    world_sizes = [int(w) for w in os.environ.get(ENV_WORLD_SIZES, "1").split(",") if w]
-    args = argv[2:] if argv[0] == "-m" else argv[1:]
-    try:
-        loaded = _load(argv)
-        check = getattr(loaded, FUNCTION, loaded)
-        warnings = check(list(args), world_sizes) or []
-    except SystemExit as exc:  # argparse printed "prog: error: ..." to stderr already
-        print(json.dumps({"exit": exc.code}))
-        return 2
-    except Exception as exc:  # any refusal: one line for the operator
-        traceback.print_exc(file=sys.stderr)
-        print(json.dumps({"error": " ".join(str(exc).split()) or type(exc).__name__}))
-        return 2
-    print(json.dumps({"warnings": [str(w) for w in warnings]}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

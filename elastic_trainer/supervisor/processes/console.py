@@ -63,8 +63,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
-from elastic_trainer import stderr_router, torch_compat
 from elastic_trainer.logging import STDERR, Terminal, render_console_line
+from elastic_trainer.supervisor import torch_compat
+from elastic_trainer.supervisor.processes import stderr_router
 from elastic_trainer.supervisor.processes.tail import StderrTail, read_file_tail
 
 DEFAULT_TEMPLATE = "[rank${rank}]:"

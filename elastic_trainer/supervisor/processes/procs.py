@@ -26,6 +26,10 @@ from dataclasses import dataclass
 
 import psutil
 
+from elastic_trainer.contract import protocol
+
+# the node sentinel's program: run with ``python -m`` (it imports nothing of ours but psutil)
+SENTINEL_MODULE = "elastic_trainer.entrypoints.sentinel"
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -41,18 +45,25 @@ def guard_node() -> subprocess.Popen | None:
     guards still hold), one per process: it lives until this process exits, and
     ``reap_strays`` spares it (``ProcessTracker._keep``).
     """
-    from elastic_trainer.supervisor.processes import sentinel
-    from elastic_trainer.worker import bootstrap
-
     global _sentinel
     become_subreaper()
-    os.environ[bootstrap.ENV_SUPERVISOR_PID] = str(os.getpid())
+    os.environ[protocol.ENV_SUPERVISOR_PID] = str(os.getpid())
     if _sentinel is None or _sentinel.poll() is not None:
         try:
-            _sentinel = sentinel.start()
+            _sentinel = _start_sentinel()
         except OSError:
             _sentinel = None
     return _sentinel
+
+
+def _start_sentinel() -> subprocess.Popen:
+    """The sentinel for this process (``entrypoints/sentinel.py``); it lives until this
+    process exits."""
+    return subprocess.Popen(
+        [sys.executable, "-m", SENTINEL_MODULE, str(os.getpid())],
+        stdin=subprocess.PIPE,  # our end is close-on-exec: only our death closes it
+        start_new_session=True,
+    )
 
 
 def end_node_sentinel() -> None:

@@ -21,7 +21,7 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.supervisor.processes import memory_folders
 
 # Workers run their script through this module (see its docstring: a clean interpreter exit)
-BOOTSTRAP_MODULE = "elastic_trainer.worker.bootstrap"
+BOOTSTRAP_MODULE = "elastic_trainer.entrypoints.worker"
 
 
 # glibc's malloc for the workers. A training step allocates and frees the same MB-sized

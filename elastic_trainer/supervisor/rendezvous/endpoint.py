@@ -32,8 +32,9 @@ from typing import Any
 import psutil
 import tenacity
 
+from elastic_trainer.contract.endpoint import EndpointError, ResolverNotReady, resolve
 from elastic_trainer.contract.events import emit
-from elastic_trainer.errors import ConfigError, ElasticTrainError, first_line
+from elastic_trainer.errors import ElasticTrainError, first_line
 from elastic_trainer.listeners import bound_listener, plain_address
 
 # A c10d store answers its handshake in milliseconds; anything slower is not one.
@@ -56,10 +57,6 @@ _PROBE_KEY = "elastic-train/probe"
 _STOP_BEFORE = tenacity.stop_before_delay
 
 
-class EndpointError(ConfigError):
-    """The endpoint is wrong: it does not resolve, or what answers there is not a c10d store."""
-
-
 class StoreUnreachable(ElasticTrainError):
     """Nothing answered at the endpoint within the rendezvous join timeout."""
 
@@ -70,17 +67,11 @@ class _Transient(Exception):
     """Nothing listens there (yet): worth another try."""
 
 
-def resolve(host: str, port: int) -> None:
-    """Fail at once, with exit 2, on a host name that cannot resolve."""
+def _resolve(host: str, port: int) -> None:
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        if exc.errno == socket.EAI_AGAIN:  # the resolver itself is not reachable yet
-            raise _Transient(f"cannot resolve {host!r} yet ({exc.strerror})") from exc
-        raise EndpointError(
-            f"--rdzv-endpoint={host}:{port}: the host name {host!r} does not resolve "
-            f"({exc.strerror}): fix HOST"
-        ) from exc
+        resolve(host, port)
+    except ResolverNotReady as exc:
+        raise _Transient(str(exc)) from exc
 
 
 def reach(host: str, port: int) -> None:
@@ -260,7 +251,7 @@ def try_once(host: str, port: int, read_timeout_s: float) -> Any:
 
 
 def _attempt(host: str, port: int, read_timeout_s: float) -> Any:
-    resolve(host, port)
+    _resolve(host, port)
     reach(host, port)
     return handshake(host, port, read_timeout_s=read_timeout_s)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_trainer.contract.endpoint import format_endpoint, split_address
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ElasticTrainError
 
@@ -124,7 +125,6 @@ def move_store(
     ``is_served_by(store, member)``: the store answering there is the one that member hosts
     (not the old one still shutting down on the same address).
     """
-    from elastic_trainer.supervisor.rendezvous import presence
 
     ends = clock() + deadline_s
     while True:
@@ -136,8 +136,8 @@ def move_store(
                 f"the rendezvous store cannot move: the elected host {election.host} published "
                 "no address"
             )
-        host, _ = presence.parse_address(addresses[election.host])
-        endpoint = presence.format_address(host, port)
+        host, _ = split_address(addresses[election.host])
+        endpoint = format_endpoint(host, port)
         if election.host == me:
             try:
                 return Moved(store=serve(host, port), host=me, endpoint=endpoint, hosted=True)

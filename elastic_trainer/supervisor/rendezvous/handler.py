@@ -59,12 +59,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.contract.config import RunConfig
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, first_line
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.rendezvous import signed_store, static_host
 from elastic_trainer.supervisor.rendezvous.membership import member_name, node_name

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.contract.endpoint import format_endpoint, split_address
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import first_line
 from elastic_trainer.supervisor.rendezvous import presence
@@ -64,7 +65,7 @@ class MembershipWatch:
         try:
             server = presence.PresenceServer(bind_host, key)
             host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
-            address = presence.format_address(host, server.port)
+            address = format_endpoint(host, server.port)
             self._handler.publish_presence(address)
         except Exception as exc:
             emit(
@@ -112,7 +113,7 @@ class MembershipWatch:
             except Exception as exc:
                 self._report_store_lost(exc)
                 found = {}
-            self.peers.watch({n: presence.parse_address(a) for n, a in found.items()})
+            self.peers.watch({n: split_address(a) for n, a in found.items()})
             self.addresses = {member_name(n): a for n, a in found.items()}
             self.addresses[member_name(self._handler.this_node)] = self._address
 

@@ -416,12 +416,3 @@ class PeerWatch:
         self._links.clear()
         self._lost.clear()
         self._left.clear()
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    return host.strip("[]"), int(port)

@@ -23,9 +23,9 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import auth
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import state_codec
 from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.contract.endpoint import split_address
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, first_line
 
@@ -133,13 +134,12 @@ def find(
     """(the connected store, its endpoint) when the folder records that this job's store moved
     away from ``configured`` and it answers there with the recorded lineage; None otherwise.
     ``connect(host, port)``: a connected store, or None when nothing answers."""
-    from elastic_trainer.supervisor.rendezvous import presence
 
     record = read(snapshot_dir, job_id, key)
     if record is None or record.endpoint == configured:
         return None
     try:
-        host, port = presence.parse_address(record.endpoint)
+        host, port = split_address(record.endpoint)
     except ValueError:
         _ignored("malformed", "its endpoint is not HOST:PORT")
         return None

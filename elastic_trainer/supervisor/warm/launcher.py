@@ -23,11 +23,11 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.contract.protocol import ENV_NODE
 from elastic_trainer.errors import ElasticTrainError
 from elastic_trainer.supervisor.processes.procs import is_subreaper
-from elastic_trainer.supervisor.warm import pool as warm_pool
+from elastic_trainer.supervisor.warm import wire
 from elastic_trainer.supervisor.warm.decisions import modules_to_preload, pool_refusal
 from elastic_trainer.supervisor.warm.process import WarmProcess
 
-POOL_MODULE = "elastic_trainer.supervisor.warm.pool"
+POOL_MODULE = "elastic_trainer.entrypoints.warm_pool"
 # The pool imports torch while the supervisor starts and the first rendezvous runs, which on
 # a loaded machine can take many seconds (``import_s`` of ``warm_pool.ready``): the bound is
 # generous. Past it the first workers start as fresh processes.
@@ -164,7 +164,7 @@ class WarmPool:
             raise WarmPoolUnavailable(self.failure or "the warm pool is not ready")
         request = {"op": "spawn", "argv": list(argv), "env": dict(env), "cwd": os.getcwd()}
         try:
-            warm_pool.send(self._sock, request, list(stdio))
+            wire.send(self._sock, request, list(stdio))
         except OSError as exc:
             self._fail(f"it stopped listening ({exc})")
         answer = self._receive(SPAWN_TIMEOUT_S)
@@ -202,7 +202,7 @@ class WarmPool:
     def _receive(self, timeout: float) -> dict[str, Any]:
         self._sock.settimeout(timeout)
         try:
-            message, _ = warm_pool.receive(self._sock)
+            message, _ = wire.receive(self._sock)
         except TimeoutError:
             if self._ready:  # a spawn that does not come back: the pool is wedged
                 self._fail(f"no answer within {timeout:g} s")

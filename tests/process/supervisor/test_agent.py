@@ -838,6 +838,8 @@ def test_a_join_starts_the_new_sessions_alongside_and_stops_the_old_once_they_ar
     assert [(e["world_size"], e["alongside"]) for e in started] == [(1, False), (2, True)]
     (handed,) = named(logs, "group.handed_over")
     assert handed["ready"] is True
+    # the scripted workers report no step: the event comes as their attempt ends, no pause
+    assert handed["pause_s"] is None
 
 
 def test_old_workers_that_do_not_hand_over_are_killed_before_the_new_ones_go_on(tmp_path):

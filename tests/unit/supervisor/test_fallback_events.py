@@ -7,8 +7,8 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous.handler import FastRecoveryRendezvousHandler
 from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 

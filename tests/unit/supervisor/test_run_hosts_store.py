@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer import torch_compat
-from elastic_trainer.supervisor import run
+from elastic_trainer.supervisor import run, torch_compat
 from elastic_trainer.supervisor.cli import args
 
 

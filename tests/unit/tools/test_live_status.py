@@ -14,8 +14,8 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import auth
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import state_codec
 from elastic_trainer.supervisor.rendezvous.handler import handler_on
 from elastic_trainer.tools.live_status import describe

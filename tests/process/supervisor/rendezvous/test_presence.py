@@ -173,12 +173,6 @@ def test_where_to_listen(local_addr, rdzv_host, bind) -> None:
     assert presence.bind_host(local_addr, rdzv_host) == bind
 
 
-@pytest.mark.parametrize(("host", "text"), [("127.0.0.1", "127.0.0.1:80"), ("::1", "[::1]:80")])
-def test_addresses_round_trip(host, text) -> None:
-    assert presence.format_address(host, 80) == text
-    assert presence.parse_address(text) == (host, 80)
-
-
 def turned_away(sock: socket.socket) -> bool:
     """The server challenged, then said REFUSED and closed (the 10 s timeout is a
     did-not-hang bound)."""

@@ -116,7 +116,7 @@ def test_no_pool_when_off_for_non_python_workers_or_without_a_subreaper():
 def test_the_pool_never_forks_after_cuda_was_initialised(monkeypatch):
     import torch
 
-    from elastic_trainer.supervisor.warm import pool as warm_pool
+    from elastic_trainer.entrypoints import warm_pool
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert "CUDA" in (warm_pool.fork_refusal() or "")
@@ -353,7 +353,7 @@ def test_the_warm_up_runs_no_backward(monkeypatch):
     fork) and start one thread per device: on a GPU node the pool could fork nothing."""
     import torch
 
-    from elastic_trainer.supervisor.warm import pool as warm_pool
+    from elastic_trainer.entrypoints import warm_pool
 
     calls = []
     monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(a))
@@ -363,7 +363,7 @@ def test_the_warm_up_runs_no_backward(monkeypatch):
 
 def test_a_pool_without_torch_has_nothing_to_warm_up():
     assert "torch" in sys.modules  # this test process imported it: look at a fresh one
-    code = "from elastic_trainer.supervisor.warm import pool as warm_pool; import sys; "
+    code = "from elastic_trainer.entrypoints import warm_pool; import sys; "
     code += "print(warm_pool.warm_up(), 'torch' in sys.modules)"
     env = _env()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -480,7 +480,7 @@ def test_torch_context_closes_warm_workers_like_its_own(pool, tmp_path):
 def test_the_start_processes_swap_is_undone_even_on_error():
     from torch.distributed.elastic.agent.server import local_elastic_agent
 
-    from elastic_trainer import torch_compat
+    from elastic_trainer.supervisor import torch_compat
 
     original = local_elastic_agent.start_processes
     seen = []

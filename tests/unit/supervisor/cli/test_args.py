@@ -215,7 +215,7 @@ def test_the_rendezvous_node_is_advertised_at_local_addr() -> None:
     """--local-addr reaches torch's node descriptor (what peers dial for MASTER_ADDR)."""
     import socket
 
-    from elastic_trainer import torch_compat
+    from elastic_trainer.supervisor import torch_compat
     from elastic_trainer.supervisor.rendezvous.handler import create_handler
 
     with socket.socket() as s:
@@ -262,14 +262,6 @@ def test_nproc_auto_counts_the_allocation_not_the_host(monkeypatch) -> None:
 def test_malformed_node_and_endpoint_flags_are_named(argv, words) -> None:
     with pytest.raises(ConfigError, match=re.escape(words)):
         args.parse([*argv, "x.py"], env={})
-
-
-@pytest.mark.parametrize(
-    ("endpoint", "expected"),
-    [("[::1]:29500", ("::1", 29500)), ("::1", ("::1", 29400)), ("[::1]", ("::1", 29400))],
-)
-def test_ipv6_endpoints(endpoint, expected) -> None:
-    assert args.parse_endpoint(endpoint) == expected
 
 
 def test_standalone_with_one_node_spelled_out_is_fine() -> None:

@@ -17,9 +17,9 @@ from structlog.testing import capture_logs
 from torch.distributed import HashStore, TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.handler import (
     FastRecoveryRendezvousHandler,

@@ -13,8 +13,8 @@ from structlog.testing import capture_logs
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from elastic_trainer import torch_compat
 from elastic_trainer.contract import auth
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import state_codec
 from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore, TamperedValue
 from elastic_trainer.supervisor.rendezvous.state_backend import SignedStateBackend

@@ -1,4 +1,4 @@
-"""``python -m elastic_trainer.worker.bootstrap (SCRIPT | -m MODULE) [args...]``.
+"""``python -m elastic_trainer.entrypoints.worker (SCRIPT | -m MODULE) [args...]``.
 
 Every worker runs its script through this module. It behaves like ``python SCRIPT`` (same
 ``sys.argv``, ``sys.path[0]``, ``__main__``, exit status), except at the very end.
@@ -44,8 +44,6 @@ from elastic_trainer.contract import protocol
 from elastic_trainer.errors import ElasticTrainError
 from elastic_trainer.worker import failure, group_store
 
-# Set by the supervisor for its workers: its pid, for the parent-death race check below.
-ENV_SUPERVISOR_PID = protocol.ENV_SUPERVISOR_PID
 _PR_SET_PDEATHSIG = 1
 # The status of a worker whose supervisor was already gone when it started: 128 + SIGKILL,
 # as if the parent-death signal had reached it.
@@ -57,12 +55,12 @@ def die_with_supervisor(environ: Mapping[str, str] = os.environ) -> bool:
 
     The parent-death signal is armed only from now on: if the supervisor died between our
     fork and this call, we have already been re-parented and nothing would ever fire, so
-    a parent other than the supervisor (``ENV_SUPERVISOR_PID``) means exit at once.
+    a parent other than the supervisor (``protocol.ENV_SUPERVISOR_PID``) means exit at once.
     Returns False where this is not available (not Linux, not started by a supervisor).
     Caveat: the signal follows the parent *thread*; the supervisor starts workers from its
     main thread, which lives as long as it does.
     """
-    supervisor = environ.get(ENV_SUPERVISOR_PID, "")
+    supervisor = environ.get(protocol.ENV_SUPERVISOR_PID, "")
     if not supervisor.isdigit() or not sys.platform.startswith("linux"):
         return False
     try:
@@ -174,7 +172,7 @@ def main(argv: list[str]) -> None:
     whole_lines_on_stderr()
     if not argv or argv == ["-m"]:
         raise SystemExit(
-            "usage: python -m elastic_trainer.worker.bootstrap (SCRIPT | -m MODULE) [args...]"
+            "usage: python -m elastic_trainer.entrypoints.worker (SCRIPT | -m MODULE) [args...]"
         )
     proc_title.set_title(proc_title.worker(os.environ, argv))
     host_group_store()

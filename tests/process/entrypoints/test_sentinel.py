@@ -10,7 +10,7 @@ import textwrap
 import psutil
 import pytest
 
-from elastic_trainer.supervisor.processes.sentinel import Memory
+from elastic_trainer.entrypoints.sentinel import Memory
 from tests.e2e.workers.harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)

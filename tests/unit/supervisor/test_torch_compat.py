@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from elastic_trainer import torch_compat
+from elastic_trainer.supervisor import torch_compat
+from tests import ROOT
 
 
 @pytest.mark.parametrize("name", sorted(torch_compat.checks()))
@@ -44,7 +45,7 @@ def test_pyproject_pins_the_tested_range() -> None:
     import re
     from pathlib import Path
 
-    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    pyproject = (Path(ROOT) / "pyproject.toml").read_text()
     (torch_req,) = re.findall(r'"(torch>[^"]*)"', pyproject)  # tomllib needs Python 3.11
     low, high = torch_compat.TESTED_TORCH
     major, minor = map(int, high.split("."))

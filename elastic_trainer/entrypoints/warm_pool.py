@@ -1,6 +1,6 @@
 """The warm pool: a process that has imported torch once and forks workers on request.
 
-``python -u -m elastic_trainer.supervisor.warm.pool FD MODULE...``, started by the supervisor
+``python -u -m elastic_trainer.entrypoints.warm_pool FD MODULE...``, started by the supervisor
 (``launcher.WarmPool``) with one end of a ``SOCK_SEQPACKET`` socket pair as FD. A fresh
 worker pays 2-2.7 s of ``python`` + ``import torch`` (+ the script's imports) before its first
 line; a worker forked from here pays a ``fork``. The pool imports the MODULEs it is given
@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
-import json
 import os
 import signal
 import socket
@@ -45,35 +44,10 @@ import traceback
 from typing import Any
 
 from elastic_trainer import proc_title
-from elastic_trainer.worker import bootstrap
+from elastic_trainer.entrypoints import worker
+from elastic_trainer.supervisor.warm.wire import receive, send
 
-MAX_MESSAGE = 1 << 20  # bytes: a worker's environment and argv, with room to spare
 STDIO_FDS = 3  # stdin, stdout, stderr of the worker, in this order
-
-
-# ---- wire format (both ends) --------------------------------------------------------------
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [data], fds)
-    else:
-        sock.send(data)
-
-
-def receive(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the fds that came with it; (None, []) when the peer is gone: at EOF,
-    or reset (it closed with a message of ours unread: a supervisor that ended while its
-    pool imported, on a bad flag, would otherwise leave the pool's traceback on its stderr
-    beside its one-line error)."""
-    try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, max_fds)
-    except ConnectionResetError:
-        return None, []
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    return json.loads(data), list(fds)
 
 
 # ---- the pool ----------------------------------------------------------------------------
@@ -255,11 +229,11 @@ def _become_worker(request: dict[str, Any], fds: list[int], pid_w: int, go_r: in
         go = os.read(go_r, 1)
         os.close(go_r)
         if go != b"g":
-            os._exit(bootstrap.EXIT_ORPHANED)  # the pool is gone: so is the supervisor
+            os._exit(worker.EXIT_ORPHANED)  # the pool is gone: so is the supervisor
         _adopt(request, fds)
-        bootstrap.main(list(request["argv"]))
+        worker.main(list(request["argv"]))
     except SystemExit as exc:
-        status = bootstrap.exit_status(exc.code)
+        status = worker.exit_status(exc.code)
     except KeyboardInterrupt:  # as the interpreter does: die by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -284,8 +258,8 @@ def _adopt(request: dict[str, Any], fds: list[int]) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv or not argv[0].isdigit():
-        raise SystemExit("usage: python -m elastic_trainer.supervisor.warm.pool FD [MODULE...]")
-    bootstrap.die_with_supervisor()
+        raise SystemExit("usage: python -m elastic_trainer.entrypoints.warm_pool FD [MODULE...]")
+    worker.die_with_supervisor()
     proc_title.set_title(proc_title.warm_pool(os.environ))
     sock = socket.socket(fileno=int(argv[0]))
     with sock:

@@ -1,9 +1,9 @@
 """Every use of torch's private internals, in one place, each with why and where checked.
 
 torch.distributed.elastic gives us the engine (c10d rendezvous, the elastic agent) but not
-every knob fast recovery needs. What we need beyond its public API is reached only through
-this module; ``tests/unit/test_torch_compat.py`` asserts that each name still exists with the
-shape we use, so a torch release that moves one fails a millisecond test, not a job.
+every knob fast recovery needs. What we need beyond its public API is reached only through this
+module; ``tests/unit/supervisor/test_torch_compat.py`` asserts that each name still exists with
+the shape we use, so a torch release that moves one fails a millisecond test, not a job.
 
 Checked against torch 2.14.1 and 2.15.0 (``TESTED_TORCH``; pyproject pins the same range).
 """

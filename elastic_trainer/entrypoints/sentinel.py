@@ -1,6 +1,6 @@
 """A node-level sentinel: when the supervisor dies, by any means, its descendants die too.
 
-``python -m elastic_trainer.supervisor.processes.sentinel SUPERVISOR_PID``, started by the
+``python -m elastic_trainer.entrypoints.sentinel SUPERVISOR_PID``, started by the
 supervisor with a pipe on stdin and in a session of its own (a ``kill -9 -PGID`` of the supervisor's
 process group, or a Ctrl-C on its terminal, does not reach it). It imports nothing heavy
 (psutil and the standard library), so it is up in a fraction of a second.
@@ -25,13 +25,12 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import sys
 
 import psutil
 
 from elastic_trainer import proc_title
-from elastic_trainer.worker.bootstrap import ENV_SUPERVISOR_PID
+from elastic_trainer.contract.protocol import ENV_SUPERVISOR_PID
 
 # Seconds between two scans of the supervisor's tree: a process born and orphaned within
 # one interval is still caught through its session (see ``sweep``).
@@ -109,15 +108,6 @@ def watch(supervisor_pid: int, pipe_fd: int) -> int:
             break
     memory.sweep()
     return memory.sweep()
-
-
-def start() -> subprocess.Popen:
-    """Start the sentinel for this process; it lives until this process exits."""
-    return subprocess.Popen(
-        [sys.executable, "-m", __name__, str(os.getpid())],
-        stdin=subprocess.PIPE,  # our end is close-on-exec: only our death closes it
-        start_new_session=True,
-    )
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from elastic_trainer.supervisor.warm import pool
+from elastic_trainer.supervisor.warm import wire
 
 
 def test_a_peer_that_closed_with_our_message_unread_is_gone_not_an_error() -> None:
@@ -13,13 +13,13 @@ def test_a_peer_that_closed_with_our_message_unread_is_gone_not_an_error() -> No
     stderr, glued to its one-line error."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
-        pool.send(ours, {"ready": True})
+        wire.send(ours, {"ready": True})
         theirs.close()
-        assert pool.receive(ours) == (None, [])
+        assert wire.receive(ours) == (None, [])
 
 
 def test_a_peer_that_closed_cleanly_is_gone() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
         theirs.close()
-        assert pool.receive(ours) == (None, [])
+        assert wire.receive(ours) == (None, [])

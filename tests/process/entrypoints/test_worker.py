@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.worker.bootstrap import ENV_SUPERVISOR_PID, EXIT_ORPHANED, exit_status
+from elastic_trainer.contract.protocol import ENV_SUPERVISOR_PID
+from elastic_trainer.entrypoints.worker import EXIT_ORPHANED, exit_status
 from tests import ROOT as TESTS_ROOT
 
-BOOTSTRAP = [sys.executable, "-m", "elastic_trainer.worker.bootstrap"]
+BOOTSTRAP = [sys.executable, "-m", "elastic_trainer.entrypoints.worker"]
 ROOT = str(TESTS_ROOT)
 
 
@@ -146,7 +147,7 @@ def test_a_configuration_error_is_one_line_exit_2_and_reaches_the_error_file(tmp
     error_file = tmp_path / "error.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCHELASTIC_ERROR_FILE": str(error_file)}
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_trainer.worker.bootstrap", str(script)],
+        [sys.executable, "-m", "elastic_trainer.entrypoints.worker", str(script)],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2
@@ -161,7 +162,7 @@ def test_in_json_mode_a_line_reaches_stderr_in_one_write(fmt, seen):
     code = textwrap.dedent(
         """
         import os, sys
-        from elastic_trainer.worker.bootstrap import whole_lines_on_stderr
+        from elastic_trainer.entrypoints.worker import whole_lines_on_stderr
         whole_lines_on_stderr()
         sys.stderr.write("hello")
         os.write(2, b"X")

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from elastic_trainer import stderr_router
+from elastic_trainer.supervisor.processes import stderr_router
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_a_process_and_its_children_write_only_json_through_the_router() -> None
     program = textwrap.dedent(
         """
         import os, subprocess, sys
-        from elastic_trainer import stderr_router
+        from elastic_trainer.supervisor.processes import stderr_router
         router = stderr_router.install(lambda: {"job_id": "j", "node": "n", "pid": os.getpid()})
         os.write(2, b"[W1122 00:00:00.000 TCPStore.cpp:1] native warning\\n")
         print('{"event": "supervisor.started", "pid": 1}', file=sys.stderr, flush=True)
