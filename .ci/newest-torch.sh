@@ -47,8 +47,9 @@ fi
 echo "newest-torch: testing on torch $(torch_version)"
 status=0
 # tests/unit: every decision and every torch_compat probe; tests/dist: FSDP2, DCP and the
-# process groups on gloo, where a torch release changes behaviour rather than names.
-python -m pytest -q -n 2 --dist loadfile tests/unit tests/dist \
+# process groups on gloo, where a torch release changes behaviour rather than names;
+# tests/inprocess: its ranks are threads through torch's private thread-local world.
+python -m pytest -q -n 2 --dist loadfile tests/unit tests/dist tests/inprocess \
     --deselect tests/unit/test_torch_compat.py::test_installed_torch_is_in_the_tested_range \
     --deselect tests/unit/test_torch_compat.py::test_pyproject_pins_the_tested_range || status=$?
 if [[ $status -ne 0 && "${ELASTIC_TRAIN_NEWEST_TORCH:-fail}" == warn ]]; then
