@@ -332,6 +332,11 @@ def hosts_store(cfg: RunConfig) -> bool:
         return cfg.is_host
     if is_loopback(cfg.rdzv_host):  # torch's answer too, without importing torch (seconds)
         return True  # before the port is claimed: the agent started first must win it
+    # an address of one of this machine's interfaces: torch only compares the addresses the
+    # hostname resolves to, which on Debian and Ubuntu is 127.0.1.1, so a machine given its
+    # own IP as the endpoint would wait for a store nobody hosts
+    if static_host.is_local_address(cfg.rdzv_host):
+        return True
     from elastic_trainer.supervisor import torch_compat
 
     return torch_compat.matches_machine_hostname(cfg.rdzv_host)

@@ -306,9 +306,8 @@ def test_store_host_cut_off_goes_on_alone_and_the_others_stop(net, tmp_path, wor
         PROTO, "--steps", "300", "--step-time", "0.1", "--audit", str(tmp_path / "audit"),
     ]  # fmt: skip
     trio = []
-    for node in (a, b, c):
-        conf = FAST_RDZV + (",is_host=true" if node is a else ",is_host=false")
-        trio.append(start_node(tmp_path, node, ["--rdzv-conf", conf, *argv], env))
+    for node in (a, b, c):  # no is_host: a knows the endpoint is its interface's address
+        trio.append(start_node(tmp_path, node, ["--rdzv-conf", FAST_RDZV, *argv], env))
         agents.append(trio[-1])
     wait_for(lambda: first_step_at(tmp_path / "audit", 3, 0), 120, "steps at world size 3")
     cut_at = time.time()
