@@ -6,15 +6,15 @@ could not tell which process runs the training script. Each process now names it
 a command line (``ps -ef``, ``top -c``, htop) and a process name (``top``, ``ps -e``):
 
 - ``elastic-train worker 3: train.py --lr 1`` / ``et-worker 3``: a worker, by global rank
-  (``worker/bootstrap.py``, before the script runs);
-- ``elastic-train warm pool (node n0)`` / ``et-warm-pool`` (``supervisor/warm/pool.py``);
+  (``entrypoints/worker.py``, before the script runs);
+- ``elastic-train warm pool (node n0)`` / ``et-warm-pool`` (``entrypoints/warm_pool.py``);
 - ``elastic-train sentinel (supervisor 812)`` / ``et-sentinel``
-  (``supervisor/processes/sentinel.py``);
+  (``entrypoints/sentinel.py``);
 - ``elastic-train preflight: train.py --lr 1`` / ``et-preflight``
-  (``supervisor/cli/preflight.py``);
+  (``entrypoints/preflight.py``);
 - ``elastic-train snapshot writer (rank 3)`` / ``et-writer 3``: ``snapshots/proc_title.py``,
-  this module's twin (``snapshots`` never imports us, and importing ``snapshots`` would cost
-  the light processes here, the sentinel and the bootstrap, ~0.1 s: numpy among others).
+  this module's twin (``snapshots`` never imports us, and importing ``snapshots`` would load
+  numpy among others into the light processes here, the sentinel and the bootstrap).
   ``tests/unit/test_proc_title.py`` holds both to one contract.
 
 The supervisor keeps the command line it was started with: it is the operator's own command,

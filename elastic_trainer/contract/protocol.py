@@ -383,10 +383,10 @@ PROGRESS_RECORD_BYTES = 256
 
 def progress_record(body: Mapping[str, Any]) -> bytes:
     """One progress report as the fixed-size record a worker writes over the last one (one
-    ``pwrite`` at offset 0): the JSON's CRC-32 in hex, a space, the JSON, spaces. In place, a
-    report costs about 10 µs; a new file renamed over the old one cost 100-300 µs, after every
-    step. A reader that catches a write half done sees a checksum that does not match
-    (``progress_json``)."""
+    ``pwrite`` at offset 0): the JSON's CRC-32 in hex, a space, the JSON, spaces. In place,
+    because a report is written after every step and a new file renamed over the old one costs
+    a create, a write and a rename each time. A reader that catches a write half done sees a
+    checksum that does not match (``progress_json``)."""
     text = json.dumps(body, separators=(",", ":"))
     record = f"{zlib.crc32(text.encode()):08x} {text}".encode()
     if len(record) > PROGRESS_RECORD_BYTES:

@@ -1,5 +1,5 @@
 """Workers forked by the warm pool, as torch's ``start_processes`` hands them out (the pool
-process: ``pool.py``; starting it and asking it for forks: ``launcher.py``).
+process: ``entrypoints/warm_pool.py``; starting it and asking it for forks: ``launcher.py``).
 
 torch's ``LocalElasticAgent._start_workers`` builds each worker's environment, arguments and
 log destinations, then hands them to ``start_processes``. With a warm pool, ``start_processes``

@@ -1,5 +1,5 @@
 """The warm pool process, from the supervisor: start it, wait until it is ready, ask it for a
-fork (``pool.py`` is the process itself; ``client.py`` plugs its forks into torch's
+fork (``entrypoints/warm_pool.py`` is the process itself; ``client.py`` plugs its forks into torch's
 ``start_processes``).
 
 Nothing here imports torch: the supervisor starts the pool first thing, so that the pool's

@@ -1,6 +1,7 @@
 """A process the warm pool forked, as the supervisor holds it: a ``Popen``-like handle on a
 child of ours (the pool's forks are re-parented to the supervisor, its child subreaper:
-``pool.py``), so ``waitpid`` reaps it as ``Popen`` would. Nothing here imports torch."""
+``entrypoints/warm_pool.py``), so ``waitpid`` reaps it as ``Popen`` would. Nothing here
+imports torch."""
 
 from __future__ import annotations
 

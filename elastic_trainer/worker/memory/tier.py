@@ -189,8 +189,9 @@ class MemoryTier:
         """For the just-in-time copy, once training goes on (the optimizer's state exists):
         on the tier's thread, the slot that copy goes into gets its pages (the node's first
         rank to get here allocates them) and this rank maps it (``NodeCopies.reserve``), so
-        that at a failure whichever rank writes the copy writes straight into it (0.1 s
-        instead of 0.7 s per GB here: ``bench/memory_copy_cost.py``), and a tmpfs too small
+        that at a failure whichever rank writes the copy writes straight into pages that
+        already exist (the cost of faulting them in at the failure is measured by
+        ``bench/memory_copy_cost.py``), and a tmpfs too small
         for it says so now (``snapshot.memory_failed``), not at a failure. A copy that
         starts meanwhile waits for it (``flush``)."""
         size = byte_layout.plan(self._payload(step, state)).size
