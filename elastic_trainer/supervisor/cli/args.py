@@ -25,7 +25,6 @@ from elastic_trainer.cliparse import UNKNOWN_OPTION, OneLineParser
 from elastic_trainer.contract import protocol, settings
 from elastic_trainer.contract.config import (
     DEFAULT_MODULE,
-    DEFAULT_RDZV_PORT,
     NNODES,
     RDZV_BACKEND,
     RDZV_CONF,
@@ -35,6 +34,7 @@ from elastic_trainer.contract.config import (
     RunConfig,
     supervisor_flags,
 )
+from elastic_trainer.contract.endpoint import DEFAULT_PORT, parse_endpoint
 from elastic_trainer.contract.protocol import WorkerSettings
 from elastic_trainer.contract.settings import Setting, flagged, lookup
 from elastic_trainer.errors import ConfigError
@@ -140,41 +140,6 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
     return conf
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST[:PORT]`` (``[v6]:PORT``, or a bare IPv6 literal) -> (host, port); the port
-    defaults to 29400. Each malformed form is named, never silently repaired."""
-    text = text.strip()
-    host, port_text, has_port = text, "", False
-    if text.startswith("["):
-        if "]" not in text:
-            raise ConfigError(
-                f"--rdzv-endpoint={text!r} opens '[' without ']': use [IPV6]:PORT, e.g. [::1]:29400"
-            )
-        host, _, tail = text[1:].partition("]")
-        if tail and not tail.startswith(":"):
-            raise ConfigError(f"--rdzv-endpoint={text!r} is invalid: use [IPV6]:PORT")
-        port_text, has_port = tail[1:], bool(tail)
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-        has_port = True
-    if not host:
-        raise ConfigError(f"--rdzv-endpoint={text!r} has no host: use HOST[:PORT]")
-    if has_port and not port_text:
-        raise ConfigError(
-            f"--rdzv-endpoint={text!r} ends in ':' without a port: use HOST:PORT, or HOST alone "
-            f"for port {DEFAULT_RDZV_PORT}"
-        )
-    if not has_port:
-        return host, DEFAULT_RDZV_PORT
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError(
-            f"--rdzv-endpoint={text!r} has a bad port {port_text!r}: use HOST:PORT"
-        ) from None
-    return host, port
-
-
 def parse_nnodes(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(":")
     try:
@@ -271,8 +236,8 @@ def resolve_endpoint(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[st
     text = lookup(ns, env, RDZV_ENDPOINT)
     if not text and env.get("PET_MASTER_ADDR"):
         # Kubeflow's non-elastic PyTorchJob: the master pod hosts the store.
-        text = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', DEFAULT_RDZV_PORT)}"
-    return parse_endpoint(text) if text else ("127.0.0.1", DEFAULT_RDZV_PORT)
+        text = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', DEFAULT_PORT)}"
+    return parse_endpoint(text) if text else ("127.0.0.1", DEFAULT_PORT)
 
 
 def _check_standalone(ns: argparse.Namespace, lo: int, hi: int) -> None:
