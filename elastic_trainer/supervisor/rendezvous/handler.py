@@ -27,7 +27,8 @@ docs/command-line.md, "Recovery defaults"):
   round (and every node already waiting) has joined (``decisions.close_round_now``); nodes the
   agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
   in the shared state first, so nobody waits for their heartbeats to run out; and a node that
-  waits for others polls the state every 50 ms instead of torch's fixed 1 s sleep.
+  waits for others polls the state's write count every 50 ms (``SignedStateBackend.version``)
+  and reads the state when it moved, instead of torch's fixed 1 s sleep.
 - a re-form joins at once: torch sleeps a random 0-0.3 s before joining while the round is
   0, meant to spread a job's first joins, which its first re-form (the round is still 0 then)
   paid too;
@@ -111,6 +112,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         torch_compat.set_last_call_timeout(self, last_call)
         torch_compat.install_join_hook(self, self._join_hook, self._dead_while_joining)
         self._rounds_joined += 1
+        if self.state_backend is not None:  # our key exists before we are in the state
+            self._keep_alive()
         if self._dead:
             self._expire_dead()
         if self._static_rank is not None and self.store is not None:
@@ -217,12 +220,17 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
             wait_s = min(wait_s, max(0.0, left_s))
         until = time.monotonic() + wait_s
+        seen = None  # the state's write count when we last read it: unchanged, not read again
         while time.monotonic() < until:
             time.sleep(self.poll_s)
             self._raise_if_static_conflict()
             if self._newly_dead():
                 return
             try:
+                version = self.state_backend.version() if self.state_backend is not None else None
+                if version is not None and version == seen:
+                    continue  # not written since: each waiter read N nodes' state 20 times a second
+                seen = version
                 state = self.state_backend.peek() if self.state_backend is not None else None
             except Exception:  # unreadable or refused now: torch's own sync deals with it
                 return
@@ -233,10 +241,15 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         torch_compat.start_fast_heartbeats(self)
 
     def _keep_alive(self) -> None:
-        """torch's heartbeat without its per-failure warning. Any error is caught: one raised
-        on the timer thread would end the heartbeats for good."""
+        """A heartbeat, in this node's own key (``SignedStateBackend.beat``: not a rewrite
+        of the whole state), without torch's per-failure warning. Any error is caught: one
+        raised on the timer thread would end the heartbeats for good."""
         try:
-            torch_compat.send_heartbeat(self)
+            if self.state_backend is not None:
+                now = datetime.now(timezone.utc) - _EPOCH
+                self.state_backend.beat(self.this_node, now // timedelta(microseconds=1))
+            else:
+                torch_compat.send_heartbeat(self)
         except Exception as exc:
             if self.heartbeat_failures == 0:
                 self.heartbeat_error = first_line(str(exc)) or type(exc).__name__
@@ -290,14 +303,17 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         self.store.set(self._key(kind, self.this_node), value)
 
     def _published(self, kind: str, nodes: set[Any]) -> dict[Any, str]:
-        """node -> the value it published, for the nodes that published one."""
+        """node -> the value it published, for the nodes that published one. Two round trips
+        when all have (every member reads every other's after each round: one read per key
+        made the store's work per round grow with the square of the nodes); a node whose
+        value is missing is found by one check per key, a forged one is left out."""
         keys = {node: self._key(kind, node) for node in nodes}
-        keys = {node: key for node, key in keys.items() if self.store.check([key])}
-        found = {}
-        for node, key in keys.items():
-            with contextlib.suppress(signed_store.TamperedValue):  # not the node's: unknown
-                found[node] = self.store.get(key).decode()
-        return found
+        if keys and not self.store.check(list(keys.values())):
+            keys = {node: key for node, key in keys.items() if self.store.check([key])}
+        if not keys:
+            return {}
+        values = self.store.get_each(list(keys.values()))
+        return {node: v.decode() for node, v in zip(keys, values, strict=True) if v is not None}
 
     # ---- store failover (failover.py) --------------------------------------------------------
     def member_name(self) -> str:
@@ -362,6 +378,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         return self._published("presence", nodes)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 CHECKED_WAIT_S = 10.0  # how long a node waits for the others to see a --node-rank conflict
 
 # Under the round's own store prefix, apart from the keys torch's rank 0 already wrote.

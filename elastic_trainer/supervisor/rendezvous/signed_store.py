@@ -99,6 +99,21 @@ class SignedStore(dist.Store):
         found = self.raw.compare_set(key, signed_expected, self.sign(key, desired))
         return self.verified(key, found)
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key's payload in one round trip; ``TamperedValue`` if any does not verify."""
+        return [self.verified(k, v) for k, v in zip(keys, self.raw.multi_get(keys), strict=True)]
+
+    def get_each(self, keys: list[str]) -> list[bytes | None]:
+        """``multi_get``, with None in place of a value that does not verify (refused and
+        reported as ``get`` does): one forged value hides only its own key."""
+        found: list[bytes | None] = []
+        for key, value in zip(keys, self.raw.multi_get(keys), strict=True):
+            try:
+                found.append(self.verified(key, value))
+            except TamperedValue:
+                found.append(None)
+        return found
+
     def add(self, key: str, amount: int) -> int:
         return int(self.raw.add(key, amount))
 

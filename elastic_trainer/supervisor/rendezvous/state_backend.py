@@ -13,11 +13,19 @@ replaces it); a node that never saw one starts from an empty state, unless the v
 state signed with another secret (same schema, another key fingerprint): that is a node of
 this job given a different secret, and ``ForeignSecret`` says so instead of fighting over
 the key.
+
+Heartbeats are not written into the state: each node sets its own signed key (``beat``) and
+every read of the state takes the newer of the state's time and the key's for each node
+(``with_beats``), so torch's expiry sees them as before. In torch's state every heartbeat
+rewrote the whole state (O(N) bytes) by compare-and-set on one key that every node wrote twice
+a second: the store's work grew with N², and under load the writes collided until live nodes
+missed their expiry and were dropped. Now the state changes only when the membership does.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -42,9 +50,12 @@ class SignedStateBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self._store = store
         self._key = torch_compat.rendezvous_key(run_id)
+        self._run_id = run_id
+        self._version_key = f"{self._key}/version"
         self._empty = store.sign(self._key, state_codec.encode(None, fingerprint=self._fp))
         self._last_good: bytes | None = None  # the last verified state, pickled for the holder
         self._last_raw = b""  # ... and the stored value it came from: read again, not decoded
+        self._last_plain: dict[str, Any] | None = None  # ... and that value decoded
         # as torch's backend: the key exists from now on (a write without a token expects it)
         self._call("compare_set", self._key, "", self._empty)
 
@@ -65,13 +76,46 @@ class SignedStateBackend(RendezvousBackend):
         expected = token if isinstance(token, bytes) else self._empty
         raw = bytes(self._call("compare_set", self._key, expected, value))
         if raw == value:  # ours is stored: it is the holder's own state, nothing to decode
-            self._last_good, self._last_raw = state, raw
+            self._last_good, self._last_raw, self._last_plain = state, raw, plain
+            self._call("add", self._version_key, 1)
             return state, raw, True
         found = self._state_of(raw)
         if found is None:
             return None
         bits, new_token = found
         return bits, new_token, raw == value
+
+    def version(self) -> int:
+        """How many times the state was written (after each write): a node that waits for a
+        change reads this number, not the whole state. A plain counter, as c10d adds on the
+        server; a forged one only makes a waiter read the state early, or late by at most
+        its wait (torch reads the state itself then)."""
+        return int(self._call("add", self._version_key, 0))
+
+    def beat(self, node: Any, at_us: int) -> None:
+        """``node``'s heartbeat at ``at_us`` (microseconds since the epoch): its own key."""
+        self._store.set(beat_key(self._run_id, node_entry(node)), str(at_us))
+
+    def _with_beats(self, plain: dict[str, Any]) -> dict[str, Any]:
+        entries = plain["last_heartbeats"]
+        if not entries:
+            return plain
+        keys = [beat_key(self._run_id, e) for e in entries]
+        if not self._call("check", keys):  # one not beaten yet (just joined, a new store)
+            found = [self._beat(k) if self._call("check", [k]) else None for k in keys]
+        else:
+            values = self._call("multi_get", keys)
+            found = [self._verified_beat(k, v) for k, v in zip(keys, values, strict=True)]
+        return with_beats(plain, found)
+
+    def _beat(self, key: str) -> int | None:
+        return self._verified_beat(key, self._call("get", key))
+
+    def _verified_beat(self, key: str, raw: bytes) -> int | None:
+        payload = auth.verify_value(self._store.key, key, bytes(raw))
+        if payload is None:
+            self._store.log.refused(key, "bad_tag")
+        return parse_beat(payload)
 
     def peek(self) -> Any:
         """The stored state as torch's class (None: none yet), verified, without touching the
@@ -87,8 +131,8 @@ class SignedStateBackend(RendezvousBackend):
     def _state_of(self, raw: bytes) -> tuple[bytes, Any] | None:
         """(pickled state for the holder, token = the raw value) or None for no state yet."""
         raw = bytes(raw)
-        if raw == self._last_raw and self._last_good is not None:  # unchanged since last seen
-            return self._last_good, raw
+        if raw == self._last_raw and self._last_plain is not None:  # unchanged: not decoded
+            return self._fresh(self._last_plain), raw
         payload = auth.verify_value(self._store.key, self._key, raw)
         if payload is not None:
             try:
@@ -99,15 +143,20 @@ class SignedStateBackend(RendezvousBackend):
             else:
                 if plain is None:
                     return None
-                bits = pickle.dumps(torch_compat.state_from_plain(plain))
-                self._last_good, self._last_raw = bits, raw
-                return bits, raw
+                self._last_plain, self._last_raw = plain, raw
+                return self._fresh(plain), raw
         else:
             self._refuse(raw)
         # not usable: the last good state (or an empty one) with the bad value as the token,
         # so the holder's next write replaces it
         bits = self._last_good or pickle.dumps(torch_compat.state_from_plain(_EMPTY_PLAIN))
         return bits, raw
+
+    def _fresh(self, plain: dict[str, Any]) -> bytes:
+        """``plain`` with the nodes' own heartbeats, pickled for the holder (and kept as the
+        last good state)."""
+        self._last_good = pickle.dumps(torch_compat.state_from_plain(self._with_beats(plain)))
+        return self._last_good
 
     def _refuse(self, raw: bytes) -> None:
         body = raw.partition(b".")[2].partition(b".")[2] if raw.startswith(auth.MAGIC) else b""
@@ -140,3 +189,38 @@ _EMPTY_PLAIN: dict[str, Any] = {
     "redundancy_list": [],
     "last_heartbeats": [],
 }
+
+
+MAX_BEAT_CHARS = 20  # digits of microseconds since the epoch (2^63 has 19)
+
+
+def beat_key(run_id: str, node: Sequence[Any]) -> str:
+    """Where node ``[addr, pid, local_id, ...]`` of ``run_id`` keeps its heartbeat."""
+    return f"elastic-train/{run_id}/heartbeat/{node[0]}/{node[1]}/{node[2]}"
+
+
+def node_entry(node: Any) -> list[Any]:
+    return [node.addr, node.pid, node.local_id]
+
+
+def parse_beat(payload: bytes | None) -> int | None:
+    """A heartbeat key's time (microseconds since the epoch); None for none or a bad one."""
+    if payload is None or not 0 < len(payload) <= MAX_BEAT_CHARS or not payload.isdigit():
+        return None
+    value = int(payload)
+    return value if value <= state_codec.MAX_INT else None
+
+
+EXPIRED = 0  # a heartbeat at the epoch: the node was expired on purpose (known dead)
+
+
+def with_beats(plain: dict[str, Any], beats: list[int | None]) -> dict[str, Any]:
+    """``plain`` with each ``last_heartbeats`` entry at the newer of its own time and the
+    node's key's (``beats``, in the entries' order; None: no key, or a bad one). An entry
+    at the epoch stays there: a node known dead is expired so (``torch_compat.expire_nodes``),
+    while its key still holds its last beat."""
+    merged = [
+        [*e[:3], e[3] if b is None or b <= e[3] or e[3] == EXPIRED else b]
+        for e, b in zip(plain["last_heartbeats"], beats, strict=True)
+    ]
+    return {**plain, "last_heartbeats": merged}

@@ -19,7 +19,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTi
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.auth import JobKey
-from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
 from elastic_trainer.supervisor.rendezvous.handler import (
     FastRecoveryRendezvousHandler,
@@ -191,10 +190,11 @@ def test_a_lost_store_fails_heartbeats_quietly_and_counts_them(monkeypatch, capl
         for _ in range(5):
             time.sleep(0.02)  # not a sync: makes the beat due
             handler._keep_alive()
-    assert handler.heartbeat_failures == 5 and handler.heartbeat_error
+    # a beat is a set, which c10d does not answer: the first may still fill the socket buffer
+    assert handler.heartbeat_failures in (4, 5) and handler.heartbeat_error
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert events == []
-    monkeypatch.setattr(torch_compat, "send_heartbeat", lambda handler: None)  # back again
+    monkeypatch.setattr(handler.state_backend, "beat", lambda node, at_us: None)  # back again
     handler._keep_alive()
     assert (handler.heartbeat_failures, handler.heartbeat_error) == (0, "")
 

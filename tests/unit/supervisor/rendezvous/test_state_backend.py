@@ -15,7 +15,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from elastic_trainer.contract import auth
 from elastic_trainer.supervisor import torch_compat
-from elastic_trainer.supervisor.rendezvous import state_codec
+from elastic_trainer.supervisor.rendezvous import state_backend, state_codec
 from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore, TamperedValue
 from elastic_trainer.supervisor.rendezvous.state_backend import SignedStateBackend
 
@@ -92,3 +92,98 @@ def test_peek_refuses_what_it_cannot_verify() -> None:
     store.set(NAME, auth.sign_value(auth.JobKey.generate(), NAME, forged))
     with pytest.raises(TamperedValue):
         backend.peek()
+
+
+def _micros(t: datetime) -> int:
+    return (t - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1)
+
+
+def test_a_nodes_own_heartbeat_key_moves_its_time_forward_without_rewriting_the_state() -> None:
+    store = HashStore()
+    backend = _backend(store)
+    _write(backend, _state())
+    a, b = sorted(_state().last_heartbeats, key=lambda n: n.addr)
+    stored = bytes(store.get(NAME))
+    later = _state().deadline + timedelta(seconds=7)
+    backend.beat(a, _micros(later))
+    backend.beat(b, _micros(_state().deadline - timedelta(seconds=9)))  # older: not back
+    assert bytes(store.get(NAME)) == stored  # a heartbeat is not a write of the whole state
+    bits, token = _backend(store).get_state()
+    beats = pickle.loads(bits).last_heartbeats
+    assert beats == {a: later, b: _state().last_heartbeats[b]} and token == stored
+
+
+def test_a_heartbeat_key_the_job_did_not_sign_is_refused() -> None:
+    store = HashStore()
+    backend = _backend(store)
+    _write(backend, _state())
+    a = min(_state().last_heartbeats, key=lambda n: n.addr)
+    store.set(state_backend.beat_key("job", state_backend.node_entry(a)), b"9" * 18)
+    with capture_logs() as logs:
+        bits, _ = _backend(store).get_state()
+    assert pickle.loads(bits).last_heartbeats == _state().last_heartbeats
+    assert [(e["event"], e["reason"]) for e in logs] == [("store.tampered", "bad_tag")]
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (b"123", 123),
+        (None, None),
+        (b"", None),
+        (b"-1", None),
+        (b"1e9", None),
+        (b"9" * 21, None),
+        (str(2**63).encode(), None),
+    ],
+    ids=["digits", "none", "empty", "negative", "float", "too-long", "out-of-range"],
+)
+def test_a_heartbeat_value_is_a_bounded_count_of_microseconds(payload, expected) -> None:
+    assert state_backend.parse_beat(payload) == expected
+
+
+def test_get_each_hides_only_the_forged_value() -> None:
+    store = HashStore()
+    signed = SignedStore(store, KEY)
+    signed.set("k1", b"one")
+    store.set("k2", b"planted")
+    signed.set("k3", b"three")
+    with capture_logs() as logs:
+        assert signed.get_each(["k1", "k2", "k3"]) == [b"one", None, b"three"]
+    assert [(e["event"], e["key"]) for e in logs] == [("store.tampered", "k2")]
+    with pytest.raises(TamperedValue):
+        signed.multi_get(["k1", "k2"])
+
+
+def test_every_write_of_the_state_counts_and_a_read_does_not() -> None:
+    store = HashStore()
+    backend = _backend(store)
+    assert backend.version() == 0
+    _write(backend, _state())
+    backend.get_state()
+    backend.peek()
+    assert backend.version() == 1 and _backend(store).version() == 1
+
+
+def test_a_state_of_256_members_with_long_addresses_is_admitted() -> None:
+    state = _RendezvousState()
+    nodes = [_NodeDesc(f"node-{i:03d}.rack-{i // 16:02d}.cluster.example.org", 10**6 + i, 0)
+             for i in range(256)]  # fmt: skip
+    state.participants = {n: rank for rank, n in enumerate(nodes)}
+    state.last_heartbeats = dict.fromkeys(nodes, datetime(2026, 1, 2, tzinfo=timezone.utc))
+    state.wait_list = set(nodes[:8])
+    payload = state_codec.encode(torch_compat.state_to_plain(state), fingerprint="k")
+    assert len(payload) < state_codec.MAX_STATE_BYTES // 100  # far inside the bound
+    assert vars(torch_compat.state_from_plain(state_codec.decode(payload))) == vars(state)
+
+
+def test_a_node_expired_on_purpose_stays_expired_though_its_key_holds_a_recent_beat() -> None:
+    store = HashStore()
+    backend = _backend(store)
+    state = _state()
+    a = min(state.last_heartbeats, key=lambda n: n.addr)
+    backend.beat(a, _micros(state.deadline + timedelta(seconds=5)))
+    state.last_heartbeats[a] = datetime(1970, 1, 1, tzinfo=timezone.utc)  # expire_nodes
+    _write(backend, state)
+    bits, _ = _backend(store).get_state()
+    assert pickle.loads(bits).last_heartbeats[a] == datetime(1970, 1, 1, tzinfo=timezone.utc)
