@@ -107,6 +107,20 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),
     "train.evaluated": ("step", "epoch", "val_loss", "val_accuracy"),
     "train.model_exported": ("step", "path", "val_accuracy"),
+    # a rank whose compute per step is >= 10 % above the others' median for a sustained window
+    # (worker.stragglers); emitted by that rank: ``node`` is the slow node's --node name
+    "straggler.detected": (
+        "rank",
+        "step",
+        "since_step",
+        "slowdown",
+        "compute_ms",
+        "median_ms",
+        "world_size",
+    ),
+    "straggler.recovered": ("rank", "step", "since_step", "slowdown", "waited_s", "steps"),
+    # rank 0 as the session closes: the time the group waited for its slowest rank
+    "straggler.summary": ("steps", "waited_s", "stragglers", "attempt"),
     # a stdlib record of a foreign logger (torch, a library, the script): its text is in
     # ``message``; written by ``elastic_trainer.logging``, never by ``emit``
     "log.record": ("logger", "level", "message"),

@@ -51,6 +51,7 @@ from elastic_trainer.worker.snapshotting import (
     open_snapshots,
     restore_state,
 )
+from elastic_trainer.worker.straggler_watch import StragglerWatch
 from snapshots import RNGState
 
 SAMPLER_KEY = "elastic_sampler"
@@ -163,6 +164,8 @@ class TrainingSession:
         # snapshot/progress events for the supervisor's metrics (protocol.events_file)
         self._forwarder = EventForwarder.install(self.context.control_dir, self.context.local_rank)
         self._reporter = MetricsReporter(every_s=self.METRICS_EVERY_S)
+        # compute vs waiting per rank, compared across the group (docs/stragglers.md)
+        self._stragglers = StragglerWatch(self.context.device, self.attempt)
         self._signals = StopSignals()  # SIGTERM/SIGUSR1 to the worker = this node stops
         self._signals.install()
         self._audit = self._open_audit(audit_dir)
@@ -326,12 +329,20 @@ class TrainingSession:
     def accumulate(self, model: Any) -> Iterator[None]:
         """Wrap one micro-batch's forward/backward: DDP ``no_sync`` on all but the last one
         of the step, so gradients are all-reduced once per optimizer step."""
+        self._stragglers.watch(model)
         last = self._micro + 1 >= self.micro_batches_per_step
         no_sync = getattr(model, "no_sync", None)
         context = no_sync() if (callable(no_sync) and not last) else contextlib.nullcontext()
         with context:
             yield
         self._micro += 1
+
+    def watch(self, model: Any) -> bool:
+        """Time ``model``'s waits in collectives (DDP's gradient all-reduce, FSDP2's
+        all-gathers) so that a slow rank is told by its compute, not by the wall time every
+        rank shares; ``accumulate`` does it itself. Call before the first forward. False:
+        no probe fits, only the session's own all-reduce is timed (docs/stragglers.md)."""
+        return self._stragglers.watch(model)
 
     def step_done(self, num_samples: int | None = None) -> None:
         """Call after every ``optimizer.step()``. ``num_samples`` (this rank's samples of the
@@ -357,10 +368,12 @@ class TrainingSession:
             raise ConfigError(
                 "ElasticSampler without global_batch_size: call step_done(num_samples=len(batch))"
             )
+        interval, timing = self._interval_figures(), self._stragglers.figures()
         votes, total, *figures = D.all_reduce_ints(
-            [stop_vote(own_stop), num_samples or 0, *self._interval_figures()]
+            [stop_vote(own_stop), num_samples or 0, *interval, *timing]
         )
-        self._observe_interval(figures)
+        self._stragglers.observe(self.step + 1, figures[len(interval) :])
+        self._observe_interval(figures[: len(interval)])
         with self._counting():
             indices = self._advance_sampler(num_samples, total)
             self.step += 1
@@ -614,6 +627,7 @@ class TrainingSession:
         """Collective: flush the in-flight snapshot and close files, without a final one.
         ``ended``: training is over (not stopped to go on later), so the disk space local
         storage keeps for the next save is freed."""
+        self._stragglers.summarize()
         self._signals.uninstall()
         if self._on_failure is not None:
             self._on_failure.close()

@@ -145,6 +145,13 @@ METRICS: Mapping[str, MetricSpec] = dict(
             "Resident memory of each worker's process tree (worker.resources).",
             labels=("local_rank",),
         ),
+        _spec(
+            "elastic_train_rank_slowdown",
+            Kind.GAUGE,
+            "A straggling rank of this node: compute per step over the others' median "
+            "(straggler.detected; back below 1.05 at straggler.recovered).",
+            labels=("node", "rank"),
+        ),
     ]
 )
 
@@ -228,6 +235,15 @@ _MEMBERSHIP = _labelled(
 )
 
 
+def _slowdown(event: Mapping[str, Any]) -> list[Change]:
+    return _set(
+        "elastic_train_rank_slowdown",
+        event.get("slowdown"),
+        node=event.get("node"),
+        rank=event.get("rank"),
+    )
+
+
 # event name -> its metric changes
 def _restored(event: Mapping[str, Any]) -> list[Change]:
     """Only a storage snapshot is a "last snapshot": a restore from an in-memory copy
@@ -254,6 +270,8 @@ _BY_EVENT: Mapping[str, Any] = {
         "elastic_train_worker_rss_bytes", e.get("rss_bytes"), local_rank=e.get("local_rank")
     ),
     "recovery.completed": _recovery,
+    "straggler.detected": _slowdown,
+    "straggler.recovered": _slowdown,
     "snapshot.saved": _snapshot_saved,
     "snapshot.restored": _restored,
     "job.finished": lambda e: _set("elastic_train_goodput_ratio", _final_goodput(e)),

@@ -83,6 +83,18 @@ def test_an_unknown_goodput_is_nan_not_the_last_value() -> None:
     assert change.metric == "elastic_train_goodput_ratio" and math.isnan(change.value)
 
 
+def test_a_straggler_sets_its_slowdown_by_node_and_rank_and_its_recovery_resets_it() -> None:
+    labels = (("node", "b"), ("rank", "1"))
+    detected = {"event": "straggler.detected", "node": "b", "rank": 1, "slowdown": 1.8}
+    recovered = {"event": "straggler.recovered", "node": "b", "rank": 1, "slowdown": 1.01}
+    assert M.changes_for(detected) == [
+        M.Change("elastic_train_rank_slowdown", M.Op.SET, 1.8, labels)
+    ]
+    assert M.changes_for(recovered) == [
+        M.Change("elastic_train_rank_slowdown", M.Op.SET, 1.01, labels)
+    ]
+
+
 def test_events_no_metric_follows_change_nothing() -> None:
     assert M.changes_for({"event": "preflight.warning", "warning": "x"}) == []
     assert M.changes_for({"event": "snapshot.saved", "step": "not a number"}) == []
@@ -101,6 +113,7 @@ def test_every_change_names_a_declared_metric_with_its_labels() -> None:
         {"event": "snapshot.restored", "step": 1},
         {"event": "job.finished", "goodput": 0.5},
         {"event": "store.moved", "new_host": "n:2"},
+        {"event": "straggler.detected", "node": "b", "rank": 1, "slowdown": 1.5},
     ]
     for sample in samples:
         changes = M.changes_for(sample)

@@ -1,0 +1,135 @@
+"""The straggler verdict from scripted per-step compute times (worker/stragglers.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from elastic_trainer.worker.stragglers import (
+    DETECTED,
+    RECOVERED,
+    StragglerPolicy,
+    Watch,
+    observe,
+)
+
+POLICY = StragglerPolicy()
+BASE = 0.050  # seconds of compute per step on a healthy rank
+
+
+def run(steps, policy=POLICY):
+    """Feed ``steps`` (a list of per-rank compute vectors, step 1 first); the verdicts."""
+    watch, verdicts = Watch(), []
+    for step, compute in enumerate(steps, start=1):
+        watch, changes = observe(watch, step, compute, policy)
+        verdicts.extend(changes)
+    return watch, verdicts
+
+
+def noisy(rng, n, spread=0.3):
+    """One step of ``n`` healthy ranks with multiplicative noise up to ``spread``."""
+    return [BASE * (1 + rng.uniform(0, spread)) for _ in range(n)]
+
+
+def test_a_slowdown_is_detected_within_the_window_of_its_onset_and_names_the_rank():
+    healthy = [[BASE] * 3] * 30
+    slow = [[BASE, BASE * 1.5, BASE]] * 30
+    _, verdicts = run(healthy + slow)
+    (detected,) = verdicts
+    assert detected.kind == DETECTED and detected.straggler.rank == 1
+    onset = 31
+    assert detected.straggler.since_step == onset
+    assert 0 < detected.step - onset <= 20
+    assert detected.straggler.slowdown == pytest.approx(1.5)
+
+
+def test_a_slowdown_from_the_first_step_is_detected_once_the_window_is_full():
+    _, verdicts = run([[BASE, BASE, BASE * 2]] * 30)
+    (detected,) = verdicts
+    assert detected.straggler.rank == 2
+    assert detected.step == POLICY.warmup_steps + POLICY.window + POLICY.confirm - 1
+
+
+def test_recovery_is_reported_once_the_median_ratio_falls_below_recover_below():
+    steps = [[BASE] * 3] * 20 + [[BASE * 1.4, BASE, BASE]] * 20 + [[BASE] * 3] * 20
+    watch, verdicts = run(steps)
+    assert [v.kind for v in verdicts] == [DETECTED, RECOVERED]
+    recovered = verdicts[1]
+    assert recovered.straggler.rank == 0 and 41 <= recovered.step <= 41 + POLICY.window
+    # the others waited 0.4 * BASE for it at each slow step after the detection
+    slow_after = 40 - verdicts[0].step
+    assert recovered.straggler.waited_s == pytest.approx(slow_after * 0.4 * BASE, rel=0.01)
+    assert not watch.flagged
+
+
+def test_hovering_between_the_two_thresholds_does_not_flap():
+    steps = [[BASE] * 3] * 10 + [[BASE * 1.2, BASE, BASE]] * 15
+    steps += [[BASE * 1.07, BASE, BASE]] * 40  # under 1.10, above 1.05: still slow
+    _, verdicts = run(steps)
+    assert [v.kind for v in verdicts] == [DETECTED]
+
+
+@pytest.mark.parametrize("spikes", [1, 3, 5])
+def test_spikes_shorter_than_half_the_window_are_never_reported(spikes):
+    steps = [[BASE] * 3] * 20 + [[BASE * 4, BASE, BASE]] * spikes + [[BASE] * 3] * 30
+    _, verdicts = run(steps)
+    assert verdicts == []
+
+
+def test_a_noisy_healthy_group_is_never_reported():
+    rng = random.Random(39)
+    steps = [noisy(rng, 4, spread=0.2) for _ in range(5000)]  # each step within ±10 %
+    # now and then one rank has a bad scheduling tick (a snapshot, a neighbour's burst)
+    for step in rng.sample(range(5000), 300):
+        steps[step][rng.randrange(4)] *= 3
+    watch, verdicts = run(steps)
+    assert verdicts == []
+    assert watch.waited_s > 0  # the slowest rank is always someone: the others wait
+
+
+def test_a_ten_percent_slowdown_in_noise_is_still_found():
+    rng = random.Random(7)
+    steps = [noisy(rng, 3, spread=0.05) for _ in range(30)]
+    steps += [[c * (1.25 if r == 2 else 1) for r, c in enumerate(noisy(rng, 3, 0.05))]
+              for _ in range(30)]  # fmt: skip
+    _, verdicts = run(steps)
+    assert [(v.kind, v.straggler.rank) for v in verdicts] == [(DETECTED, 2)]
+    assert verdicts[0].step - 31 <= 20
+
+
+def test_a_relative_slowdown_of_tiny_steps_below_the_absolute_floor_is_jitter():
+    tiny = 0.001  # 1 ms steps: 50 % is 0.5 ms, under min_excess_s
+    _, verdicts = run([[tiny, tiny, tiny * 1.5]] * 40)
+    assert verdicts == []
+
+
+def test_two_ranks_compare_with_each_other():
+    _, verdicts = run([[BASE, BASE]] * 10 + [[BASE, BASE * 1.3]] * 20)
+    assert [(v.kind, v.straggler.rank) for v in verdicts] == [(DETECTED, 1)]
+
+
+def test_a_single_rank_has_nothing_to_compare_with():
+    _, verdicts = run([[BASE]] * 40)
+    assert verdicts == []
+
+
+def test_both_ranks_of_a_slow_node_are_named():
+    steps = [[BASE] * 6] * 15 + [[BASE, BASE, BASE * 2, BASE * 2, BASE, BASE]] * 20
+    _, verdicts = run(steps)
+    assert sorted(v.straggler.rank for v in verdicts if v.kind == DETECTED) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"threshold": 1.1, "recover_below": 1.2},
+        {"recover_below": 1.0},
+        {"window": 0},
+        {"min_excess_s": -1.0},
+    ],
+    ids=["recover-above-threshold", "recover-at-one", "no-window", "negative-floor"],
+)
+def test_a_policy_that_cannot_work_is_refused(kwargs):
+    with pytest.raises(ValueError, match="StragglerPolicy"):
+        StragglerPolicy(**kwargs)
