@@ -33,6 +33,11 @@ from elastic_trainer.tools.report.runs import (
     split_stray,
     supervisor_runs,
 )
+from elastic_trainer.tools.report.stragglers import (
+    describe_stragglers,
+    straggler_episodes,
+    straggler_wait_s,
+)
 
 Event = dict[str, Any]
 
@@ -72,6 +77,10 @@ class RunSummary:
     unmeasured_restarts: list[dict[str, Any]] = field(default_factory=list)
     # runs that started the job again after it had finished (runs.later_instances)
     later_runs: list[dict[str, Any]] = field(default_factory=list)
+    # each straggler.detected (node, rank, slowdown, since_step, recovered), and the seconds
+    # the group waited for its slowest rank (None: no TrainingSession measured it)
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    straggler_wait_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,6 +246,8 @@ def summarize(events: list[Event]) -> RunSummary:
         runs=[r.to_dict() for r in runs],
         stray_runs=[r.to_dict() for r in stray],
         later_runs=[r.to_dict() for r in later_instances(runs)],
+        stragglers=straggler_episodes(events),
+        straggler_wait_s=straggler_wait_s(events),
         **_evaluations(events),
     )
 
@@ -297,6 +308,8 @@ def format_summary(summary: RunSummary, *, source: str) -> str:
         lines.append(f"left out:    {describe_stray(s.stray_runs)}")
     if s.later_runs:
         lines.append(f"ran again:   {describe_later(s.later_runs)}")
+    if s.stragglers or s.straggler_wait_s is not None:
+        lines.append("stragglers:  " + describe_stragglers(s.stragglers, s.straggler_wait_s))
     if s.final_val_accuracy is not None:
         lines.append(
             f"validation:  accuracy {_pct(s.final_val_accuracy)}, loss {s.final_val_loss:.4f}"

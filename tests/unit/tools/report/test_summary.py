@@ -233,3 +233,33 @@ def test_a_job_run_again_after_it_finished_is_named_not_merged_silently() -> Non
     text = format_summary(summary, source="runs/x")
     assert "ran again:" in text and "bbbb on n1" in text
     assert summarize(first).later_runs == []
+
+
+def test_stragglers_are_named_with_the_time_the_group_waited_for_its_slowest_rank() -> None:
+    events = [
+        ev(0, "supervisor.started"),
+        ev(1, "rendezvous.completed", world_size=3),
+        ev(5, "straggler.detected", node="b", rank=1, slowdown=1.8, since_step=40, step=48),
+        ev(9, "straggler.recovered", node="b", rank=1, since_step=40, step=90, waited_s=2.5),
+        ev(12, "straggler.detected", node="c", rank=2, slowdown=1.3, since_step=120, step=131),
+        ev(20, "straggler.summary", node="a", steps=200, waited_s=6.25, stragglers=[2], attempt=7),
+        ev(21, "job.finished", status="succeeded", wall_s=21.0, goodput=None),
+    ]
+    s = summarize(with_relative_time(events))
+    assert [(e["node"], e["recovered"]) for e in s.stragglers] == [("b", True), ("c", False)]
+    assert s.straggler_wait_s == 6.25  # the session's own sum, not the episodes'
+    line = "stragglers:  2 (b rank 1 x1.8 from step 40, c rank 2 x1.3 from step 120 (to the end))"
+    assert line + "; waited for the slowest rank 6.2 s" in format_summary(s, source="log")
+
+
+def test_a_session_killed_before_its_summary_counts_its_episodes_waits() -> None:
+    events = [
+        ev(5, "straggler.detected", node="b", rank=1, slowdown=2.0, since_step=3, step=9),
+        ev(9, "straggler.recovered", node="b", rank=1, since_step=3, step=30, waited_s=1.5),
+    ]
+    assert summarize(with_relative_time(events)).straggler_wait_s == 1.5
+
+
+def test_a_run_without_stragglers_says_nothing_of_them() -> None:
+    text = format_summary(summarize(with_relative_time(a_run())), source="run.jsonl")
+    assert "stragglers" not in text
