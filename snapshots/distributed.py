@@ -128,13 +128,13 @@ class DistributedSnapshotter:
         blocking: bool | None,
         overlap_with: Any = None,
     ) -> SaveHandle | None:
-        from snapshots.sharded import shards as _shards
-        from snapshots.sharded import state as _sharded_state
+        from snapshots.sharded.shards import ShardStager, local_plan, my_items, step_tensors
+        from snapshots.sharded.state import split_state
         from snapshots.write.sharded_commit import ShardPart
 
         blocking = (not self.store.async_save) if blocking is None else blocking
-        skeletons, tensors = _sharded_state.split_state(state)
-        planner, plan = _shards.local_plan(tensors)
+        skeletons, tensors = split_state(state)
+        planner, plan = local_plan(tensors)
         reason = self._why_not_now(step, blocking)
         answers = self._all_gather((reason, plan, self._rank0_facts(), _mine(per_rank)))
         token, committed = answers[0][2]
@@ -146,11 +146,11 @@ class DistributedSnapshotter:
             if self.rank == 0:
                 emit("snapshot.skipped", step=step, reason=reasons[0])
             return SaveHandle(step, skipped_reason=reasons[0])
-        mine = _shards.my_items(planner, [a[1] for a in answers], self.rank)
-        stager = self._stager = self._stager or _shards.ShardStager()
+        mine = my_items(planner, [a[1] for a in answers], self.rank)
+        stager = self._stager = self._stager or ShardStager()
         group = self._group_for_commits()
         overlap = None if blocking else overlap_with
-        defer = _shards.step_tensors(overlap) if overlap is not None else frozenset()
+        defer = step_tensors(overlap) if overlap is not None else frozenset()
 
         def part() -> ShardPart:  # runs inside the store's capture: counted as stall
             staged = stager.stage(planner, mine, tensors, defer=defer)

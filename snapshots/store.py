@@ -60,10 +60,10 @@ from snapshots.storage import (
     open_storage,
     redact_url,
 )
-from snapshots.storage import deadline as _deadline
+from snapshots.storage.deadline import Deadline
 from snapshots.storage.retry import RetryPolicy
-from snapshots.write import capture as _capture
 from snapshots.write import commit, sharded_commit, writer
+from snapshots.write.capture import Capturer, json_metadata
 
 WhenBusy = Literal["wait", "skip"]
 
@@ -172,10 +172,10 @@ class SnapshotStore(StoreReading):
         )
         self._writer = writer.BackgroundWriter(self._storage.health)
         self._job: commit.SaveJob | None = None  # the save in flight, to cancel at a deadline
-        self._deadline = _deadline.Deadline()
+        self._deadline = Deadline()
         # Staging on shared memory only where the writer process may read it.
         shared = getattr(self._storage.inner, "writer_process", False)
-        self._capturer = _capture.Capturer(shared=shared)
+        self._capturer = Capturer(shared=shared)
         self._closed = False
         self.last_committed: SnapshotInfo | None = None  # newest save committed by this store
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -269,7 +269,7 @@ class SnapshotStore(StoreReading):
         if self._closed:
             raise SnapshotError(f"snapshot store {self.url} is closed")
         layout.step_dir(step)  # validates the step
-        meta = _capture.json_metadata(metadata)
+        meta = json_metadata(metadata)
         blocking = (not self.async_save) if blocking is None else blocking
         started = time.perf_counter()
 

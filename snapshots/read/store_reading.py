@@ -97,9 +97,9 @@ class StoreReading:
             NoValidSnapshotError: Snapshots are committed but none passes verification.
             SnapshotCorruptError: That ``step`` is damaged.
         """
-        from snapshots.sharded import state as _sharded_state
+        from snapshots.sharded.state import templates_for
 
-        templates = _sharded_state.templates_for(into)
+        templates = templates_for(into)
         if step is None:
             loaded = self._catalog.load_newest(rank, templates)
         else:
@@ -142,6 +142,6 @@ class StoreReading:
 def restore_into(into: Mapping[str, Any], state: Mapping[str, Any], *, step: int) -> None:
     """load_state_dict for every Stateful in ``into`` (FSDP2 models and optimizers through
     ``set_state_dict``); RNG states last (loading may draw)."""
-    from snapshots.sharded import state as _sharded_state
+    from snapshots.sharded.state import restore
 
-    _sharded_state.restore(into, state, step=step)
+    restore(into, state, step=step)

@@ -63,8 +63,8 @@ from snapshots.format.manifest import (
 )
 from snapshots.format.serialization import serialize, serialize_into
 from snapshots.info import SnapshotInfo
-from snapshots.read import catalog as _catalog
 from snapshots.read import reader
+from snapshots.read.catalog import Catalog
 from snapshots.storage import RetryingStorage, faults
 from snapshots.write import sharded_commit, writer_process
 
@@ -93,7 +93,7 @@ class Committer:
     def __init__(
         self,
         storage: RetryingStorage,
-        catalog: _catalog.Catalog,
+        catalog: Catalog,
         verify: VerifyMode = "auto",
         *,
         guard: Callable[[], None] | None = None,

@@ -9,8 +9,8 @@ from snapshots import retention
 from snapshots.errors import SnapshotCorruptError
 from snapshots.events import emit
 from snapshots.format import layout
-from snapshots.read import catalog as _catalog
 from snapshots.read import reader
+from snapshots.read.catalog import Catalog
 from snapshots.storage import Storage
 
 # Strays younger than this may belong to a writer still running (SnapshotStore.stray_grace_s).
@@ -19,7 +19,7 @@ DEFAULT_STRAY_GRACE_S = 60.0
 
 def prune(
     storage: Storage,
-    catalog: _catalog.Catalog,
+    catalog: Catalog,
     *,
     keep: int,
     keep_every: int | None,

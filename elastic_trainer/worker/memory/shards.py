@@ -50,7 +50,7 @@ from elastic_trainer.worker.memory.rank_slots import BackgroundWriter, RankSlots
 from elastic_trainer.worker.memory.tier import MemoryRestored
 from snapshots.format import sharding
 from snapshots.format.serialization import is_stateful
-from snapshots.sharded import state as _sharded_state
+from snapshots.sharded.state import is_sharded_module, split_state
 from snapshots.store import restore_into
 
 
@@ -149,7 +149,7 @@ class ShardedMemoryTier:
     def _payload(
         self, step: int, state: Mapping[str, Any], per_rank: Mapping[str, Any]
     ) -> dict[str, Any]:
-        skeletons, tensors = _sharded_state.split_state(state)
+        skeletons, tensors = split_state(state)
         return {
             "step": step,
             "world_size": self.world_size,
@@ -234,9 +234,7 @@ class ShardedMemoryTier:
         payload = self.slots.read(step)
         if (payload.get("step"), payload.get("rank")) != (step, self.rank):
             return {}, {}, f"the copy says step {payload.get('step')} of rank {payload.get('rank')}"
-        _, current = _sharded_state.split_state(
-            {k: v for k, v in into.items() if k in payload["skeletons"]}
-        )
+        _, current = split_state({k: v for k, v in into.items() if k in payload["skeletons"]})
         problem = plan_.layout_problem(payload["layout"], describe(current))
         if problem is not None:
             return {}, {}, problem
@@ -281,7 +279,7 @@ def _shards_key(state: Mapping[str, Any] | None) -> str | None:
     params = {
         f"{key}.{name}": p
         for key, value in state.items()
-        if _sharded_state.is_sharded_module(value)
+        if is_sharded_module(value)
         for name, p in value.named_parameters()
     }
     text = json.dumps(describe(params), sort_keys=True)
