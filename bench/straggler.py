@@ -213,6 +213,8 @@ def healthy_for(minutes: float, folder: Path) -> None:
             time.sleep(10)
             if any(p.poll() is not None for p in job.agents.values()):
                 break
+    except KeyboardInterrupt:
+        pass  # stopped early: the figures so far
     finally:
         steps = job.trace("a")[-1][0] if job.trace("a") else 0
         job.stop()
