@@ -174,13 +174,15 @@ class MembershipWatch:
 
     def silent_peers(self) -> set[Any]:
         """Members whose heartbeats stopped, confirmed on consecutive checks (rate-limited
-        to one store read per keep-alive interval)."""
+        to one store read per keep-alive interval). A member that said goodbye is leaving,
+        not silent: it stops its heartbeats at once, while its workers may still take a step
+        to stop with their final snapshot, which our workers take part in."""
         now = self._clock()
         if len(self.members) < 2 or now < self._next_check:
             return set()
         self._next_check = now + self._every
         try:
-            stale = set(self._handler.stale_peers(self.members))
+            stale = set(self._handler.stale_peers(self.members)) - self.left_peers()
         except Exception as exc:
             self._report_store_lost(exc)
             return set()

@@ -676,6 +676,40 @@ def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     assert seen == [set(), set(), set(), {"node1"}]
 
 
+def test_a_peer_that_said_goodbye_is_leaving_not_silent(tmp_path) -> None:
+    """Regression: Ctrl-C of a TrainingSession node stopped its heartbeats at once, and after
+    dead_after_s its peers re-formed without it (peer.silent, node_lost) while its workers
+    were still finishing the step of their final snapshot, which then never came."""
+    from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+
+    now = [10.0]
+
+    class Handler:
+        def participants(self):
+            return {"node0", "node1"}
+
+        def stale_peers(self, members):
+            return {"node1"} & set(members)
+
+    class Peers:
+        def lost(self):
+            return set()
+
+        def left(self):
+            return {"node1"}
+
+    watch = MembershipWatch(
+        Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0, clock=lambda: now[0]
+    )
+    watch.round_formed()
+    watch.peers = Peers()  # type: ignore[assignment]  # only its lost() and left()
+    seen = []
+    for _ in range(4):
+        now[0] += 3.0
+        seen.append(watch.silent_peers())
+    assert seen == [set()] * 4 and watch.left_peers() == {"node1"}
+
+
 class _Pool(WarmPool):
     """A warm pool without a process: counts the waits for it to be ready."""
 
