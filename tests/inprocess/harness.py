@@ -62,6 +62,43 @@ def _torch_thread_world() -> tuple[Callable[[bool], None], Callable[[], Any], Ca
     )
 
 
+_INHERITED_WORLD = "_inprocess_world"
+
+
+@contextlib.contextmanager
+def _threads_inherit_their_world() -> Iterator[None]:
+    """A thread that a rank starts (the snapshot writer, a sharded commit's worker) uses that
+    rank's world, as a process's threads share its one: the writer's collectives on the
+    snapshot group must find the group registered."""
+    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+    local, get_world, start = (
+        ThreadLocalWorld._world,
+        ThreadLocalWorld._get_world,
+        threading.Thread.start,
+    )
+
+    def start_inheriting(thread: threading.Thread) -> None:
+        world = getattr(local, "world", None)
+        if world is not None and world.default_pg is not None:  # a rank's, not the test's
+            setattr(thread, _INHERITED_WORLD, world)
+        start(thread)
+
+    def get_inherited_world(world: Any) -> Any:
+        inherited = getattr(threading.current_thread(), _INHERITED_WORLD, None)
+        if not hasattr(local, "world") and inherited is not None:
+            local.world = inherited
+        return get_world(world)
+
+    threading.Thread.start = start_inheriting  # type: ignore[method-assign]
+    ThreadLocalWorld._get_world = get_inherited_world  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        threading.Thread.start = start  # type: ignore[method-assign]
+        ThreadLocalWorld._get_world = get_world  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def thread_local_world() -> Iterator[None]:
     """While open, every thread has a ``torch.distributed`` world of its own (the C++ group
@@ -73,7 +110,8 @@ def thread_local_world() -> Iterator[None]:
     isolate(True)
     install()
     try:
-        yield
+        with _threads_inherit_their_world():
+            yield
     finally:
         uninstall()
         isolate(False)

@@ -4,6 +4,8 @@ once (not after the collective timeout), as a dead process does."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,3 +72,18 @@ def test_a_lost_node_is_not_restarted_a_failed_one_is():
 def test_a_save_fault_names_a_save_point():
     with pytest.raises(ValueError, match="not a save point"):
         harness.SaveFaultAt("mid_memory_write", save=1)
+
+
+def test_a_thread_that_a_rank_starts_uses_that_ranks_group():
+    """As a process's threads share its group (the snapshot writer's collectives need it)."""
+
+    def from_a_child_thread(rank: Rank) -> int:
+        seen: list[int] = []
+        child = threading.Thread(target=lambda: seen.append(dist.get_rank()))
+        child.start()
+        child.join()
+        return seen[0]
+
+    attempt = harness.run_attempt(from_a_child_thread, 2)
+    attempt.raise_first()
+    assert attempt.values() == [0, 1]

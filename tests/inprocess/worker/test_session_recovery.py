@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -65,6 +68,20 @@ def build_model() -> nn.Module:
     return model
 
 
+def wrap(module: nn.Module, world_size: int, *, fsdp: bool) -> nn.Module:
+    if not fsdp:
+        return DDP(module)
+    return fully_shard(module, mesh=init_device_mesh("cpu", (world_size,)))
+
+
+def full_weights(model: nn.Module, *, fsdp: bool) -> dict[str, torch.Tensor]:
+    """Under FSDP2 a collective; every rank gets the gathered weights."""
+    if not fsdp:
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
 @dataclass(frozen=True)
 class Training:
     """One job's folders and how far an attempt trains; called once per rank."""
@@ -72,9 +89,10 @@ class Training:
     root: Path
     max_steps: int | None = None
     save_fault: SaveFaultAt | None = None
+    fsdp: bool = False  # FSDP2 (fully_shard): sharded snapshots, every rank writes
 
     def __call__(self, rank: Rank) -> dict[str, torch.Tensor] | None:
-        model = DDP(build_model())
+        model = wrap(build_model(), rank.world_size, fsdp=self.fsdp)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         data = dataset()
         sampler = et.ElasticSampler(data, seed=3, global_batch_size=12, max_micro_batch_size=4)
@@ -104,7 +122,7 @@ class Training:
                             break
             if session.stop_reason is not None:
                 return None
-            return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+            return full_weights(model, fsdp=self.fsdp)
 
     def _inside_the_step(self, rank: Rank, step: int) -> None:
         """After the gradients' all-reduce, before the update is counted."""
@@ -161,9 +179,10 @@ def committed(root: Path) -> list[int]:
         store.close()
 
 
-def restored_steps(root: Path) -> dict[int, int | None]:
-    """attempt id -> the step that attempt resumed from (None: a fresh start)."""
-    return {r.attempt: r.restored_step for r in read_audit_log(str(root / "audit"))}
+def restored_steps(root: Path) -> list[int | None]:
+    """The step each attempt resumed from (None: a fresh start), in the attempts' order."""
+    by_attempt = {r.attempt: r.restored_step for r in read_audit_log(str(root / "audit"))}
+    return [by_attempt[attempt] for attempt in sorted(by_attempt)]
 
 
 # --- stop, resume at other world sizes ------------------------------------------------------
@@ -196,6 +215,17 @@ def test_resume_at_other_world_sizes_trains_every_sample_once_and_matches(tmp_pa
         assert torch.equal(value, uninterrupted_2[name]), f"{name} differs after 2 -> stop -> 2"
 
 
+def test_fsdp_resumes_at_other_world_sizes_from_sharded_snapshots_and_matches(tmp_path, reference):
+    """Every rank writes its own shards; 2 ranks, then 3, then 1 read them resharded."""
+    stopped = Job(Training(tmp_path, max_steps=4, fsdp=True)).attempt(2)
+    assert stopped.succeeded and stopped.values() == [None, None]
+    Job(Training(tmp_path, max_steps=11, fsdp=True)).attempt(3).raise_first()
+    resumed = final(Job(Training(tmp_path, fsdp=True)).attempt(1))
+    assert restored_steps(tmp_path) == [None, 4, 11]
+    assert coverage_problems(tmp_path) == []
+    assert_matches(resumed, reference)
+
+
 # --- a failure inside a step ------------------------------------------------------------------
 # rank 0 (the one that writes snapshots) and another rank; the world shrinks and grows
 @pytest.mark.parametrize(
@@ -215,8 +245,7 @@ def test_a_failure_at_step_k_resumes_at_the_committed_step_at_a_new_world_size(
     assert committed_then and max(committed_then) == 6  # the step-6 save, not step 7
 
     resumed = final(job.attempt(after))
-    first, second = (restored_steps(tmp_path)[a] for a in sorted(restored_steps(tmp_path)))
-    assert (first, second) == (None, 6)
+    assert restored_steps(tmp_path) == [None, 6]
     # steps up to the commit count as the first world trained them, the rest as the second
     sizes = world_sizes(tmp_path)
     assert {sizes[s] for s in range(1, 7)} == {before}
@@ -233,7 +262,7 @@ def test_a_lost_node_shrinks_the_world_and_the_job_finishes_where_it_would_have(
     assert [a.world_size for a in job.attempts] == [3, 2]
     assert job.injector.fired == [(0, 2, 11)]
     assert isinstance(job.attempts[0].outcomes[2].error, NodeLost)
-    assert sorted(restored_steps(tmp_path).values(), key=str) == [9, None]
+    assert restored_steps(tmp_path) == [None, 9]
     assert coverage_problems(tmp_path) == []
     assert_matches(final(last), reference)
 
@@ -259,7 +288,7 @@ def test_a_failure_while_a_snapshot_is_written_never_leaves_one_that_loads_wrong
     expected = 6 if point == "after_manifest" else 3
     assert max(committed(tmp_path)) == expected
     resumed = final(Job(replace(training, save_fault=None)).attempt(2))
-    assert sorted(restored_steps(tmp_path).values(), key=str) == [expected, None]
+    assert restored_steps(tmp_path) == [None, expected]
     assert coverage_problems(tmp_path) == []
     assert_matches(resumed, reference)
 
