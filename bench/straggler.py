@@ -20,6 +20,7 @@ prints its false reports (docs/benchmarks.md: the 30-minute run).
 
     python bench/straggler.py [--repeats 3] [--steps 160] [--onset 50]
     python bench/straggler.py --healthy-minutes 30 --out /tmp/straggler-30min
+    python bench/straggler.py --cost   # the watch's own work per step, by world size
 """
 
 from __future__ import annotations
@@ -225,6 +226,44 @@ def healthy_for(minutes: float, folder: Path) -> None:
         print(f"  step {event['step']}: node {event['node']} x{event['slowdown']}")
 
 
+def verdict_cost_us(world: int, steps: int = 300) -> float:
+    """µs per step of the pure verdict (``worker.stragglers.observe``) at ``world`` ranks,
+    on noisy made-up compute times (what every rank runs after every step)."""
+    import random
+
+    from elastic_trainer.worker.stragglers import StragglerPolicy, Watch, observe
+
+    rng, policy, watch = random.Random(0), StragglerPolicy(), Watch()
+    vectors = [[0.1 * (1 + rng.random() * 0.2) for _ in range(world)] for _ in range(steps)]
+    began = time.perf_counter()
+    for step, compute in enumerate(vectors, start=1):
+        watch, _ = observe(watch, step, compute, policy)
+    return (time.perf_counter() - began) / steps * 1e6
+
+
+def timing_cost_us(steps: int = 20000) -> float:
+    """µs per step of this rank's own measuring on the host (a mark, a read)."""
+    from elastic_trainer.worker.step_timing import StepTiming, Stopwatch
+
+    timing = StepTiming(Stopwatch(None))
+    began = time.perf_counter()
+    for _ in range(steps):
+        timing.compute_us()
+        timing.released()
+    return (time.perf_counter() - began) / steps * 1e6
+
+
+def cost_table(step_ms: float) -> str:
+    head = f"share of a {step_ms:g} ms step"
+    lines = [f"{'ranks':>6} {'verdict (us)':>13} {'timing (us)':>12} {head:>24}"]
+    timing = timing_cost_us()
+    for world in (2, 8, 64, 256):
+        verdict = verdict_cost_us(world)
+        share = (verdict + timing) / (step_ms * 1e3)
+        lines.append(f"{world:>6} {verdict:>13.1f} {timing:>12.2f} {100 * share:>23.2f}%")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -235,8 +274,13 @@ def main() -> None:
     parser.add_argument("--run-ms", type=float, default=25)
     parser.add_argument("--arms", default="healthy,sleep,sigstop,two-nodes")
     parser.add_argument("--healthy-minutes", type=float)
+    parser.add_argument("--cost", action="store_true", help="the watch's own work per step")
+    parser.add_argument("--step-ms", type=float, default=100.0, help="--cost: the step to compare")
     parser.add_argument("--out", help="keep the runs' logs here (default: a temporary folder)")
     args = parser.parse_args()
+    if args.cost:
+        print(cost_table(args.step_ms))
+        return
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-straggler-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.healthy_minutes:
