@@ -52,7 +52,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "rendezvous.expire_failed": ("nodes", "error", "consequence"),
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),
-    "group.handed_over": ("ready", "start_s", "stop_s"),
+    # emitted once the new workers report a step: pause_s is what the join cost the group
+    "group.handed_over": ("ready", "start_s", "stop_s", "pause_s"),
     "group.handover_abandoned": ("reason", "start_s", "consequence"),
     "preemption.received": ("signal", "grace_s", "signalled_ranks"),
     "recovery.completed": (

@@ -49,6 +49,7 @@ from elastic_trainer.worker.snapshotting import (
     open_failure_copy,
     open_memory_tier,
     open_snapshots,
+    opens_before_handoff,
     restore_state,
 )
 from elastic_trainer.worker.straggler_watch import StragglerWatch
@@ -132,10 +133,16 @@ class TrainingSession:
     ) -> None:
         _check_keys(state)
         self.context = D.init_worker(context, configure_logs=configure_logs)
+        self.state = dict(state)
+        # a node joining, the previous workers still train meanwhile (``worker.handoff``): a
+        # replicated state's tier opens now (it only names and checks the node's folder)
+        memory_every = self._setting("memory_snapshot_every", memory_snapshot_every)
+        early = opens_before_handoff(self.state)
+        memory_dir = self.context.settings.memory_dir
+        self._memory = open_memory_tier(memory_dir, memory_every, self.state) if early else None
         # started while the previous workers still train (a node joins): they stop first
         await_handoff(self.context.control_dir, self.context.local_rank)
         say_aware(self.context.control_dir, self.context.local_rank)
-        self.state = dict(state)
         self.sampler = sampler
         self.max_steps = max_steps
         self.exit_on_stop = exit_on_stop
@@ -150,12 +157,14 @@ class TrainingSession:
         self.stop_reason: str | None = None
         self._stopped_for_restart = False  # see _stop
         self._micro = 0  # micro-batches of the step in progress seen by accumulate()
+        self._held_at: int | None = None  # the step the stop left in memory for the next group
+        # after the previous workers' stop: the folder's owner token is later than their end
         self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
         url = self._setting("snapshot_dir", snapshot_dir)
         keep = self._setting("snapshot_keep", _snapshot_keep(snapshot_keep, keep))
         self._snapshots = open_snapshots(url, keep, self.context, self.attempt) if url else None
-        memory_every = self._setting("memory_snapshot_every", memory_snapshot_every)
-        self._memory = open_memory_tier(self.context.settings.memory_dir, memory_every, self.state)
+        if not early:  # sharded: after the previous workers stopped, as before
+            self._memory = open_memory_tier(memory_dir, memory_every, self.state)
         # the sharded tier's periodic copies within a budget of the step time (worker.interval)
         sharded_auto = memory_every in (None, "auto") and isinstance(self._memory, ShardedTier)
         self._memory_interval = Interval.memory() if sharded_auto else None
@@ -532,7 +541,9 @@ class TrainingSession:
         received = self._signals.received
         if D.rank() == 0 or received is not None:
             emit("session.stopping", step=self.step, reason=reason, signal=received)
-        if not self._resumes_from_memory():
+        if self._resumes_from_memory():
+            self._held_at = self.step  # agreed by every rank: ``finish`` need not ask again
+        else:
             self._save(blocking=True, deadline_s=self._final_deadline())
 
     def _resumes_from_memory(self) -> bool:
@@ -612,7 +623,7 @@ class TrainingSession:
             0 after training that ran to its end; after a coordinated stop with
             ``exit_on_stop=False``, the exit code the supervisor expects (exit with it).
         """
-        if not self._resumes_from_memory():
+        if self._held_at != self.step and not self._resumes_from_memory():
             self._save(blocking=True)
         code = stop_exit_code(self.stop_reason)
         self.close(ended=code is None)

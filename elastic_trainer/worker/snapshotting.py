@@ -234,6 +234,16 @@ def open_memory_tier(
     return MemoryTier(directory, every=every)
 
 
+def opens_before_handoff(state: Mapping[str, Any]) -> bool:
+    """Whether the tier may open while a joining node's previous workers still train
+    (``worker.handoff``): a replicated state's tier only names its folder and checks it is
+    private; a sharded state's tier links its mirrors and rank folders, which are the
+    previous workers' until they stop."""
+    from snapshots.sharded.state import has_dtensors
+
+    return not has_dtensors(state)
+
+
 def open_failure_copy(
     memory: InMemoryTier | None,
     state: Mapping[str, Any],

@@ -193,6 +193,7 @@ def test_a_joiner_whose_worker_dies_while_the_group_forms_does_not_stop_the_runn
     assert a.wait(180) == 0 and b.wait(60) == 0
     (handed_over,) = a.events("group.handed_over")
     assert handed_over["ready"] is True
+    assert handed_over["pause_s"] is not None  # the new workers stepped: measured on their clock
     started = a.events("workers.started")
     assert [(e["world_size"], e["alongside"]) for e in started] == [
         (1, False),

@@ -22,6 +22,9 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.agent.control_files import await_copies, listed, mark_restarting
 from elastic_trainer.supervisor.core import decisions
+from elastic_trainer.supervisor.core.handover_pause import HandedOver, last_step_time, step_time
+from elastic_trainer.supervisor.core.ledger import Ledger
+from elastic_trainer.supervisor.processes.observer import read_progress
 from elastic_trainer.supervisor.processes.procs import ProcessTracker
 from elastic_trainer.supervisor.processes.workerenv import remove_control_dir
 
@@ -46,6 +49,8 @@ class HandOver:
     _membership: MembershipWatch
     _worker_group: WorkerGroup
     _kill_grace_s: float
+    ledger: Ledger
+    _handed_over: HandedOver | None = None  # its event waits for the new workers' first step
 
     if TYPE_CHECKING:  # the agent's own, used here
 
@@ -72,7 +77,7 @@ class HandOver:
         old_dir = self._stop.control_dir or ""
         old_procs = self._procs.handover()
         old_context = torch_compat.take_processes(self)
-        began = time.monotonic()
+        began, began_at = time.monotonic(), time.time()
         pids = self._start_workers(wg, handoff=True)
         new_dir = self._stop.control_dir
         self._stop.control_dir = old_dir  # a stop request now reaches the workers that train
@@ -92,15 +97,38 @@ class HandOver:
             old_context.close(timeout=1)
         if self._stop.requested:  # it reached the old workers: tell the new ones too
             self._stop.write_stop_file()
+        last, step_s = self._last_steps(old_dir, wg, began_at)
         remove_control_dir(old_dir)
         self._attempt_began()
-        emit(
-            "group.handed_over",
-            ready=ready,
-            start_s=round(stopping - began, 3),
-            stop_s=round(stopped - stopping, 3),
-        )
+        # group.handed_over once the new workers report a step (``_report_handover``)
+        self._handed_over = HandedOver(ready=ready, start_s=round(stopping - began, 3),
+                                       stop_s=round(stopped - stopping, 3), last_time=last,
+                                       step_s=step_s)  # fmt: skip
         self._started(wg, pids)
+
+    def _last_steps(
+        self, old_dir: str, wg: WorkerGroup, began_at: float
+    ) -> tuple[float | None, float | None]:
+        """The old workers' last progress, into their attempt's record: when the join's pause
+        began (their last step, or the hand-over's start if they had stopped stepping before
+        it: a group stalled beforehand did not stall for the join) and their step time (None:
+        not reported)."""
+        reports = read_progress(old_dir, range(wg.spec.local_world_size))
+        if self.ledger.current is not None:
+            self.ledger.current.observe(reports)
+        last = last_step_time(reports)
+        return (None if last is None else max(last, began_at)), step_time(self.ledger.current)
+
+    def _report_handover(self, *, ended: bool = False) -> None:
+        """``group.handed_over`` of the last hand-over, once its new workers made a step, or
+        (``ended``) as their attempt ends without one: ``pause_s`` null then."""
+        pending = self._handed_over
+        if pending is None:
+            return
+        fields = pending.fields(self.ledger.current, ended=ended)
+        if fields is not None:
+            self._handed_over = None
+            emit("group.handed_over", **fields)
 
     def _await_new_workers(self, control_dir: str, deadline: float) -> decisions.Handoff:
         """Wait while the old workers train, until ``decisions.handoff_step`` says otherwise:

@@ -145,6 +145,7 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
         except StopRequested:
             status, code = self._preempt()
         finally:
+            self._report_handover(ended=True)
             logging.getLogger(torch_compat.WORKER_FAILURE_LOGGER).removeFilter(self._peer_leaving)
             self._procs.kill(grace_s=1.0)
             self._membership.close()
@@ -191,6 +192,7 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
         result = self._monitor_workers(wg)
         wg.state = result.state
         verdict = self._observe()
+        self._report_handover()
         if result.state == WorkerState.SUCCEEDED:
             self._exit_barrier()
             return STATUS_SUCCEEDED, protocol.SUPERVISOR_EXIT_OK
@@ -432,6 +434,7 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
 
     def _attempt_began(self) -> None:
         """The current workers are the ones the loop watches from now on."""
+        self._report_handover(ended=True)  # the previous attempt's, if it made no step
         self._attempt_started = time.monotonic()
         self._observer.attempt_started(self._attempt_started)
         self._oom_kills_at_start = oom_kill_count()

@@ -39,11 +39,18 @@ class Attempt:
     last_step: int | None = None
     last_time: float | None = None
     world_size: int | None = None  # as the supervisor last saw it during this attempt
+    # the first report of a step made in this attempt (the session's first record is its
+    # start, at the step it restored)
+    counted_step: int | None = None
+    counted_time: float | None = None
 
     def observe(self, reports: Mapping[int, Progress]) -> None:
         for p in reports.values():
             if p.restored_step is not None:
                 self.restored_step = p.restored_step
+            made = p.step > (p.restored_step or 0)
+            if made and (self.counted_time is None or p.time < self.counted_time):
+                self.counted_step, self.counted_time = p.step, p.time
             if self.first_time is None or p.time < self.first_time:
                 self.first_time, self.first_step = p.time, p.step
             if self.last_step is None or p.step >= self.last_step:
