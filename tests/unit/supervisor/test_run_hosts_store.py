@@ -47,5 +47,5 @@ def test_an_endpoint_on_one_of_this_machines_interfaces_is_hosted_here(monkeypat
     monkeypatch.setattr(torch_compat, "matches_machine_hostname", lambda host: False)
     cfg = args.parse(["--rdzv-endpoint", f"{own}:29500", "x.py"], env={})
     assert run.hosts_store(cfg) is True
-    elsewhere = args.parse(["--rdzv-endpoint", "203.0.113.1:29500", "x.py"], env={})  # TEST-NET-3
+    elsewhere = args.parse(["--rdzv-endpoint", "0.0.0.1:29500", "x.py"], env={})  # only a bind
     assert run.hosts_store(elsewhere) is False
