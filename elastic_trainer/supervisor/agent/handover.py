@@ -128,7 +128,13 @@ class HandOver:
         fields = pending.fields(self.ledger.current, ended=ended)
         if fields is not None:
             self._handed_over = None
-            emit("group.handed_over", **fields)
+            emit(
+                "group.handed_over",
+                ready=fields["ready"],
+                start_s=fields["start_s"],
+                stop_s=fields["stop_s"],
+                pause_s=fields["pause_s"],
+            )
 
     def _await_new_workers(self, control_dir: str, deadline: float) -> decisions.Handoff:
         """Wait while the old workers train, until ``decisions.handoff_step`` says otherwise:

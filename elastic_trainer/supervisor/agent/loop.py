@@ -113,6 +113,7 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
                 endpoint=cfg.rdzv_endpoint,
                 check_every_s=cfg.rdzv.keep_alive_interval,
                 dead_after_s=cfg.rdzv.dead_after_s,
+                leaving_grace_s=cfg.worker.grace_period_s,
             )
         self._membership = membership
         self._peer_stop_seen: float | None = None

@@ -37,12 +37,15 @@ class MembershipWatch:
         endpoint: str,
         check_every_s: float,
         dead_after_s: float,
+        leaving_grace_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._handler = handler
         self._endpoint = endpoint
         self._every = check_every_s
         self._dead_after = dead_after_s
+        self._leaving_grace = leaving_grace_s
+        self._left_heard: dict[Any, float] = {}  # a member's goodbye: when we first heard it
         self._clock = clock
         self.members: set[Any] = set()
         self._next_check = 0.0
@@ -175,14 +178,16 @@ class MembershipWatch:
     def silent_peers(self) -> set[Any]:
         """Members whose heartbeats stopped, confirmed on consecutive checks (rate-limited
         to one store read per keep-alive interval). A member that said goodbye is leaving,
-        not silent: it stops its heartbeats at once, while its workers may still take a step
-        to stop with their final snapshot, which our workers take part in."""
+        not silent, for ``leaving_grace_s`` (its grace period): it stops its heartbeats at
+        once, while its workers may still take a step to stop with their final snapshot,
+        which our workers take part in. Past that it is silent like any other (our workers
+        never noticed it go: they were frozen, or blocked in a collective)."""
         now = self._clock()
         if len(self.members) < 2 or now < self._next_check:
             return set()
         self._next_check = now + self._every
         try:
-            stale = set(self._handler.stale_peers(self.members)) - self.left_peers()
+            stale = set(self._handler.stale_peers(self.members)) - self._still_leaving(now)
         except Exception as exc:
             self._report_store_lost(exc)
             return set()
@@ -192,6 +197,13 @@ class MembershipWatch:
             return set()
         self._confirmed_silent = set(stale)
         return stale
+
+    def _still_leaving(self, now: float) -> set[Any]:
+        """Members that said goodbye less than ``leaving_grace_s`` ago."""
+        left = self.left_peers()
+        for peer in left:
+            self._left_heard.setdefault(peer, now)
+        return {p for p in left if now - self._left_heard[p] < self._leaving_grace}
 
     def wait_for_lost_peer(self, stop_wait: Callable[[float], bool]) -> bool:
         """After a failure: did a member vanish? Waits until a dead node's heartbeat would

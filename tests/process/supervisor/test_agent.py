@@ -676,10 +676,12 @@ def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     assert seen == [set(), set(), set(), {"node1"}]
 
 
-def test_a_peer_that_said_goodbye_is_leaving_not_silent(tmp_path) -> None:
+def test_a_peer_that_said_goodbye_is_leaving_not_silent_for_its_grace_period(tmp_path) -> None:
     """Regression: Ctrl-C of a TrainingSession node stopped its heartbeats at once, and after
     dead_after_s its peers re-formed without it (peer.silent, node_lost) while its workers
-    were still finishing the step of their final snapshot, which then never came."""
+    were still finishing the step of their final snapshot, which then never came. Past its
+    grace period it is silent after all (regression: a thawed node whose peers had finished
+    waited for them forever)."""
     from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 
     now = [10.0]
@@ -699,15 +701,25 @@ def test_a_peer_that_said_goodbye_is_leaving_not_silent(tmp_path) -> None:
             return {"node1"}
 
     watch = MembershipWatch(
-        Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0, clock=lambda: now[0]
+        Handler(),
+        endpoint="x",
+        check_every_s=1.0,
+        dead_after_s=3.0,
+        leaving_grace_s=25.0,
+        clock=lambda: now[0],
     )
     watch.round_formed()
     watch.peers = Peers()  # type: ignore[assignment]  # only its lost() and left()
     seen = []
-    for _ in range(4):
+    for _ in range(8):  # every 3 s: the goodbye is heard at 13 s, its grace ends at 38 s
         now[0] += 3.0
         seen.append(watch.silent_peers())
-    assert seen == [set()] * 4 and watch.left_peers() == {"node1"}
+    assert seen == [set()] * 8 and watch.left_peers() == {"node1"}
+    later = []
+    for _ in range(3):
+        now[0] += 3.0
+        later.append(watch.silent_peers())
+    assert later[-1] == {"node1"}
 
 
 class _Pool(WarmPool):
