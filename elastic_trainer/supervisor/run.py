@@ -495,9 +495,10 @@ class Supervisor:
                 host, port = split_address(where)
                 bound_silent_connections(host, port, timeout_s=STORE_SILENCE_LIMIT_S)
             else:
-                handler = create_handler(cfg, key=key, serve=hosts_store(cfg), claimed=self.claimed)
-                probe = static_host.start_probe(cfg, handler.store, serving=hosts_store(cfg))
-                if not hosts_store(cfg):  # a partition must not block us past its bound
+                serving = hosts_store(cfg)  # a name lookup and a bind: asked once
+                handler = create_handler(cfg, key=key, serve=serving, claimed=self.claimed)
+                probe = static_host.start_probe(cfg, handler.store, serving=serving)
+                if not serving:  # a partition must not block us past its bound
                     bound_silent_connections(
                         cfg.rdzv_host, cfg.rdzv_port, timeout_s=STORE_SILENCE_LIMIT_S
                     )

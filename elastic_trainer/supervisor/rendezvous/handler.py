@@ -27,8 +27,9 @@ docs/command-line.md, "Recovery defaults"):
   round (and every node already waiting) has joined (``decisions.close_round_now``); nodes the
   agent knows are gone (``mark_dead``: their connection closed, or confirmed silent) are expired
   in the shared state first, so nobody waits for their heartbeats to run out; and a node that
-  waits for others polls the state's write count every 50 ms (``SignedStateBackend.version``)
-  and reads the state when it moved, instead of torch's fixed 1 s sleep.
+  waits for others polls the mark of the state's last write every 50 ms
+  (``SignedStateBackend.version``) and reads the state when it moved, instead of torch's fixed
+  1 s sleep.
 - a re-form joins at once: torch sleeps a random 0-0.3 s before joining while the round is
   0, meant to spread a job's first joins, which its first re-form (the round is still 0 then)
   paid too;
@@ -220,7 +221,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
             wait_s = min(wait_s, max(0.0, left_s))
         until = time.monotonic() + wait_s
-        seen = None  # the state's write count when we last read it: unchanged, not read again
+        seen = None  # the state's write mark when last read: unchanged, not read again
         while time.monotonic() < until:
             time.sleep(self.poll_s)
             self._raise_if_static_conflict()

@@ -24,6 +24,8 @@ missed their expiry and were dropped. Now the state changes only when the member
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +37,7 @@ from elastic_trainer.contract import auth
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import state_codec
-from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore
+from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore, TamperedValue
 
 
 class ForeignSecret(ConfigError):
@@ -77,7 +79,7 @@ class SignedStateBackend(RendezvousBackend):
         raw = bytes(self._call("compare_set", self._key, expected, value))
         if raw == value:  # ours is stored: it is the holder's own state, nothing to decode
             self._last_good, self._last_raw, self._last_plain = state, raw, plain
-            self._call("add", self._version_key, 1)
+            self._store.set(self._version_key, hashlib.blake2b(raw, digest_size=8).hexdigest())
             return state, raw, True
         found = self._state_of(raw)
         if found is None:
@@ -85,12 +87,18 @@ class SignedStateBackend(RendezvousBackend):
         bits, new_token = found
         return bits, new_token, raw == value
 
-    def version(self) -> int:
-        """How many times the state was written (after each write): a node that waits for a
-        change reads this number, not the whole state. A plain counter, as c10d adds on the
-        server; a forged one only makes a waiter read the state early, or late by at most
-        its wait (torch reads the state itself then)."""
-        return int(self._call("add", self._version_key, 0))
+    def version(self) -> str | None:
+        """A mark of the state's last write (a digest its writer sets, signed): a node that
+        waits for a change reads this, not the whole state. None when there is none yet or
+        it is not ours: the caller reads the state then. Not a c10d counter (``add``): the
+        store's server drops the connection of whoever adds to a value that is not a
+        number, so anyone who can reach the store could have cut every waiting node off."""
+        if not self._call("check", [self._version_key]):
+            return None
+        try:
+            return self._store.get(self._version_key).decode("ascii", errors="replace")
+        except TamperedValue:
+            return None
 
     def beat(self, node: Any, at_us: int) -> None:
         """``node``'s heartbeat at ``at_us`` (microseconds since the epoch): its own key."""
@@ -147,16 +155,27 @@ class SignedStateBackend(RendezvousBackend):
                 return self._fresh(plain), raw
         else:
             self._refuse(raw)
+            self._put_back(raw)
         # not usable: the last good state (or an empty one) with the bad value as the token,
-        # so the holder's next write replaces it
-        bits = self._last_good or pickle.dumps(torch_compat.state_from_plain(_EMPTY_PLAIN))
-        return bits, raw
+        # so the holder's next write replaces it; with the nodes' heartbeats as they are now
+        # (they live in their own keys): a plant must not make every member look silent
+        if self._last_plain is not None:
+            return self._fresh(self._last_plain), raw
+        return self._last_good or pickle.dumps(torch_compat.state_from_plain(_EMPTY_PLAIN)), raw
 
     def _fresh(self, plain: dict[str, Any]) -> bytes:
         """``plain`` with the nodes' own heartbeats, pickled for the holder (and kept as the
         last good state)."""
         self._last_good = pickle.dumps(torch_compat.state_from_plain(self._with_beats(plain)))
         return self._last_good
+
+    def _put_back(self, planted: bytes) -> None:
+        """The last good value in place of one the job did not write, if that is still there
+        (compare-and-set): the holder writes only when the membership changes, and a node
+        that joins meanwhile must not find the plant."""
+        if self._last_raw is not None:
+            with contextlib.suppress(RendezvousConnectionError):
+                self._call("compare_set", self._key, planted, self._last_raw)
 
     def _refuse(self, raw: bytes) -> None:
         body = raw.partition(b".")[2].partition(b".")[2] if raw.startswith(auth.MAGIC) else b""

@@ -113,6 +113,26 @@ def test_a_nodes_own_heartbeat_key_moves_its_time_forward_without_rewriting_the_
     assert beats == {a: later, b: _state().last_heartbeats[b]} and token == stored
 
 
+def test_while_the_state_is_planted_the_nodes_heartbeats_still_move() -> None:
+    """Regression: the last good state stood in for a planted one with the heartbeats it had
+    then, so within a few seconds every member looked silent to every other and the job
+    ended (test_store_tampering)."""
+    store = HashStore()
+    backend = _backend(store)
+    _write(backend, _state())
+    a = min(_state().last_heartbeats, key=lambda n: n.addr)
+    store.set(NAME, b"planted by someone without the secret")
+    later = _state().deadline + timedelta(seconds=7)
+    backend.beat(a, _micros(later))
+    with capture_logs():
+        bits, token = backend.get_state()
+    assert (
+        pickle.loads(bits).last_heartbeats[a] == later
+        and token == b"planted by someone without the secret"
+    )
+    assert bytes(store.get(NAME)) != b"planted by someone without the secret"  # put back
+
+
 def test_a_heartbeat_key_the_job_did_not_sign_is_refused() -> None:
     store = HashStore()
     backend = _backend(store)
@@ -155,14 +175,36 @@ def test_get_each_hides_only_the_forged_value() -> None:
         signed.multi_get(["k1", "k2"])
 
 
-def test_every_write_of_the_state_counts_and_a_read_does_not() -> None:
+def test_every_write_of_the_state_marks_it_and_a_read_does_not() -> None:
     store = HashStore()
     backend = _backend(store)
-    assert backend.version() == 0
+    assert backend.version() is None
     _write(backend, _state())
+    first = backend.version()
     backend.get_state()
     backend.peek()
-    assert backend.version() == 1 and _backend(store).version() == 1
+    assert first is not None and backend.version() == first == _backend(store).version()
+    changed = _state()
+    changed.round = 7
+    _write(backend, changed)
+    assert backend.version() not in (None, first)
+
+
+def test_a_forged_write_mark_is_ignored_and_the_store_keeps_serving() -> None:
+    """Regression: the mark was a c10d counter, and a value that is not a number at its key
+    made the store's server drop the connection of every node that polled it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))  # fmt: skip
+    backend = _backend(server)
+    _write(backend, _state())
+    attacker = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+    attacker.set(backend._version_key, "not a number")
+    assert backend.version() is None  # not ours: the waiter reads the state instead
+    assert backend.peek() is not None
 
 
 def test_a_state_of_256_members_with_long_addresses_is_admitted() -> None:
