@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,18 +58,22 @@ class AuditLog:
         name = f"{FILE_PREFIX}rank{rank:05d}-restart{restart_count:03d}-{attempt}.jsonl"
         self.path = os.path.join(directory, name)
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        # the step's thread and a just-in-time copy's thread both write: whole lines only
+        self._lock = threading.Lock()
 
     def write(self, record: AuditRecord) -> None:
-        if self._file is None:
-            raise ValueError(f"audit log {self.path} is closed")
-        # flush, not fsync: the record must survive the process, not the machine
-        self._file.write(record.to_json() + "\n")
-        self._file.flush()
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"audit log {self.path} is closed")
+            # flush, not fsync: the record must survive the process, not the machine
+            self._file.write(record.to_json() + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def read_audit_log(directory: str) -> list[AuditRecord]:

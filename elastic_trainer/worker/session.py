@@ -377,6 +377,12 @@ class TrainingSession:
             raise ConfigError(
                 "ElasticSampler without global_batch_size: call step_done(num_samples=len(batch))"
             )
+        if not plain:
+            # recorded before the all-reduce that counts the step: a rank killed just after
+            # it has trained its share (its gradients are in the update every survivor
+            # keeps), yet would leave no record; a step that never counts is trained again
+            # by a newer attempt, whose records win (audit.effective_records)
+            self._record(self._planned_indices(), step=self.step + 1)
         interval, timing = self._interval_figures(), self._stragglers.figures()
         votes, total, *figures = D.all_reduce_ints(
             [stop_vote(own_stop), num_samples or 0, *interval, *timing]
@@ -387,7 +393,8 @@ class TrainingSession:
             indices = self._advance_sampler(num_samples, total)
             self.step += 1
             self._micro = 0
-            self._record(indices)
+            if plain:
+                self._record(indices)
         if self._memory is not None and self._memory.due(self.step):
             began = time.perf_counter()
             self._memory.save(self.step, self._snapshot_state(), {"rng": RNGState()})
@@ -514,6 +521,10 @@ class TrainingSession:
         if self.sampler.global_batch_size is not None:
             return self.sampler.complete_step()
         return self.sampler.complete_step(local_samples=local, global_samples=total)
+
+    def _planned_indices(self) -> list[int]:
+        """This rank's indices in the step at the sampler's cursor (none without a sampler)."""
+        return self.sampler.step_indices(self.sampler.rank) if self.sampler is not None else []
 
     def _record(
         self, indices: list[int], *, step: int | None = None, rank: int | None = None

@@ -428,3 +428,30 @@ def test_disk_kept_for_the_next_save_is_freed_only_when_training_ends(tmp_path, 
         assert not aside.exists() and released and released[0]["bytes"] > 1 << 22
     else:
         assert any(aside.iterdir()) and not released  # the job goes on: its next save uses it
+
+
+class KilledAfterTheCount(Exception):
+    """The rank dies the instant the step's all-reduce has completed."""
+
+
+def test_a_rank_killed_just_after_the_steps_all_reduce_has_recorded_its_share(
+    tmp_path, monkeypatch
+):
+    from elastic_trainer.worker import distributed
+    from elastic_trainer.worker.audit import read_audit_log
+
+    job = Job(tmp_path)
+    job.train(steps=1)
+    counted = distributed.all_reduce_ints
+
+    def count_then_die(values):
+        counted(values)  # the peers count the step: this rank's share went into it
+        raise KilledAfterTheCount
+
+    monkeypatch.setattr(distributed, "all_reduce_ints", count_then_die)
+    planned = job.sampler.step_indices(0)
+    with pytest.raises(KilledAfterTheCount):
+        job.train(steps=1)
+    records = {r.step: r for r in read_audit_log(str(tmp_path / "audit"))}
+    assert sorted(records) == [1, 2]
+    assert list(records[2].indices) == planned and records[2].rank == 0
