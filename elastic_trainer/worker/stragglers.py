@@ -19,14 +19,20 @@ the ranks show (measured over ``noise_steps``, at least two windows before any v
 With a window of 14 and 3 confirmations a slowdown that starts at step s is reported at step
 s + 10 on a quiet machine (8 slow steps make the majority, 2 more confirm it), a little later
 where the noise raises the bar, inside the 20 steps the issue asks for; a single spike, or
-seven in fourteen, never makes the majority. (A window of 10 reported 3 episodes of a few
-seconds of contention in a healthy 30-minute run on the shared 2-core machine; 14, none.)
+seven in fourteen, never makes the majority.
+
+Every rank runs this after every step, so its cost is per step and per rank of the group: the
+figures are kept as tensors (a window of steps by ranks) and each step is a fixed number of
+tensor operations whatever the world size; only the ranks flagged or about to be are looked at
+one by one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,16 +60,6 @@ class StragglerPolicy:
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One rank at one step: its compute over the others' median, and the excess in seconds."""
-
-    step: int
-    ratio: float
-    excess_s: float
-    compute_s: float
-
-
-@dataclass(frozen=True)
 class Straggler:
     """An ongoing slowdown of one rank."""
 
@@ -84,19 +80,24 @@ class Verdict:
 
 
 DETECTED, RECOVERED = "detected", "recovered"
+_EMPTY = torch.empty(0, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
 class Watch:
-    """The verdict's state: each rank's last samples, the ongoing slowdowns, and the time the
-    group spent waiting for its slowest rank (each step: the slowest compute less the median)."""
+    """The verdict's state: the ranks' last ``window`` steps (compute, and its ratio to the
+    others' median that step: rows are steps, columns ranks), the ongoing slowdowns, and the
+    time the group spent waiting for its slowest rank (each step: the slowest compute less
+    the median). Tensors are never changed in place: each step makes new ones."""
 
-    samples: Mapping[int, tuple[Sample, ...]] = field(default_factory=dict)
+    compute: torch.Tensor = field(default=_EMPTY)  # (steps, ranks), seconds
+    ratio: torch.Tensor = field(default=_EMPTY)  # (steps, ranks)
+    steps: tuple[int, ...] = ()  # the step of each row
     flagged: Mapping[int, Straggler] = field(default_factory=dict)
-    slow_streak: Mapping[int, int] = field(default_factory=dict)  # steps the window said slow
+    slow_streak: torch.Tensor = field(default=_EMPTY)  # (ranks,): steps the window said slow
     # each step's noise: the median over ranks of a rank's change since its previous step
     # (|c_t / c_t-1 - 1|: a steady straggler adds none, and at two ranks it still tells)
-    noise: tuple[float, ...] = ()
+    noise: torch.Tensor = field(default=_EMPTY)
     steps_seen: int = 0
     waited_s: float = 0.0
 
@@ -109,27 +110,33 @@ def observe(
     seen = watch.steps_seen + 1
     if len(compute_s) < 2 or seen <= policy.warmup_steps:
         return replace(watch, steps_seen=seen), []
-    ordered = sorted(compute_s)
+    if watch.compute.numel() and watch.compute.shape[1] != len(compute_s):
+        watch = Watch(flagged=watch.flagged, steps_seen=watch.steps_seen, waited_s=watch.waited_s)
+    now = torch.tensor(compute_s, dtype=torch.float64)
+    ordered, others = _medians_of_others(now)
     median = _median(ordered)
-    waited = watch.waited_s + ordered[-1] - median
-    others = _medians_of_others(compute_s, ordered)
-    samples = {
-        rank: (*watch.samples.get(rank, ()), _sample(step, own, others[rank]))[-policy.window :]
-        for rank, own in enumerate(compute_s)
+    waited = watch.waited_s + float(ordered[-1]) - median
+    ratio = torch.where(others > 0, now / others.where(others > 0, 1.0), 1.0)
+    kept = max(0, len(watch.steps) - policy.window + 1)  # the rows the window keeps
+    compute = torch.cat([watch.compute[kept:], now[None]])
+    ratios = torch.cat([watch.ratio[kept:], ratio[None]])
+    steps = (*watch.steps[kept:], step)
+    flagged = {
+        r: _waited(s, float(now[r]) - median) for r, s in watch.flagged.items() if r < len(now)
     }
-    flagged = {r: _waited(s, compute_s[r] - median) for r, s in watch.flagged.items()}
-    noise = (*watch.noise, *_change(watch.samples, compute_s))[-policy.noise_steps :]
+    noise = torch.cat([watch.noise, _change(watch.compute, now)])[-policy.noise_steps :]
     limit = slow_limit(noise, policy)
-    typical = _window_ratios(samples)
-    streak = {
-        r: watch.slow_streak.get(r, 0) + 1
-        for r in samples
-        if _slow(samples[r], typical[r], limit, len(noise), policy)
-    }
+    typical, excess = _window_ratios(compute)
+    full = len(steps) >= policy.window and len(noise) >= 2 * policy.window
+    slow = (typical >= limit) & (excess >= policy.min_excess_s) & full
+    before = watch.slow_streak if watch.slow_streak.numel() else torch.zeros_like(now)
+    streak = torch.where(slow, before + 1, 0.0)
+    judged = set(flagged) | set(torch.nonzero(streak >= policy.confirm).flatten().tolist())
     verdicts: list[Verdict] = []
-    for rank, window in samples.items():
-        judged = (typical[rank][0], streak.get(rank, 0), step, limit)
-        verdict = _judge(rank, window, flagged.get(rank), *judged, policy)
+    for rank in sorted(judged):
+        window = (steps, ratios[:, rank].tolist())
+        verdict = _judge(rank, window, flagged.get(rank), float(typical[rank]), int(streak[rank]),
+                         step, limit, policy)  # fmt: skip
         if verdict is None:
             continue
         verdicts.append(verdict)
@@ -137,96 +144,74 @@ def observe(
             flagged[rank] = verdict.straggler
         else:
             del flagged[rank]
-    out = Watch(samples, flagged, streak, noise, steps_seen=seen, waited_s=waited)
+    out = Watch(compute, ratios, steps, flagged, streak, noise, steps_seen=seen, waited_s=waited)
     return out, verdicts
 
 
-def _median(ordered: Sequence[float]) -> float:
+def _median(ordered: torch.Tensor) -> float:
+    """The median of sorted values (the mean of the middle two for an even count)."""
     n = len(ordered)
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    middle = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return float(middle)
 
 
-def _median_low(values: list[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2]
+def _medians_of_others(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` sorted, and for each one the median of all the others (one sort for all:
+    without its own value, the k-th of the rest is the sorted k-th, or the next one where its
+    own position is not after k)."""
+    ordered, order = torch.sort(values)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(values))
+    rest = len(values) - 1
+    k = rest // 2
 
+    def without(j: int) -> torch.Tensor:
+        return torch.where(position > j, ordered[j], ordered[min(j + 1, rest)])
 
-def _medians_of_others(compute_s: Sequence[float], ordered: list[float]) -> list[float]:
-    """Each rank's others' median, from the group's sorted times (one sort, not one a rank)."""
-    position = {value: i for i, value in enumerate(ordered)}  # any equal value will do
-    rest = len(ordered) - 1
-
-    def without(i: int, k: int) -> float:  # the k-th of ``ordered`` less its i-th
-        return ordered[k] if k < i else ordered[k + 1]
-
-    out = []
-    for own in compute_s:
-        i = position[own]
-        k = rest // 2
-        out.append(without(i, k) if rest % 2 else (without(i, k - 1) + without(i, k)) / 2)
-    return out
-
-
-def _sample(step: int, own: float, others: float) -> Sample:
-    ratio = own / others if others > 0 else 1.0
-    return Sample(step=step, ratio=ratio, excess_s=own - others, compute_s=own)
+    others = without(k) if rest % 2 else (without(k - 1) + without(k)) / 2
+    return ordered, others
 
 
 def _waited(straggler: Straggler, excess_s: float) -> Straggler:
     return replace(straggler, waited_s=straggler.waited_s + max(0.0, excess_s))
 
 
-def _change(before: Mapping[int, tuple[Sample, ...]], compute_s: Sequence[float]) -> list[float]:
-    """This step's noise (none at the first step of a rank)."""
-    changes = [
-        abs(compute_s[rank] / window[-1].compute_s - 1)
-        for rank, window in before.items()
-        if window and rank < len(compute_s) and window[-1].compute_s > 0
-    ]
-    return [_median(sorted(changes))] if changes else []
+def _change(before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    """This step's noise (none at the first step)."""
+    if not before.numel():
+        return _EMPTY
+    last = before[-1]
+    changes = (now / last.where(last > 0, 1.0) - 1).abs()[last > 0]
+    if not changes.numel():
+        return _EMPTY
+    return torch.tensor([_median(torch.sort(changes).values)], dtype=torch.float64)
 
 
-def slow_limit(noise: tuple[float, ...], policy: StragglerPolicy) -> float:
+def slow_limit(noise: torch.Tensor, policy: StragglerPolicy) -> float:
     """The ratio a window's median must reach: ``threshold``, or higher where the group's
     step-to-step noise would carry a healthy window's median that far. A median absolute
     deviation d is a standard deviation of about 1.48 d; a median of n steps varies about
     1.25 / sqrt(n) as much as one step."""
-    if not noise:
+    if not noise.numel():
         return policy.threshold
-    sigma = 1.48 * _median(sorted(noise)) * 1.25 / policy.window**0.5
+    sigma = 1.48 * _median(torch.sort(noise).values) * 1.25 / policy.window**0.5
     return max(policy.threshold, 1 + policy.noise_z * sigma)
 
 
-def _window_ratios(samples: Mapping[int, tuple[Sample, ...]]) -> list[tuple[float, float]]:
+def _window_ratios(compute: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank's typical compute (its window's low median: more than half its steps at
     least this slow; five spikes in ten are not a slowdown) over the others' typical
     compute, and the excess in seconds: medians before the ratio, so one noisy step of a
     peer does not make a rank look slow."""
-    typical = [_median_low([s.compute_s for s in samples[r]]) for r in range(len(samples))]
-    others = _medians_of_others(typical, sorted(typical))
-    return [
-        (own / other if other > 0 else 1.0, own - other)
-        for own, other in zip(typical, others, strict=True)
-    ]
-
-
-def _slow(
-    window: tuple[Sample, ...],
-    typical: tuple[float, float],
-    limit: float,
-    noise_steps: int,
-    policy: StragglerPolicy,
-) -> bool:
-    """The window says slow: full, the noise measured over two windows at least, and the
-    rank's typical compute ``limit`` times the others' (and ``min_excess_s`` above)."""
-    if len(window) < policy.window or noise_steps < 2 * policy.window:
-        return False
-    ratio, excess = typical
-    return ratio >= limit and excess >= policy.min_excess_s
+    typical = torch.median(compute, dim=0).values  # the lower of the two middle ones
+    _, others = _medians_of_others(typical)
+    ratio = torch.where(others > 0, typical / others.where(others > 0, 1.0), 1.0)
+    return ratio, typical - others
 
 
 def _judge(
     rank: int,
-    window: tuple[Sample, ...],
+    window: tuple[tuple[int, ...], list[float]],
     flagged: Straggler | None,
     ratio: float,
     streak: int,
@@ -242,18 +227,18 @@ def _judge(
         return None
     if streak < policy.confirm:
         return None
-    onset = _onset(window, limit)
+    onset = _onset(*window, limit)
     return Verdict(DETECTED, Straggler(rank, onset, step, round(ratio, 3)), step)
 
 
-def _onset(window: tuple[Sample, ...], threshold: float) -> int:
+def _onset(steps: tuple[int, ...], ratios: list[float], threshold: float) -> int:
     """The first step of the slow run that ends the window: back from the newest step until
     two healthy steps in a row (one healthy step inside a slowdown is noise, an earlier slow
     blip apart from it is not its onset)."""
-    onset, healthy = window[-1].step, 0
-    for sample in reversed(window):
-        if sample.ratio >= threshold:
-            onset, healthy = sample.step, 0
+    onset, healthy = steps[-1], 0
+    for at, ratio in zip(reversed(steps), reversed(ratios), strict=True):
+        if ratio >= threshold:
+            onset, healthy = at, 0
         else:
             healthy += 1
             if healthy == 2:
