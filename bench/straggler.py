@@ -10,17 +10,24 @@ rendezvous endpoint, one worker each: tests/e2e/workers/straggler_worker.py, a D
 - ``sigstop``: node b's worker is stopped and continued on a duty cycle (``--stop-ms`` stopped,
   ``--run-ms`` running) from step ``--onset``.
 - ``two-nodes``: a 2-node job (a and c): the step time once b is left out.
+- ``evict``: the ``sleep`` arm with ``--evict-stragglers 1.3`` on every node: b leaves when
+  named (its cool-down outlasts the run), a and c re-form and train on.
 
 Per arm: the detection delay in steps (the reported step less the onset), false reports, and
 the median step time over the steps after the onset. The recovered share is what leaving b
 out would give back of what b cost: (slowed - two-nodes) / (slowed - healthy), 100 % when the
 group without b steps as fast as the healthy group; the re-form's own pause is not in it
-(docs/stragglers.md). ``--healthy-minutes M`` instead runs one healthy job for M minutes and
+(docs/stragglers.md). The evicted share is what eviction itself gave back, its pause and the
+detection delay included: the wall time from the onset to the last step, (sleep - evict) /
+(sleep - healthy). ``--healthy-minutes M`` instead runs one healthy job for M minutes and
 prints its false reports (docs/benchmarks.md: the 30-minute run).
 
     python bench/straggler.py [--repeats 3] [--steps 160] [--onset 50]
     python bench/straggler.py --healthy-minutes 30 --out /tmp/straggler-30min
     python bench/straggler.py --cost   # the watch's own work per step, by world size
+    # steps of 0.3 s / world size that do not compete for cores, b 2x slower: what eviction gives
+    python bench/straggler.py --repeats 1 --arms healthy,sleep,two-nodes,evict --steps 400 \
+        --base-s 0.3 --width 64 --slow-s 0.1
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class ArmResult:
     delay_steps: int | None  # its step less the onset
     false_reports: int  # detections of another node, or of any node before the onset
     step_s: float | None  # median step time after the onset
+    after_onset_s: float | None = None  # wall time from the onset's step to the last step
 
 
 def step_times(trace: list[tuple[int, float]], after_step: int) -> list[float]:
@@ -91,7 +99,15 @@ def judge(
         delay_steps=int(first["step"]) - onset if first and onset is not None else None,
         false_reports=len(hits) - len(true),
         step_s=statistics.median(times) if times else None,
+        after_onset_s=wall_after(trace, onset or 0),
     )
+
+
+def wall_after(trace: list[tuple[int, float]], onset: int) -> float | None:
+    """Seconds from the last time the trace was at ``onset`` to its last step (a step
+    trained again after a restore counts once, at its newest time: the wall clock runs on)."""
+    at_onset = [t for s, t in trace if s == onset]
+    return trace[-1][1] - at_onset[-1] if at_onset and trace else None
 
 
 def recovered_share(healthy_s: float, slowed_s: float, without_s: float) -> float | None:
@@ -118,7 +134,14 @@ def _env() -> dict[str, str]:
 class Job:
     """A job of ``nodes`` agents in ``folder``: ``NODE.jsonl`` logs, ``trace-NODE`` traces."""
 
-    def __init__(self, folder: Path, nodes: tuple[str, ...], worker_args: list[str]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        nodes: tuple[str, ...],
+        worker_args: list[str],
+        supervisor_args: tuple[str, ...] = (),
+        min_nodes: int | None = None,
+    ) -> None:
         self.folder, self.nodes = folder, nodes
         port = _free_port()
         self.agents: dict[str, subprocess.Popen] = {}
@@ -126,9 +149,9 @@ class Job:
             argv = [
                 sys.executable, "-m", "elastic_trainer", "--log-format", "json",
                 "--log-file", str(folder / f"{name}.jsonl"), "--node", name,
-                "--job-id", "bench-straggler", "--min-nodes", str(len(nodes)),
+                "--job-id", "bench-straggler", "--min-nodes", str(min_nodes or len(nodes)),
                 "--max-nodes", str(len(nodes)), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-conf", RDZV_CONF, WORKER, *worker_args,
+                "--rdzv-conf", RDZV_CONF, *supervisor_args, WORKER, *worker_args,
                 "--trace", str(folder / f"trace-{name}"),
             ]  # fmt: skip
             with open(folder / f"{name}.stderr", "wb") as err:
@@ -159,9 +182,9 @@ class Job:
                             out.append(record)
         return out
 
-    def wait(self, timeout: float) -> None:
-        for proc in self.agents.values():
-            proc.wait(timeout=timeout)
+    def wait(self, timeout: float, nodes: Iterable[str] | None = None) -> None:
+        for name in self.nodes if nodes is None else nodes:
+            self.agents[name].wait(timeout=timeout)
 
     def stop(self) -> None:
         for proc in self.agents.values():
@@ -180,10 +203,15 @@ def _listening(port: int) -> bool:
 
 
 def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> ArmResult:
-    steps = ["--steps", str(args.steps)]
+    steps = ["--steps", str(args.steps), "--base-s", str(args.base_s), "--width", str(args.width)]
+    seam = ["--slow-node", "b", "--slow-from", str(args.onset), "--slow-s", str(args.slow_s)]
     if arm == "sleep":
-        seam = ["--slow-node", "b", "--slow-from", str(args.onset), "--slow-s", str(args.slow_s)]
         job = Job(folder, ("a", "b", "c"), steps + seam)
+    elif arm == "evict":
+        # b's cool-down outlasts the run: the figure is the group without it
+        evict = ("--evict-stragglers", "1.3", "--evict-cooldown", "3600", "--snapshot-dir",
+                 str(folder / "snapshots"))  # fmt: skip
+        job = Job(folder, ("a", "b", "c"), steps + seam, evict, min_nodes=2)
     else:
         job = Job(folder, ("a", "c") if arm == "two-nodes" else ("a", "b", "c"), steps)
     onset: int | None = args.onset
@@ -198,11 +226,13 @@ def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> ArmResult:
             job.wait(600)
             done.set()
             thread.join()
+        elif arm == "evict":
+            job.wait(600, ("a", "c"))  # b waits out its cool-down: stopped below
         else:
             job.wait(600)
     finally:
         job.stop()
-    slow = "b" if arm in ("sleep", "sigstop") else None
+    slow = "b" if arm in ("sleep", "sigstop", "evict") else None
     return judge(arm, job.events("straggler.detected"), onset, slow, job.trace(job.nodes[0]))
 
 
@@ -257,8 +287,8 @@ def cost_table(step_ms: float) -> str:
     head = f"share of a {step_ms:g} ms step"
     lines = [f"{'ranks':>6} {'verdict (us)':>13} {'timing (us)':>12} {head:>24}"]
     timing = timing_cost_us()
-    for world in (2, 8, 64, 256):
-        verdict = verdict_cost_us(world)
+    for world in (2, 8, 64, 256, 1024, 16384):
+        verdict = verdict_cost_us(world, steps=300 if world <= 256 else 40)
         share = (verdict + timing) / (step_ms * 1e3)
         lines.append(f"{world:>6} {verdict:>13.1f} {timing:>12.2f} {100 * share:>23.2f}%")
     return "\n".join(lines)
@@ -270,9 +300,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--onset", type=int, default=50)
     parser.add_argument("--slow-s", type=float, default=0.08)
+    parser.add_argument(
+        "--base-s", type=float, default=0.0, help="a step sleeps this / world size on every rank"
+    )
+    parser.add_argument("--width", type=int, default=640, help="the worker's matrix side")
     parser.add_argument("--stop-ms", type=float, default=50)
     parser.add_argument("--run-ms", type=float, default=25)
-    parser.add_argument("--arms", default="healthy,sleep,sigstop,two-nodes")
+    parser.add_argument("--arms", default="healthy,sleep,sigstop,two-nodes,evict")
     parser.add_argument("--healthy-minutes", type=float)
     parser.add_argument("--cost", action="store_true", help="the watch's own work per step")
     parser.add_argument("--step-ms", type=float, default=100.0, help="--cost: the step to compare")
@@ -314,6 +348,18 @@ def table(results: dict[str, list[ArmResult]]) -> str:
             share = recovered_share(medians["healthy"], medians[slowed], medians["two-nodes"])
             text = "n/a" if share is None else f"{100 * share:.0f} %"
             lines.append(f"recovered by leaving b out ({slowed}): {text}")
+    walls = {
+        arm: statistics.median(w)
+        for arm, runs in results.items()
+        if (w := [r.after_onset_s for r in runs if r.after_onset_s is not None])
+    }
+    if {"healthy", "sleep", "evict"} <= walls.keys():
+        share = recovered_share(walls["healthy"], walls["sleep"], walls["evict"])
+        text = "n/a" if share is None else f"{100 * share:.0f} %"
+        lines.append(
+            f"onset to last step: healthy {walls['healthy']:.1f} s, sleep {walls['sleep']:.1f} s,"
+            f" evict {walls['evict']:.1f} s; recovered by --evict-stragglers: {text}"
+        )
     return "\n".join(lines)
 
 

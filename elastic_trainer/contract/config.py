@@ -15,7 +15,16 @@ from typing import Any
 
 from elastic_trainer.contract.endpoint import DEFAULT_PORT, format_endpoint
 from elastic_trainer.contract.protocol import WorkerSettings
-from elastic_trainer.contract.settings import SWITCH, TOGGLE, Setting, flagged, option, text
+from elastic_trainer.contract.settings import (
+    SWITCH,
+    TOGGLE,
+    Setting,
+    flagged,
+    option,
+    seconds,
+    slowdown_factor,
+    text,
+)
 from elastic_trainer.errors import ConfigError
 
 DEFAULT_MODULE = "elastic_trainer.jobs.default"
@@ -302,6 +311,23 @@ class RunConfig:
         kind=TOGGLE,
         help="keep state copies in node memory, so a failure costs at most one step",
     )
+    # this node leaves the group while its rank straggles, when that pays (core/eviction.py)
+    evict_stragglers: float | None = option(
+        None,
+        "--evict-stragglers",
+        parse=slowdown_factor,
+        metavar="SLOWDOWN",
+        shown="off",
+        help="leave the group while this node's rank is SLOWDOWN times slower than the "
+        "others (e.g. 1.3) and leaving gains more than the re-forms cost",
+    )
+    evict_cooldown: float = option(
+        300.0,
+        "--evict-cooldown",
+        parse=seconds(zero=True),
+        metavar="S",
+        help="seconds a node left out as a straggler waits before it joins again",
+    )
 
     def __post_init__(self) -> None:
         self._check_nodes()
@@ -350,6 +376,15 @@ class RunConfig:
 
     def _check_times(self) -> None:
         _positive("--monitor-interval", self.monitor_interval)
+        _non_negative("--evict-cooldown", self.evict_cooldown)
+        evict = self.evict_stragglers
+        number = isinstance(evict, (int, float)) and math.isfinite(evict)
+        _check(
+            evict is None or (number and evict > 1),
+            "--evict-stragglers",
+            evict,
+            "use a slowdown factor > 1, e.g. 1.3 (leave it out to never leave the group)",
+        )
         _non_negative("--hang-timeout", self.hang_timeout)
         _positive("exit_barrier_timeout", self.exit_barrier_timeout)
         _positive("resources_interval", self.resources_interval)

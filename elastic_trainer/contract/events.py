@@ -118,7 +118,24 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
         "compute_ms",
         "median_ms",
         "world_size",
+        "steps_left",  # the run's steps after ``step``; None: unknown
+        "slowest",  # no flagged rank is slower: the one node that may leave now
     ),
+    # --evict-stragglers: this node leaves the group (gracefully, as a preempted node does)
+    # because its rank straggles and leaving gains more than the re-forms cost
+    "straggler.evicted": (
+        "rank",
+        "slowdown",
+        "reason",
+        "projected_gain_s",
+        "reform_s",
+        "rejoin_after_s",
+        "evictions",
+    ),
+    # --evict-stragglers: a straggling node stays, and why (the first rule that holds it)
+    "straggler.kept": ("rank", "slowdown", "reason", "projected_gain_s", "reform_s"),
+    # a node left out as a straggler has cooled down and joins again
+    "straggler.rejoining": ("cooled_s", "evictions"),
     "straggler.recovered": ("rank", "step", "since_step", "slowdown", "waited_s", "steps"),
     # rank 0 as the session closes: the time the group waited for its slowest rank
     "straggler.summary": ("steps", "waited_s", "stragglers", "attempt"),

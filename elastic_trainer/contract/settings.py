@@ -74,6 +74,14 @@ def seconds(*, zero: bool) -> Callable[[str], float]:
     return parse
 
 
+def slowdown_factor(raw: str) -> float:
+    """How many times slower than the others: a number above 1."""
+    value = float(raw)
+    if not (math.isfinite(value) and value > 1):
+        raise ValueError("expected a slowdown factor > 1, e.g. 1.3 (30 % slower than the others)")
+    return value
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in choices:

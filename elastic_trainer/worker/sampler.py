@@ -236,6 +236,15 @@ class ElasticSampler(Sampler[int]):
             return P.share_size(self.end - self.cursor, self.rank, self.num_replicas)
         return len(self._positions())
 
+    def steps_until(self, num_epochs: int) -> int | None:
+        """Optimizer steps from the cursor to the end of epoch ``num_epochs - 1`` (a global
+        batch's count; None without one: the steps' sizes are agreed only as they end)."""
+        batch = self.global_batch_size
+        if batch is None:
+            return None
+        this_epoch = -(-max(0, self.end - self.cursor) // batch)
+        return this_epoch + max(0, num_epochs - self.epoch - 1) * -(-self.end // batch)
+
     # --- progress -----------------------------------------------------------------------
     def current_share(self) -> P.StepShare:
         """This rank's part of the step at the cursor (fixed-global-batch mode)."""

@@ -145,6 +145,7 @@ class TrainingSession:
         say_aware(self.context.control_dir, self.context.local_rank)
         self.sampler = sampler
         self.max_steps = max_steps
+        self._num_epochs: int | None = None  # the run's, once ``epochs`` is iterated
         self.exit_on_stop = exit_on_stop
         self._interval = Interval.of(
             self._setting("snapshot_every", snapshot_every), self.context.settings.mtbf_s
@@ -323,6 +324,7 @@ class TrainingSession:
         """
         if self.sampler is None:
             raise ConfigError("TrainingSession.epochs needs a sampler: pass sampler=...")
+        self._num_epochs = num_epochs
         epoch = self.sampler.epoch + (1 if self.sampler.epoch_done else 0)
         while epoch < num_epochs and not self.should_stop:
             self.sampler.set_epoch(epoch)
@@ -387,7 +389,9 @@ class TrainingSession:
         votes, total, *figures = D.all_reduce_ints(
             [stop_vote(own_stop), num_samples or 0, *interval, *timing]
         )
-        self._stragglers.observe(self.step + 1, figures[len(interval) :])
+        self._stragglers.observe(
+            self.step + 1, figures[len(interval) :], steps_left=self._steps_left(self.step + 1)
+        )
         self._observe_interval(figures[: len(interval)])
         with self._counting():
             indices = self._advance_sampler(num_samples, total)
@@ -521,6 +525,18 @@ class TrainingSession:
         if self.sampler.global_batch_size is not None:
             return self.sampler.complete_step()
         return self.sampler.complete_step(local_samples=local, global_samples=total)
+
+    def _steps_left(self, step: int) -> int | None:
+        """Steps the run has left after ``step`` (None: unknown, as without a global batch
+        or a step budget): the work a straggler's eviction would be paid back over."""
+        left = []
+        if self.max_steps is not None:
+            left.append(max(0, self.max_steps - step))
+        if self.sampler is not None and self._num_epochs is not None:
+            after = self.sampler.steps_until(self._num_epochs)
+            if after is not None:
+                left.append(max(0, after - 1))  # the cursor is still at ``step``'s start
+        return min(left, default=None)
 
     def _planned_indices(self) -> list[int]:
         """This rank's indices in the step at the sampler's cursor (none without a sampler)."""

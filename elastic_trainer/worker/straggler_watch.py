@@ -49,9 +49,13 @@ class StragglerWatch:
         slots[D.rank()] = self.timing.compute_us()
         return slots
 
-    def observe(self, step: int, slots: list[int]) -> list[Verdict]:
+    def observe(
+        self, step: int, slots: list[int], *, steps_left: int | None = None
+    ) -> list[Verdict]:
         """The group's figures of ``step`` (summed slots): the verdict, and this rank's own
-        changes emitted. A zero slot: some rank has no figure yet (its first step)."""
+        changes emitted. A zero slot: some rank has no figure yet (its first step).
+        ``steps_left``: the run's steps after this one, if known (what an eviction would
+        be paid back over: ``supervisor/core/eviction.py``)."""
         self.timing.released()
         if not slots or min(slots) <= 0:
             return []
@@ -60,10 +64,16 @@ class StragglerWatch:
         self.state, verdicts = observe(self.state, step, compute_s, self.policy)
         for verdict in verdicts:
             if verdict.straggler.rank == D.rank():
-                self._emit(verdict, compute_s)
+                self._emit(verdict, compute_s, steps_left)
         return verdicts
 
-    def _emit(self, verdict: Verdict, compute_s: list[float]) -> None:
+    def _slowest(self, rank: int) -> bool:
+        """``rank`` is the slowest of the ranks now flagged (a tie: the lower rank), the same
+        answer on every node: at most one node leaves at a time."""
+        flagged = self.state.flagged
+        return rank == min(flagged, key=lambda r: (-flagged[r].slowdown, r), default=rank)
+
+    def _emit(self, verdict: Verdict, compute_s: list[float], steps_left: int | None) -> None:
         s = verdict.straggler
         others = sorted(c for r, c in enumerate(compute_s) if r != s.rank)
         common = {"rank": s.rank, "step": verdict.step, "since_step": s.since_step}
@@ -76,6 +86,8 @@ class StragglerWatch:
                 compute_ms=round(compute_s[s.rank] * 1e3, 2),
                 median_ms=round(others[len(others) // 2] * 1e3, 2),
                 world_size=len(compute_s),
+                steps_left=steps_left,
+                slowest=self._slowest(s.rank),
             )
         else:
             emit(

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from straggler import ArmResult, judge, recovered_share, step_times, table
+from straggler import ArmResult, judge, recovered_share, step_times, table, wall_after
 
 
 def trace(times: list[float], first: int = 1) -> list[tuple[int, float]]:
@@ -56,3 +56,18 @@ def test_the_table_names_each_arm_and_the_share():
     )
     assert "9..11" in text and "2/2" in text
     assert "recovered by leaving b out (sleep): 91 %" in text  # (0.21 - 0.11) / (0.21 - 0.10)
+
+
+def test_the_wall_after_the_onset_runs_from_the_onsets_newest_time_to_the_last_step():
+    steps = [(49, 0.0), (50, 1.0), (51, 2.0), (50, 5.0), (51, 6.0), (52, 7.5)]  # 50 again
+    assert wall_after(steps, 50) == pytest.approx(2.5)
+    assert wall_after(steps, 80) is None and wall_after([], 50) is None
+
+
+def test_the_table_gives_what_eviction_recovered_of_the_wall_time():
+    def arm(name, wall):
+        return ArmResult(name, None, None, 0, 0.1, after_onset_s=wall)
+
+    runs = {"healthy": [arm("healthy", 10.0)], "sleep": [arm("sleep", 30.0)]}
+    text = table({**runs, "evict": [arm("evict", 14.0)]})
+    assert "recovered by --evict-stragglers: 80 %" in text  # (30 - 14) / (30 - 10)

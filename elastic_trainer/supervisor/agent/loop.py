@@ -6,7 +6,8 @@ function in ``core/decisions.py`` (on ``core/policy.py``'s restart budget) fed w
 class observes; this class carries the answers out. Beside it in this package: the hand-over
 of a joining round (``handover.py``), the store's move when its host goes
 (``store_failover.py``), what failures are reported as (``failure_reports.py``) and the
-control folder shared with the workers (``control_files.py``). Worker trees are killed
+control folder shared with the workers (``control_files.py``), a straggling node's leave and
+return (``straggler_exit.py``). Worker trees are killed
 through ``processes/procs.py`` (torch only signals each worker's own process group, then
 waits 30 s); progress, hangs and resources are read by ``processes/observer.py``; what
 workers get besides torchrun's environment is ``processes/workerenv.py``.
@@ -33,6 +34,7 @@ from elastic_trainer.supervisor.agent.control_files import await_copies, mark_re
 from elastic_trainer.supervisor.agent.failure_reports import FailureReports, PeerLeaving
 from elastic_trainer.supervisor.agent.handover import HandOver
 from elastic_trainer.supervisor.agent.store_failover import StoreFailover
+from elastic_trainer.supervisor.agent.straggler_exit import StragglerExit
 from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.core.decisions import PeerStop, SupervisorState, Verdict
 from elastic_trainer.supervisor.core.outcome import (
@@ -63,7 +65,7 @@ GOODBYE_HEARD_S = 0.2
 STORE_ERRORS = (RendezvousError, DistNetworkError, DistStoreError)
 
 
-class ElasticTrainAgent(HandOver, LocalElasticAgent):
+class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
     """Executes ``decisions``: observes, asks, acts, emits. Decides nothing itself."""
 
     def __init__(
@@ -102,6 +104,7 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
             hang_timeout=cfg.hang_timeout,
             resources_interval=cfg.resources_interval,
             metrics=metrics,
+            follow_stragglers=cfg.evict_stragglers is not None,
         )
         self.ledger = self._observer.ledger
         self._attempt = 0
@@ -210,6 +213,8 @@ class ElasticTrainAgent(HandOver, LocalElasticAgent):
         elif host := self._membership.store_host_unreachable():
             self._store_failover.host_silent(host)
             return None
+        elif slow := self._slow_node_leaves():
+            return None if self._leave_as_straggler(wg, slow) else self._preempt()
         else:
             return None
         if outcome.verdict == Verdict.CONFIG_ERROR:

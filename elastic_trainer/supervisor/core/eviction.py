@@ -23,9 +23,12 @@ node that comes back slow is not evicted in a loop).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
-# the work left when the run has no step budget: the gain is judged over this many steps
+# the work left when the run does not know its own length: the gain is judged over this many
 DEFAULT_HORIZON_STEPS = 1000
 
 
@@ -33,7 +36,7 @@ DEFAULT_HORIZON_STEPS = 1000
 class EvictionPolicy:
     threshold: float  # --evict-stragglers: the slowdown from which leaving is considered
     min_nodes: int
-    cooldown_s: float = 300.0  # before an evicted node asks to join again
+    cooldown_s: float  # --evict-cooldown: before an evicted node asks to join again
     backoff_s: float = 600.0  # after the first eviction; doubled by each further one
 
     def __post_init__(self) -> None:
@@ -69,6 +72,41 @@ class EvictionDecision:
     reason: str
     projected_gain_s: float
     rejoin_after_s: float = 0.0
+
+
+def slow_node(event: Mapping[str, Any], *, num_nodes: int) -> SlowNode | None:
+    """What a ``straggler.detected`` of this node's own rank says (read back from the
+    worker's events file, so each field is checked); None when it is not one."""
+    slowdown, median_ms = event.get("slowdown"), event.get("median_ms")
+    steps_left, slowest = event.get("steps_left"), event.get("slowest", True)
+    if not (_number(slowdown) and _number(median_ms) and isinstance(slowest, bool)):
+        return None
+    if steps_left is not None and not (isinstance(steps_left, int) and steps_left >= 0):
+        return None
+    return SlowNode(
+        slowdown=float(slowdown),
+        median_step_s=float(median_ms) / 1e3,
+        steps_left=steps_left,
+        num_nodes=num_nodes,
+        slowest=slowest,
+    )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def reform_estimate_s(*, recoveries_s: float, recoveries: int, cold_start_s: float | None) -> float:
+    """What one re-form costs this job: its measured recoveries' mean downtime, else its
+    first start (workers started to the first step, an upper bound: a re-form starts warm),
+    else ``DEFAULT_REFORM_S``."""
+    if recoveries > 0:
+        return recoveries_s / recoveries
+    return cold_start_s if cold_start_s is not None else DEFAULT_REFORM_S
+
+
+# a re-form's cost before the job has measured any start (the rejoin and the leave)
+DEFAULT_REFORM_S = 30.0
 
 
 def projected_gain_s(node: SlowNode, reform_s: float) -> float:

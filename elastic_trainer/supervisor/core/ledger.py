@@ -115,6 +115,7 @@ class Ledger:
     failures: int = 0  # cascades of failures (a node lost, a rank crashed), not joins
     measured_s: float = 0.0  # recovery.completed downtimes, summed
     measured_steps: int = 0  # recovery.completed steps lost, summed
+    recoveries: int = 0  # recovery.completed events, counted
     unmeasured: list[UnmeasuredRestart] = field(default_factory=list)
     # the latest unmeasured restart, until its event is out (it waits for the new world size)
     _unannounced: UnmeasuredRestart | None = field(default=None, repr=False)
@@ -183,6 +184,13 @@ class Ledger:
                 cause=cause, failed_at=now, last_step=self.last_step(), world_size_before=world_size
             )
 
+    def first_start_s(self) -> float | None:
+        """The first attempt's start: its workers started to their first step made."""
+        first = self.attempts[0] if self.attempts else None
+        if first is None or first.started_at is None or first.counted_time is None:
+            return None
+        return max(0.0, first.counted_time - first.started_at)
+
     def mtbf_s(self, wall_s: float) -> float | None:
         """The job's mean time between failures so far (None before the first)."""
         return wall_s / self.failures if self.failures and wall_s > 0 else None
@@ -211,6 +219,7 @@ class Ledger:
             lost = max(0, pending.last_step - (snapshot_step or 0))
         downtime = round(max(0.0, attempt.first_time - pending.failed_at), 3)
         self.measured_s += downtime
+        self.recoveries += 1
         self.measured_steps += lost or 0
         return {
             "cause": pending.cause,

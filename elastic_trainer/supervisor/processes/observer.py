@@ -46,9 +46,14 @@ class GroupObserver:
         hang_timeout: float,
         resources_interval: float,
         metrics: SupervisorMetrics | None = None,
+        follow_stragglers: bool = False,
     ) -> None:
+        """``follow_stragglers``: keep this node's ranks' ``straggler.detected`` events for
+        ``take_stragglers`` (``--evict-stragglers``)."""
         self.ledger = Ledger()
         self._metrics = metrics
+        self._follow_stragglers = follow_stragglers
+        self._stragglers: list[dict[str, Any]] = []
         self._tail: WorkerEventTail | None = None
         self._born = time.monotonic()
         self._procs = procs
@@ -63,6 +68,7 @@ class GroupObserver:
         self.ledger.start_attempt()
         self._next_resources = now + min(_FIRST_RESOURCES_AFTER_S, self._interval)
         self._tail = None  # the new attempt's folder is read from its start
+        self._stragglers = []  # the previous attempt's verdicts are of another group
         if self._metrics is not None:
             self._metrics.attempt_started()
 
@@ -89,17 +95,26 @@ class GroupObserver:
             self._feed_goodput(now)
         else:
             self._procs.refresh()
-        self._feed_metrics(control_dir, local_world_size, reports)
+        self._read_events(control_dir, local_world_size, reports)
         return self._watchdog.observe(reports, now)
 
-    def _feed_metrics(self, control_dir: str, local_world_size: int, reports: Any) -> None:
-        if self._metrics is None:
+    def take_stragglers(self) -> list[dict[str, Any]]:
+        """The ``straggler.detected`` events this node's ranks wrote since the last call."""
+        taken, self._stragglers = self._stragglers, []
+        return taken
+
+    def _read_events(self, control_dir: str, local_world_size: int, reports: Any) -> None:
+        if self._metrics is None and not self._follow_stragglers:
             return
         if self._tail is None:
             self._tail = WorkerEventTail(control_dir, range(local_world_size))
         for event in self._tail.read():
-            self._metrics.event(event)
-        self._metrics.progress(reports)
+            if self._metrics is not None:
+                self._metrics.event(event)
+            if self._follow_stragglers and event.get("event") == "straggler.detected":
+                self._stragglers.append(event)
+        if self._metrics is not None:
+            self._metrics.progress(reports)
 
     def _feed_goodput(self, now: float) -> None:
         if self._metrics is not None:

@@ -5,7 +5,11 @@ own seam that makes one node slow (docs/stragglers.md).
 STEP on, the model's forward sleeps S seconds more: slowness inside the step, where a
 throttled CPU or a slow device would put it. --trace FILE: this rank appends
 "step unix_time pid" after every step, so a test that injects slowness from outside
-(SIGSTOP, a CPU quota) knows the process to slow and the step it began at.
+(SIGSTOP, a CPU quota) knows the process to slow and the step it began at. --slow-while FILE:
+the seam sleeps only while FILE exists (the test ends the slowness by removing it).
+--base-s S: every rank's forward sleeps S / world size seconds as well: a global batch's time
+shared by the ranks (fewer ranks, each takes longer), and one that does not compete for the
+machine's cores (three workers on two cores step slower than two, whatever a straggler does).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow-node", default="")
     p.add_argument("--slow-from", type=int, default=0)
     p.add_argument("--slow-s", type=float, default=0.0)
+    p.add_argument("--slow-while", default="")
+    p.add_argument("--base-s", type=float, default=0.0)
     p.add_argument("--trace", default="")
     return p.parse_args()
 
@@ -64,8 +70,11 @@ def main() -> None:
     node = os.environ.get("ELASTIC_TRAIN_NODE", "")
     data = torch.randn(64, args.width)
     while not session.should_stop:
-        if node == args.slow_node and session.step + 1 >= args.slow_from:
-            seam.seconds = args.slow_s
+        slow = node == args.slow_node and session.step + 1 >= args.slow_from
+        if slow and args.slow_while:
+            slow = os.path.exists(args.slow_while)
+        share = args.base_s / torch.distributed.get_world_size()
+        seam.seconds = share + (args.slow_s if slow else 0.0)
         with session.accumulate(model):
             loss = model(data).square().mean()
             loss.backward()

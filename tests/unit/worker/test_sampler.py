@@ -188,3 +188,16 @@ def test_permutation_is_computed_once_per_epoch(monkeypatch):
     sampler.complete_step()
     list(sampler)
     assert len(calls) == 1
+
+
+def test_steps_until_counts_the_optimizer_steps_left_to_the_runs_last_epoch():
+    sampler = _sampler(n=22, global_batch_size=4)  # 6 steps an epoch: 5 of 4, one of 2
+    counted = 0
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        while not sampler.epoch_done:
+            assert sampler.steps_until(3) == 18 - counted
+            sampler.complete_step()
+            counted += 1
+    assert counted == 18 and sampler.steps_until(3) == 0
+    assert _sampler(global_batch_size=None).steps_until(3) is None

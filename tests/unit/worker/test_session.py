@@ -455,3 +455,12 @@ def test_a_rank_killed_just_after_the_steps_all_reduce_has_recorded_its_share(
     records = {r.step: r for r in read_audit_log(str(tmp_path / "audit"))}
     assert sorted(records) == [1, 2]
     assert list(records[2].indices) == planned and records[2].rank == 0
+
+
+def test_the_steps_left_after_a_step_come_from_the_epochs_and_the_step_budget(tmp_path):
+    job = Job(tmp_path / "epochs")
+    job.train(epochs=10, steps=2)  # 3 steps an epoch (4, 4 and 2 samples)
+    assert job.session._steps_left(job.session.step + 1) == 10 * 3 - 3
+    budget = Job(tmp_path / "budget", max_steps=5)
+    budget.train(epochs=10, steps=2)
+    assert budget.session._steps_left(budget.session.step + 1) == 2

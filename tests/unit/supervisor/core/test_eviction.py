@@ -10,6 +10,8 @@ from elastic_trainer.supervisor.core.eviction import (
     SlowNode,
     decide,
     projected_gain_s,
+    reform_estimate_s,
+    slow_node,
 )
 
 POLICY = EvictionPolicy(threshold=1.3, min_nodes=2, cooldown_s=120, backoff_s=600)
@@ -66,4 +68,39 @@ def test_without_a_step_budget_the_gain_is_judged_over_a_horizon():
 @pytest.mark.parametrize("threshold", [1.0, 0.5], ids=["one", "below-one"])
 def test_a_threshold_that_would_evict_healthy_nodes_is_refused(threshold):
     with pytest.raises(ValueError, match="--evict-stragglers"):
-        EvictionPolicy(threshold=threshold, min_nodes=1)
+        EvictionPolicy(threshold=threshold, min_nodes=1, cooldown_s=0)
+
+
+DETECTED = {"event": "straggler.detected", "rank": 1, "slowdown": 1.8, "median_ms": 120.0,
+            "steps_left": 400, "slowest": True}  # fmt: skip
+
+
+def test_a_detected_event_reads_as_the_slow_node_it_describes():
+    node = slow_node(DETECTED, num_nodes=3)
+    assert node == SlowNode(
+        slowdown=1.8, median_step_s=0.12, steps_left=400, num_nodes=3, slowest=True
+    )
+    assert slow_node({**DETECTED, "steps_left": None}, num_nodes=3).steps_left is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"slowdown": "2"},
+        {"slowdown": float("nan")},
+        {"median_ms": None},
+        {"slowest": "yes"},
+        {"steps_left": -1},
+        {"steps_left": 2.5},
+        {"slowdown": True},
+    ],
+    ids=["text", "nan", "no-median", "slowest-text", "negative-left", "float-left", "bool"],
+)
+def test_a_malformed_detected_event_is_no_slow_node(bad):
+    assert slow_node({**DETECTED, **bad}, num_nodes=3) is None
+
+
+def test_a_re_form_costs_the_mean_measured_recovery_else_the_first_start():
+    assert reform_estimate_s(recoveries_s=9.0, recoveries=3, cold_start_s=20.0) == 3.0
+    assert reform_estimate_s(recoveries_s=0.0, recoveries=0, cold_start_s=20.0) == 20.0
+    assert reform_estimate_s(recoveries_s=0.0, recoveries=0, cold_start_s=None) > 0
