@@ -235,19 +235,23 @@ class RoundView:
 
 CLOSE, POLLED = "close", "polled"  # the join hook's answers (None: torch's own action)
 JoinHook = Callable[[RoundView, bool], str | None]  # (view, may wait) -> answer
+HoldHook = Callable[[RoundView], bool]  # the last call ran out: keep the round open?
 
 
 def install_join_hook(
     handler: DynamicRendezvousHandler,
     hook: JoinHook,
     dead: Callable[[], set[Any]] = set,
+    hold: HoldHook = lambda view: False,
 ) -> None:
     """Route every join op of ``handler`` through ``hook`` (idempotent). The hook is asked
     only where torch's own op would wait (SYNC / KEEP_ALIVE; ``may_wait`` only for SYNC, a due
     heartbeat is not delayed): it answers CLOSE (mark the round complete now), POLLED (it
     waited for a state change itself: resync at once) or None (torch's own action).
     ``dead``: nodes found gone while we wait; their heartbeats are expired in the shared
-    state then and there (as ``expire_nodes`` does before a join)."""
+    state then and there (as ``expire_nodes`` does before a join). ``hold``: asked where
+    torch would close the round because its last call ran out; True keeps it open (a sync,
+    torch's one-second poll) for now."""
     executor = handler._op_executor
     if getattr(executor, "elastic_train_hooked", False):
         return
@@ -255,7 +259,7 @@ def install_join_hook(
 
     def hooked_run(op: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(op, _RendezvousJoinOp):
-            op = _hooked_join(op, hook, dead)
+            op = _hooked_join(op, hook, dead, hold)
         run(op, deadline, update_deadline)
 
     executor.run = hooked_run
@@ -263,12 +267,16 @@ def install_join_hook(
 
 
 def _hooked_join(
-    op: Any, hook: JoinHook, dead: Callable[[], set[Any]]
+    op: Any, hook: JoinHook, dead: Callable[[], set[Any]], hold: HoldHook
 ) -> Callable[[Any, float], Any]:
     def join(ctx: Any, deadline: float) -> Any:
         if _expire_in(ctx, dead()):
             return _Action.KEEP_ALIVE  # a write action: the executor writes the state back
         action = op(ctx, deadline)
+        # the op closes a round only when its last call has run out (a full round is closed
+        # by the executor as the last node joins)
+        if action == _Action.MARK_RENDEZVOUS_COMPLETE and hold(round_view(ctx)):
+            return _Action.SYNC
         if action not in (_Action.SYNC, _Action.KEEP_ALIVE):
             return action
         answer = hook(round_view(ctx), action == _Action.SYNC)

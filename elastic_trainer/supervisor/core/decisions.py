@@ -172,6 +172,39 @@ def close_round_now(
     return min_nodes <= len(joined) <= max_nodes and expected <= set(joined)
 
 
+# How long past its last call a re-forming round waits for members of the previous round that
+# are alive but have not joined yet (a survivor still stopping its workers, or waiting for
+# their just-in-time copies, up to 10 s): a hung agent whose heartbeat thread still beats must
+# not hold the others for good.
+MAX_HOLD_S = 60.0
+
+
+def hold_round_open(
+    *,
+    complete: bool,
+    joined: Set[object],
+    known: Set[object],
+    dead: Set[object],
+    alive: Set[object],
+    max_nodes: int,
+    held_s: float,
+) -> bool:
+    """The last call of the re-forming round this node joined has run out: keep it open
+    instead of closing it?
+
+    Yes while a member of the previous round (``known``), not known gone (``dead``), is alive
+    (``alive``: its heartbeat is fresh) and has not joined, for up to ``MAX_HOLD_S`` past the
+    last call. Closed without it, the round would start a group the latecomer then joins at
+    once: another restart for everyone, and with many nodes rejoining (each seconds apart on
+    a loaded store) rounds kept closing short of them, one restart after another. The first
+    round (nothing ``known``) is not held: its own last call is the patient one.
+    """
+    if complete or not known or len(joined) >= max_nodes or held_s >= MAX_HOLD_S:
+        return False
+    missing = (set(known) - set(dead)) - set(joined)
+    return bool(missing & set(alive))
+
+
 def join_after_warm_pool(*, first_join: bool, round_running: bool, pool_ready: bool) -> bool:
     """Should this node wait for its warm pool before it joins the rendezvous?
 

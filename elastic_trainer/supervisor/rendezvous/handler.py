@@ -111,7 +111,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> Any:
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
         torch_compat.set_last_call_timeout(self, last_call)
-        torch_compat.install_join_hook(self, self._join_hook, self._dead_while_joining)
+        torch_compat.install_join_hook(
+            self, self._join_hook, self._dead_while_joining, self._hold_round_open
+        )
         self._rounds_joined += 1
         if self.state_backend is not None:  # our key exists before we are in the state
             self._keep_alive()
@@ -210,6 +212,38 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._wait_for_change(view)
             return torch_compat.POLLED
         return None
+
+    def _hold_round_open(self, view: torch_compat.RoundView) -> bool:
+        """The last call ran out: members of the last round still on their way (alive by
+        their own heartbeat key) keep the round open (``decisions.hold_round_open``)."""
+        self._newly_dead()
+        if view.last_call_ends is None or not self._known:
+            return False
+        missing = (self._known - self._dead) - view.joined
+        held_s = (datetime.now(timezone.utc) - view.last_call_ends).total_seconds()
+        return decisions.hold_round_open(
+            complete=view.complete,
+            joined=view.joined,
+            known=self._known,
+            dead=self._dead,
+            alive=self._alive(missing),
+            max_nodes=view.max_nodes,
+            held_s=held_s,
+        )
+
+    def _alive(self, nodes: set[Any]) -> set[Any]:
+        """Those of ``nodes`` whose own heartbeat key is fresher than the keep-alive expiry
+        (none readable: none alive, so a round is never held on a guess)."""
+        if not nodes or self.state_backend is None:
+            return set()
+        interval_s, attempts = torch_compat.keep_alive(self)
+        try:
+            beats = self.state_backend.beats(list(nodes))
+        except Exception:
+            return set()
+        now_us = (datetime.now(timezone.utc) - _EPOCH) // timedelta(microseconds=1)
+        fresh_us = interval_s * attempts * 1e6
+        return {n for n, at in beats.items() if at is not None and now_us - at < fresh_us}
 
     def _wait_for_change(self, view: torch_compat.RoundView) -> None:
         """Until round, completion, participants or wait list change (not mere heartbeats),

@@ -104,6 +104,15 @@ class SignedStateBackend(RendezvousBackend):
         """``node``'s heartbeat at ``at_us`` (microseconds since the epoch): its own key."""
         self._store.set(beat_key(self._run_id, node_entry(node)), str(at_us))
 
+    def beats(self, nodes: list[Any]) -> dict[Any, int | None]:
+        """Each of ``nodes``' own heartbeat time (µs since the epoch; None: no key, or a bad
+        one), whether or not it is in the state."""
+        keys = [beat_key(self._run_id, node_entry(n)) for n in nodes]
+        return {
+            n: self._beat(k) if self._call("check", [k]) else None
+            for n, k in zip(nodes, keys, strict=True)
+        }
+
     def _with_beats(self, plain: dict[str, Any]) -> dict[str, Any]:
         entries = plain["last_heartbeats"]
         if not entries:

@@ -288,3 +288,43 @@ def test_our_workers_ending_after_a_peer_said_goodbye_is_a_free_preemption() -> 
     assert out.verdict == Verdict.RESTART and out.state.membership_reason.value == "peer_preempted"
     assert out.recovery_cause == "preempted"
     assert out.state.policy == decisions.on_peers_gone(POLICY, state).state.policy  # not charged
+
+
+def hold(**kw: object) -> bool:
+    base: dict = dict(
+        complete=False, joined={"a", "b"}, known={"a", "b", "c"}, dead=set(), alive={"c"}
+    )
+    held_s = kw.pop("held_s", 1.0)
+    return decisions.hold_round_open(**{**base, **kw}, max_nodes=4, held_s=held_s)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("case", "kw", "holds"),
+    [
+        ("a live member of the last round is still on its way: wait for it", {}, True),
+        ("its heartbeat is stale (frozen, cut off): close without it", dict(alive=set()), False),
+        ("it is known gone: close", dict(dead={"c"}), False),
+        ("it has joined: nothing to hold for", dict(joined={"a", "b", "c"}), False),
+        ("first round: its own last call is the patient one", dict(known=set()), False),
+        ("already complete", dict(complete=True), False),
+        ("held long enough: a hung agent does not hold the others for good",
+         dict(held_s=decisions.MAX_HOLD_S), False),
+        ("a live node that was never a member does not hold it", dict(alive={"z"}), False),
+    ],
+)  # fmt: skip
+def test_a_round_whose_last_call_ran_out_is_held_for_live_members_still_rejoining(
+    case, kw, holds
+) -> None:
+    assert hold(**kw) is holds, case
+
+
+def test_a_full_round_is_never_held() -> None:
+    assert not decisions.hold_round_open(
+        complete=False,
+        joined={"a", "b"},
+        known={"a", "b", "c"},
+        dead=set(),
+        alive={"c"},
+        max_nodes=2,
+        held_s=0.0,
+    )

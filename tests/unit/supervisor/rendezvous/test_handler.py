@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -277,3 +277,24 @@ def test_a_member_found_gone_while_we_wait_in_the_round_is_not_waited_for(nodes)
     known.add(b.this_node)  # its connection closed
     assert joining.result() == 1
     assert time.monotonic() - began < HANG_S
+
+
+def test_a_round_whose_last_call_runs_out_waits_for_a_live_member_still_rejoining(nodes) -> None:
+    """Many survivors of a node loss rejoin seconds apart (each stops its workers first, on a
+    busy store): a round closed at its short last call would start without the late ones,
+    which join at once, a restart for everyone, over and over. A member of the last round
+    whose own heartbeat is fresh keeps the round open past its last call."""
+    a, b = nodes(max_nodes=3), nodes(max_nodes=3)
+    form_with_last_call(a, b)
+    a.tune(first_last_call_s=3.0, later_last_call_s=0.2)
+    b.leave()  # b's agent is still stopping its workers: out of the round, beating
+    first = Joining(a)
+
+    def held_past_its_last_call() -> bool:
+        state = shared_state(a)
+        ran_out = state.deadline is not None and state.deadline < datetime.now(timezone.utc)
+        return set(state.participants) == {a.this_node} and ran_out and not state.complete
+
+    wait_for(held_past_its_last_call)
+    second = Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
