@@ -36,11 +36,12 @@ def test_a_slow_node_leaves_the_others_go_on_and_it_rejoins(tmp_path, worker_env
     slow = tmp_path / "b-is-slow"
     slow.touch()
     port = free_port()
+    # a step sleeps 0.15 s / world size on every rank: b is back before the others finish
     argv = [
         "--min-nodes", "2", "--max-nodes", "3", "--snapshot-dir", str(tmp_path / "snap"),
         "--evict-stragglers", "1.3", "--evict-cooldown", "2",
         WORKER, "--steps", str(STEPS), "--slow-node", "b", "--slow-from", str(ONSET),
-        "--slow-s", "0.3", "--slow-while", str(slow),
+        "--slow-s", "0.3", "--slow-while", str(slow), "--base-s", "0.15",
     ]  # fmt: skip
     started = []
     for name in "abc":
