@@ -7,10 +7,10 @@ ranks wait for the slowest inside a collective. Where they wait depends on the w
   waits until the slowest rank has launched the same bucket. ``DDPWait`` times that with a
   comm hook (torch's own all-reduce hook, timed): the wait of a step is the time from the last
   bucket's launch to the last bucket's completion.
-- FSDP2 all-gathers parameters in each sharded module's pre-forward hook: ``FSDPWait``
-  brackets that hook with one of ours before it (``prepend``) and one after it. Waits inside
-  backward (its re-gathers and reduce-scatters) are not seen, so an FSDP2 straggler's slowdown
-  is under-stated (``docs/stragglers.md``).
+- FSDP2 waits inside its own hooks: the all-gather in each sharded module's pre-forward, the
+  re-gather of parameters in its pre-backward, the reduce-scatter in its post-backward and,
+  on CUDA, the wait for the last reduce-scatter in its end-of-backward callback. ``FSDPWait``
+  brackets each of them with hooks of ours just before and just after FSDP's.
 - The session's own all-reduce at every ``step_done`` (its stop vote): the first collective
   of a step for a model without DDP or FSDP, and timed for every model.
 
@@ -30,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from elastic_trainer.worker.torch_compat import queue_backward_callback
 
 
 class Stopwatch:
@@ -94,12 +96,37 @@ class DDPWait:
 
 
 class FSDPWait:
-    """Times FSDP2's pre-forward hooks (their all-gather waits) on every sharded module."""
+    """Times FSDP2's own hooks on every sharded module, where this rank waits for the others.
+
+    - forward, its pre-forward hook (the all-gather): between a hook of ours just before it
+      (``prepend``) and one just after it;
+    - backward, the pre-backward hook FSDP puts on the module's outputs (the re-gather of
+      parameters resharded after forward): from a hook of ours on the same output tensor,
+      registered before FSDP's (our forward hook runs before its), to a pre-hook on the
+      autograd node that made the tensor (a node's pre-hooks run after its tensors' hooks);
+    - backward, the post-backward node FSDP puts between the module's inputs and its forward
+      (its reduce-scatter, and the wait for an earlier one): a pre-hook and a hook on that
+      node, told apart as the node the inputs gained across FSDP's pre-forward hook;
+    - the end of backward, FSDP's final callback (on CUDA where the compute stream waits for
+      the last reduce-scatter): callbacks of ours queued just before and after it, where torch
+      lets us (``worker.torch_compat``; elsewhere that wait counts as compute).
+
+    Brackets may nest (an inner sharded module's output can be its parent's too): only the
+    outermost one is a span, so no wait counts twice. On CUDA FSDP's waits are the compute
+    stream's waits for its communication streams, enqueued between two marks of ours on it.
+    Not seen: a script that finalizes backward itself (torch 2.15's
+    ``set_manual_backward_finalization``) waits for the last reduce-scatter in its own call
+    of ``finalize_backward``, which counts as compute.
+    """
 
     def __init__(self, stopwatch: Stopwatch) -> None:
         self._stopwatch = stopwatch
         self._spans: list[tuple[Any, Any]] = []
-        self._open: Any = None
+        self._depth = 0  # brackets open now
+        self._open: Any = None  # the outermost one's start
+        self._inputs: list[Any] = []  # the input nodes FSDP's pre-forward hook got
+        self._final: _Bracket | None = None  # around FSDP's final callback, being queued
+        self._in_backward = False
 
     @classmethod
     def attach(cls, model: Any, stopwatch: Stopwatch) -> FSDPWait | None:
@@ -110,21 +137,107 @@ class FSDPWait:
             return None
         probe = cls(stopwatch)
         for module in sharded:
-            module.register_forward_pre_hook(probe._before, prepend=True)
-            module.register_forward_pre_hook(probe._after)
+            module.register_forward_pre_hook(probe._before, prepend=True, with_kwargs=True)
+            module.register_forward_pre_hook(probe._after, with_kwargs=True)
+            module.register_forward_hook(probe._outputs, prepend=True)
         return probe
 
-    def _before(self, *_: Any) -> None:
-        self._open = self._stopwatch.mark()
+    def enter(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._open = self._stopwatch.mark()
 
-    def _after(self, *_: Any) -> None:
-        if self._open is not None:
+    def exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
             self._spans.append((self._open, self._stopwatch.mark()))
-            self._open = None
+
+    def _before(self, _module: Any, args: Any, kwargs: Any) -> None:
+        self._inputs = _nodes((args, kwargs))
+        self.enter()
+
+    def _after(self, _module: Any, args: Any, kwargs: Any) -> None:
+        self.exit()
+        inputs, self._inputs = self._inputs, []
+        if not torch.is_grad_enabled():
+            return
+        for node in _nodes((args, kwargs)):
+            if not any(node is seen for seen in inputs):  # FSDP's post-backward node
+                bracket = _Bracket(self)
+                node.register_prehook(bracket.open)
+                node.register_hook(bracket.close)
+
+    def _outputs(self, _module: Any, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        brackets: list[tuple[Any, _Bracket]] = []
+        for tensor in _tensors(output):
+            node = tensor.grad_fn
+            if node is None:
+                continue
+            bracket = next((b for n, b in brackets if n is node), None)
+            if bracket is None:
+                bracket = _Bracket(self)
+                brackets.append((node, bracket))
+                node.register_prehook(lambda *_, b=bracket: self._pre_backward_ended(b))
+            tensor.register_hook(lambda _, b=bracket: self._pre_backward_began(b))
+
+    def _pre_backward_began(self, bracket: _Bracket) -> None:
+        if not self._in_backward:  # the pass's first: FSDP's queues its final callback now
+            self._in_backward = True
+            final = _Bracket(self)
+            self._final = final if queue_backward_callback(final.open) else None
+        bracket.open()
+
+    def _pre_backward_ended(self, bracket: _Bracket) -> None:
+        bracket.close()
+        final, self._final = self._final, None
+        if final is not None:  # after FSDP's, which its pre-backward hook has queued
+            queue_backward_callback(final.close)
+            queue_backward_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._in_backward = False
 
     def take(self) -> list[tuple[Any, Any]]:
         spans, self._spans = self._spans, []
+        # a backward that raised leaves brackets open and its callbacks unrun
+        self._depth, self._final, self._in_backward = 0, None, False
         return spans
+
+
+class _Bracket:
+    """One of ``FSDPWait``'s brackets: ``close`` counts only after its own ``open``."""
+
+    def __init__(self, probe: FSDPWait) -> None:
+        self._probe = probe
+        self._opened = False
+
+    def open(self, *_: Any) -> None:
+        if not self._opened:
+            self._opened = True
+            self._probe.enter()
+
+    def close(self, *_: Any) -> None:
+        if self._opened:
+            self._opened = False
+            self._probe.exit()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors that require grad in ``value`` (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _nodes(value: Any) -> list[Any]:
+    """The autograd nodes that made the tensors in ``value``."""
+    return [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
 
 
 def probe_for(model: Any, stopwatch: Stopwatch) -> DDPWait | FSDPWait | None:

@@ -51,7 +51,11 @@ LAYERS = (
     ("elastic_trainer.jobs", (*BASE, "elastic_trainer.worker", "elastic_trainer.PUBLIC")),
     ("elastic_trainer.tools", (*BASE, "elastic_trainer.supervisor")),
 )
-TORCH_COMPAT = ("elastic_trainer.supervisor.torch_compat", "snapshots.sharded.torch_compat")
+TORCH_COMPAT = (
+    "elastic_trainer.supervisor.torch_compat",
+    "elastic_trainer.worker.torch_compat",
+    "snapshots.sharded.torch_compat",
+)
 CORE_MAY_IMPORT = (
     "elastic_trainer.contract",
     "elastic_trainer.errors",
