@@ -161,11 +161,14 @@ class FSDPWait:
         inputs, self._inputs = self._inputs, []
         if not torch.is_grad_enabled():
             return
+        bracketed: list[Any] = []
         for node in _nodes((args, kwargs)):
-            if not any(node is seen for seen in inputs):  # FSDP's post-backward node
-                bracket = _Bracket(self)
-                node.register_prehook(bracket.open)
-                node.register_hook(bracket.close)
+            if any(node is seen for seen in inputs + bracketed):
+                continue
+            bracketed.append(node)  # FSDP's post-backward node: one for all its inputs
+            bracket = _Bracket(self)
+            node.register_prehook(bracket.open)
+            node.register_hook(bracket.close)
 
     def _outputs(self, _module: Any, _args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -226,13 +229,17 @@ class _Bracket:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors that require grad in ``value`` (nested tuples, lists and dicts)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.requires_grad else []
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+    found, stack = [], [value]
+    while stack:  # a loop, not recursion: it runs three times per module and step
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
 
 
 def _nodes(value: Any) -> list[Any]:

@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 WORLD = 3
 SLOW_RANK = 1
 ONSET = 30  # the verdict waits for 28 steps of noise figures (worker/stragglers.py)
-STEPS = ONSET + 25
 MAX_DELAY_STEPS = 20
+STEPS = ONSET + MAX_DELAY_STEPS  # the last step a report may come at
 
 
 def run(tmp: Path, tag: str, **args: Any) -> list[dict[str, Any]]:
