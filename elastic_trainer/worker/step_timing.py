@@ -153,7 +153,7 @@ class FSDPWait:
             self._spans.append((self._open, self._stopwatch.mark()))
 
     def _before(self, _module: Any, args: Any, kwargs: Any) -> None:
-        self._inputs = _nodes((args, kwargs))
+        self._inputs = _nodes((args, kwargs)) if torch.is_grad_enabled() else []
         self.enter()
 
     def _after(self, _module: Any, args: Any, kwargs: Any) -> None:
