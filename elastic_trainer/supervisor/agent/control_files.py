@@ -36,14 +36,6 @@ def mark_restarting(control_dir: str) -> None:
         open(os.path.join(control_dir, protocol.RESTART_FILE), "w").close()
 
 
-def mark_stopping(control_dir: str) -> None:
-    """Tell this attempt's workers that this node leaves (``protocol.STOP_FILE``), as a
-    preemption's signal does: a ``TrainingSession`` stops the whole group at the step's end."""
-    path = os.path.join(control_dir, protocol.STOP_FILE)
-    with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
-
-
 def await_copies(control_dir: str, poll_codes: Callable[[], dict[int, int | None]]) -> None:
     """Ask the workers for their just-in-time copy (``protocol.copy_now_fifo``) and wait
     until each has answered or exited, at most ``COPY_WAIT_S``: the group is about to

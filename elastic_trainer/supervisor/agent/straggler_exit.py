@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 
 from elastic_trainer.contract.events import emit
-from elastic_trainer.supervisor.agent.control_files import mark_stopping
 from elastic_trainer.supervisor.core import decisions, eviction
 from elastic_trainer.supervisor.core.eviction import EvictionDecision, EvictionHistory
 from elastic_trainer.supervisor.core.ledger import Ledger
+from elastic_trainer.supervisor.processes.signals import create_stop_file
 
 if TYPE_CHECKING:
     from elastic_trainer.contract.config import RunConfig
@@ -123,7 +123,7 @@ class StragglerExit:
             evictions=self._evictions.evictions,
         )
         if self._stop.control_dir is not None:
-            mark_stopping(self._stop.control_dir)  # the group's next step_done stops it
+            create_stop_file(self._stop.control_dir)  # the group's next step_done stops it
         self._membership.say_goodbye()
         wg.spec.rdzv_handler.leave()
         left_at = time.monotonic()

@@ -41,6 +41,14 @@ class StopRequested(BaseException):
     """
 
 
+def create_stop_file(control_dir: str) -> None:
+    """Tell the attempt's workers that this node stops (``protocol.STOP_FILE``): a
+    ``TrainingSession`` stops the whole group at the step's end."""
+    path = os.path.join(control_dir, protocol.STOP_FILE)
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+
+
 class StopRequest:
     """Shared between the signal handler and the agent's loop."""
 
@@ -67,10 +75,7 @@ class StopRequest:
     def write_stop_file(self) -> None:
         if self.control_dir is None or self.received_at is None:
             return
-        path = os.path.join(self.control_dir, protocol.STOP_FILE)
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            os.close(fd)
+        create_stop_file(self.control_dir)
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True as soon as a stop is requested."""
