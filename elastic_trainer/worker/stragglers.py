@@ -41,6 +41,9 @@ class StragglerPolicy:
     recover_below: float = 1.05  # ... and below this again: recovered
     window: int = 14  # steps whose median ratio decides
     confirm: int = 3  # steps in a row the window must say slow before it is reported
+    # ... and for this long (the group's steps' time): a co-tenant that takes a shared core for
+    # a second makes a real 1.5-2x straggler for that second, not one worth a report
+    sustain_s: float = 1.0
     min_excess_s: float = 0.002  # a smaller median excess over the others is jitter
     warmup_steps: int = 5  # an attempt's first steps (lazy start-up, DDP's bucket rebuild)
     # a slowdown must also stand this many standard deviations of a window's median above the
@@ -55,8 +58,8 @@ class StragglerPolicy:
             raise ValueError("StragglerPolicy: window >= 1, min_excess_s >= 0, warmup >= 0")
         if self.noise_z < 0 or self.noise_steps < 1:
             raise ValueError("StragglerPolicy: noise_z >= 0, noise_steps >= 1")
-        if self.confirm < 1:
-            raise ValueError("StragglerPolicy: confirm >= 1")
+        if self.confirm < 1 or self.sustain_s < 0:
+            raise ValueError("StragglerPolicy: confirm >= 1, sustain_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class Watch:
     steps: tuple[int, ...] = ()  # the step of each row
     flagged: Mapping[int, Straggler] = field(default_factory=dict)
     slow_streak: torch.Tensor = field(default=_EMPTY)  # (ranks,): steps the window said slow
+    slow_s: torch.Tensor = field(default=_EMPTY)  # (ranks,): ... and those steps' time
+    onsets: Mapping[int, int] = field(default_factory=dict)  # rank: its slow run's first step
     # each step's noise: the median over ranks of a rank's change since its previous step
     # (|c_t / c_t-1 - 1|: a steady straggler adds none, and at two ranks it still tells)
     noise: torch.Tensor = field(default=_EMPTY)
@@ -131,12 +136,20 @@ def observe(
     slow = (typical >= limit) & (excess >= policy.min_excess_s) & full
     before = watch.slow_streak if watch.slow_streak.numel() else torch.zeros_like(now)
     streak = torch.where(slow, before + 1, 0.0)
-    judged = set(flagged) | set(torch.nonzero(streak >= policy.confirm).flatten().tolist())
+    # a step's time, the same on every rank: its slowest compute (the step waits for it)
+    before_s = watch.slow_s if watch.slow_s.numel() else torch.zeros_like(now)
+    slow_s = torch.where(slow, before_s + ordered[-1], 0.0)
+    sustained = (streak >= policy.confirm) & (slow_s >= policy.sustain_s)
+    # a slow run's onset, found in the window as it first says slow (the window may have
+    # moved past it by the time the run has lasted ``sustain_s``)
+    onsets = {r: at for r, at in watch.onsets.items() if r < len(now) and streak[r] > 0}
+    for rank in torch.nonzero(streak == 1).flatten().tolist():
+        onsets[rank] = _onset(steps, ratios[:, rank].tolist(), limit)
+    judged = set(flagged) | set(torch.nonzero(sustained).flatten().tolist())
     verdicts: list[Verdict] = []
     for rank in sorted(judged):
-        window = (steps, ratios[:, rank].tolist())
-        verdict = _judge(rank, window, flagged.get(rank), float(typical[rank]), int(streak[rank]),
-                         step, limit, policy)  # fmt: skip
+        verdict = _judge(rank, onsets.get(rank, step), flagged.get(rank), float(typical[rank]),
+                         bool(sustained[rank]), step, limit, policy)  # fmt: skip
         if verdict is None:
             continue
         verdicts.append(verdict)
@@ -144,7 +157,10 @@ def observe(
             flagged[rank] = verdict.straggler
         else:
             del flagged[rank]
-    out = Watch(compute, ratios, steps, flagged, streak, noise, steps_seen=seen, waited_s=waited)
+    out = Watch(
+        compute=compute, ratio=ratios, steps=steps, flagged=flagged, slow_streak=streak,
+        slow_s=slow_s, onsets=onsets, noise=noise, steps_seen=seen, waited_s=waited,
+    )  # fmt: skip
     return out, verdicts
 
 
@@ -211,10 +227,10 @@ def _window_ratios(compute: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _judge(
     rank: int,
-    window: tuple[tuple[int, ...], list[float]],
+    onset: int,
     flagged: Straggler | None,
     ratio: float,
-    streak: int,
+    sustained: bool,
     step: int,
     limit: float,
     policy: StragglerPolicy,
@@ -225,9 +241,8 @@ def _judge(
         if ratio < recover:
             return Verdict(RECOVERED, replace(flagged, slowdown=round(ratio, 3)), step)
         return None
-    if streak < policy.confirm:
+    if not sustained:
         return None
-    onset = _onset(*window, limit)
     return Verdict(DETECTED, Straggler(rank, onset, step, round(ratio, 3)), step)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from elastic_trainer.worker.stragglers import (
 )
 
 POLICY = StragglerPolicy()
-BASE = 0.050  # seconds of compute per step on a healthy rank
+BASE = 0.100  # seconds of compute per step on a healthy rank
 # healthy steps before a scripted slowdown: the warm-up and the noise's first two windows
 LEAD = POLICY.warmup_steps + 2 * POLICY.window + 2
 
@@ -50,8 +51,30 @@ def test_a_slowdown_from_the_first_step_is_detected_once_the_window_is_full():
     _, verdicts = run([[BASE, BASE, BASE * 2]] * 40)
     (detected,) = verdicts
     assert detected.straggler.rank == 2
-    # the noise is measured over two windows first
-    assert detected.step == POLICY.warmup_steps + 2 * POLICY.window + POLICY.confirm
+    # the noise is measured over two windows first; then the window says slow for
+    # ``confirm`` steps and ``sustain_s`` seconds (steps of 2 x BASE: the group waits for it)
+    said_slow = max(POLICY.confirm, math.ceil(POLICY.sustain_s / (2 * BASE)))
+    assert detected.step == POLICY.warmup_steps + 2 * POLICY.window + said_slow
+
+
+def test_a_second_long_burst_at_short_steps_is_not_reported():
+    # a co-tenant takes one rank's shared core for about a second: 1.6x for 14 steps of 50 ms
+    steps = [[0.05] * 3] * LEAD + [[0.05, 0.08, 0.05]] * 14 + [[0.05] * 3] * 30
+    assert run(steps)[1] == []
+    # the same burst, counted in steps alone, would be
+    _, verdicts = run(steps, StragglerPolicy(sustain_s=0))
+    assert [(v.kind, v.straggler.rank) for v in verdicts] == [(DETECTED, 1), (RECOVERED, 1)]
+
+
+def test_a_lasting_slowdown_at_short_steps_is_reported_after_sustain_s_from_its_onset():
+    onset = LEAD + 1
+    steps = [[0.05] * 3] * LEAD + [[0.05, 0.08, 0.05]] * 40
+    (detected,) = run(steps)[1]
+    assert detected.straggler.rank == 1
+    # the window says slow from the 8th slow step (onset + 7) on, for sustain_s of 80 ms steps
+    assert detected.step == onset + 7 + math.ceil(POLICY.sustain_s / 0.08) - 1
+    # the onset, though the window has moved past it by then
+    assert detected.straggler.since_step == onset
 
 
 def test_recovery_is_reported_once_the_median_ratio_falls_below_recover_below():
