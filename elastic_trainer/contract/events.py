@@ -135,7 +135,9 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     # --evict-stragglers: a straggling node stays, and why (the first rule that holds it)
     "straggler.kept": ("rank", "slowdown", "reason", "projected_gain_s", "reform_s"),
     # a node left out as a straggler has cooled down and joins again
-    "straggler.rejoining": ("cooled_s", "evictions"),
+    "straggler.rejoining": ("cooled_s", "evictions", "probe_ratio", "cooldowns"),
+    # an evicted node's own probe still finds it slow after a cool-down: another one
+    "straggler.still_slow": ("probe_ratio", "cooled_s", "cooldowns"),
     "straggler.recovered": ("rank", "step", "since_step", "slowdown", "waited_s", "steps"),
     # rank 0 as the session closes: the time the group waited for its slowest rank
     "straggler.summary": ("steps", "waited_s", "stragglers", "attempt"),
@@ -168,6 +170,7 @@ class MembershipReason(str, enum.Enum):  # membership.changed.reason
     NODE_LOST = "node_lost"
     NODE_JOINED = "node_joined"
     PEER_PREEMPTED = "peer_preempted"
+    STRAGGLER_EVICTED = "straggler_evicted"  # a slow node left (--evict-stragglers)
 
 
 class JobStatus(str, enum.Enum):  # job.finished.status
@@ -183,7 +186,11 @@ class JobStatus(str, enum.Enum):  # job.finished.status
 FAILURE_CAUSES = tuple(c.value for c in FailureCause)
 RESTART_REASONS = tuple(r.value for r in RestartReason)
 MEMBERSHIP_REASONS = tuple(r.value for r in MembershipReason)
-RECOVERY_CAUSES = (*FAILURE_CAUSES, MembershipReason.NODE_LOST.value)  # recovery.completed.cause
+RECOVERY_CAUSES = (  # recovery.completed.cause
+    *FAILURE_CAUSES,
+    MembershipReason.NODE_LOST.value,
+    MembershipReason.STRAGGLER_EVICTED.value,
+)
 # recovery.unmeasured.cause: also a restart without a failure of this node (a join, a peer's)
 UNMEASURED_CAUSES = (*RECOVERY_CAUSES, RestartReason.MEMBERSHIP.value)
 JOB_STATUSES = tuple(s.value for s in JobStatus)

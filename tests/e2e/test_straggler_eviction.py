@@ -64,9 +64,11 @@ def test_a_slow_node_leaves_the_others_go_on_and_it_rejoins(tmp_path, worker_env
     assert detected["slowest"] is True and 0 < detected["steps_left"] < STEPS - ONSET
     slow.unlink()  # b cools down healthy
 
-    for x in (a, c):  # the other two re-form without b and go on
+    for x in (a, c):  # the other two re-form without b, say why, and go on
         formed = wait_new(x, "rendezvous.completed", rounds[x.name], 90)
         assert formed["world_size"] == 2, formed
+        shrunk = x.wait_event("membership.changed", 30, lambda e: e["new_world_size"] == 2)
+        assert shrunk["reason"] == "straggler_evicted", shrunk
     rejoining = b.wait_event("straggler.rejoining", 90)
     assert rejoining["cooled_s"] >= 2
     regrown = wait_new(a, "membership.changed", 0, 120, lambda e: e["new_world_size"] == 3

@@ -173,6 +173,7 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
             presence.bind_host(cfg.local_addr, cfg.rdzv_host), self._job_key
         )
         wg.spec.rdzv_handler.dead_now = self._membership.lost_peers
+        self._time_node_probe()
         self._initialize_workers(wg)
         while True:
             try:
@@ -278,7 +279,8 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
         membership change, not a failure. Each exit is said at debug level, with its error
         line (gloo's "Connection reset by peer"), for whoever looks."""
         self._reports.peer_exits(result, left)
-        outcome = decisions.on_peers_left(self._policy, self._state, {})
+        reason = decisions.leaving_reason(left, self._membership.stragglers_left())
+        outcome = decisions.on_peers_left(self._policy, self._state, {}, reason)
         self.ledger.failed(
             cause=outcome.recovery_cause or FailureCause.PREEMPTED.value,
             now=time.time(),
@@ -310,6 +312,9 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
             oom_kills=now_ooms - then_ooms if now_ooms is not None and then_ooms is not None else 0,
             ran_for_s=self._ran_for(),
             multi_node=(self._worker_group.group_world_size or 1) > 1,
+            peers_leaving=decisions.leaving_reason(
+                self._membership.left_peers(), self._membership.stragglers_left()
+            ),
         )
         for rank, cause in outcome.causes.items():
             self._reports.worker_failed(

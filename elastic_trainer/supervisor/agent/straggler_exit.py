@@ -7,11 +7,15 @@ decision is carried out:
 
 - leave as a preempted node does: the stop file makes every rank of the group stop together
   at the step's end and save (a preemption's stop: the others' state in memory is no help to
-  a node that will not be in the next group), a goodbye tells the other agents that the
-  failure of their workers that follows is this node leaving, and the rendezvous round is
+  a node that will not be in the next group), a goodbye (said first, as a straggler's) tells
+  the other agents that the failure of their workers that follows is this node leaving and
+  why (``membership.changed`` reason ``straggler_evicted``), and the rendezvous round is
   left, so the others re-form without waiting for this node. The store stays where it is
   (this process lives on and keeps serving it when it is the host);
-- wait ``--evict-cooldown`` (a stop signal ends the wait, and the supervisor);
+- wait ``--evict-cooldown`` (a stop signal ends the wait, and the supervisor), then time the
+  node's own probe (``processes/node_probe.py``) against the figure taken at the start: while
+  the node is still as slow as it was evicted for, wait another cool-down
+  (``straggler.still_slow``; at most ``eviction.MAX_COOLDOWNS`` in all);
 - join again as a new node does: the running group admits it at its next step.
 
 A mixin of ``ElasticTrainAgent``, like ``HandOver``: it drives the agent's own worker
@@ -21,6 +25,7 @@ stop, rendezvous and start.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +35,7 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.supervisor.core import decisions, eviction
 from elastic_trainer.supervisor.core.eviction import EvictionDecision, EvictionHistory
 from elastic_trainer.supervisor.core.ledger import Ledger
+from elastic_trainer.supervisor.processes import node_probe
 from elastic_trainer.supervisor.processes.signals import create_stop_file
 
 if TYPE_CHECKING:
@@ -60,6 +66,8 @@ class StragglerExit:
     _observer: GroupObserver
     ledger: Ledger
     _evictions = EvictionHistory()
+    _node_probe: Callable[[], float] = staticmethod(node_probe.cpu_probe_s)
+    _probe_baseline_s: float | None = None  # the node's probe at the supervisor's start
 
     if TYPE_CHECKING:  # the agent's own, used here
 
@@ -73,6 +81,16 @@ class StragglerExit:
         return eviction.EvictionPolicy(
             threshold=cfg.evict_stragglers, min_nodes=cfg.min_nodes, cooldown_s=cfg.evict_cooldown
         )
+
+    def _time_node_probe(self) -> None:
+        """The node's own speed before its workers run: what it is compared with while out."""
+        if self._eviction_policy() is not None and self._probe_baseline_s is None:
+            self._probe_baseline_s = self._node_probe()
+
+    def _probe_ratio(self) -> float | None:
+        if not self._probe_baseline_s:
+            return None
+        return round(self._node_probe() / self._probe_baseline_s, 3)
 
     def _slow_node_leaves(self) -> SlowVerdict | None:
         """This node's straggling rank reported since the last tick, and leaving pays. A rank
@@ -122,9 +140,10 @@ class StragglerExit:
             rejoin_after_s=decision.rejoin_after_s,
             evictions=self._evictions.evictions,
         )
+        # the goodbye first: the others know why before any of their workers stops
+        self._membership.say_goodbye(as_straggler=True)
         if self._stop.control_dir is not None:
             create_stop_file(self._stop.control_dir)  # the group's next step_done stops it
-        self._membership.say_goodbye()
         wg.spec.rdzv_handler.leave()
         left_at = time.monotonic()
         kill_at = decisions.preemption_kill_at(left_at, self._cfg.worker.grace_period_s)
@@ -132,12 +151,28 @@ class StragglerExit:
             time.sleep(0.05)
         self._stop_workers(wg)
         wg.state = WorkerState.STOPPED
-        if self._stop.wait(decision.rejoin_after_s):
-            return False
+        policy, cooldowns = self._eviction_policy(), 0
+        while True:
+            if self._stop.wait(decision.rejoin_after_s):
+                return False
+            cooldowns += 1
+            ratio = self._probe_ratio()
+            if policy is None or eviction.rejoin_now(
+                policy, probe_ratio=ratio, cooldowns=cooldowns
+            ):
+                break
+            emit(
+                "straggler.still_slow",
+                probe_ratio=ratio,
+                cooled_s=round(time.monotonic() - left_at, 3),
+                cooldowns=cooldowns,
+            )
         emit(
             "straggler.rejoining",
             cooled_s=round(time.monotonic() - left_at, 3),
             evictions=self._evictions.evictions,
+            probe_ratio=ratio,
+            cooldowns=cooldowns,
         )
         self._initialize_workers(wg)
         return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.events import FailureCause, MembershipReason
@@ -81,8 +82,10 @@ def on_group_failure(
     oom_kills: int,
     ran_for_s: float,
     multi_node: bool,
+    peers_leaving: MembershipReason = MembershipReason.PEER_PREEMPTED,
 ) -> Outcome:
-    """Workers of this node failed (``exits``: rank -> how, root failures only)."""
+    """Workers of this node failed (``exits``: rank -> how, root failures only);
+    ``peers_leaving``: why, if they stopped for a peer's leaving (``leaving_reason``)."""
     causes = {rank: classify_exit(e.exit_code, oom_kills=oom_kills) for rank, e in exits.items()}
     kinds = set(causes.values())
     if FailureCause.CONFIG in kinds:
@@ -93,7 +96,7 @@ def on_group_failure(
             recovery_cause=FailureCause.CONFIG.value,
         )
     if is_membership_change(exits):
-        return _membership(policy, state, MembershipReason.PEER_PREEMPTED, causes)
+        return _membership(policy, state, peers_leaving, causes)
     decision = policy.on_failure(state.policy, ran_for_s=ran_for_s)
     cause = sorted(c.value for c in kinds)[0]
     if decision.action == Action.GIVE_UP:
@@ -133,12 +136,24 @@ def on_nodes_waiting(policy: RestartPolicy, state: SupervisorState) -> Outcome:
 
 
 def on_peers_left(
-    policy: RestartPolicy, state: SupervisorState, causes: Mapping[int, FailureCause]
+    policy: RestartPolicy,
+    state: SupervisorState,
+    causes: Mapping[int, FailureCause],
+    reason: MembershipReason = MembershipReason.PEER_PREEMPTED,
 ) -> Outcome:
-    """Workers of this node ended after a member said it leaves on purpose (preempted: its
-    goodbye came before its workers stopped): their failure is its leaving, a membership
-    change, never charged, whatever the exit code (a plain script dies in its collective)."""
-    return _membership(policy, state, MembershipReason.PEER_PREEMPTED, causes)
+    """Workers of this node ended after a member said it leaves on purpose (preempted, or a
+    straggler: its goodbye came before its workers stopped): their failure is its leaving, a
+    membership change, never charged, whatever the exit code (a plain script dies in its
+    collective). ``reason``: ``leaving_reason``."""
+    return _membership(policy, state, reason, causes)
+
+
+def leaving_reason(left: Set[Any], stragglers: Set[Any]) -> MembershipReason:
+    """Why members that said goodbye (``left``) leave: as stragglers when every one of them
+    said so (``stragglers``), else preempted (a preemption among them is the news)."""
+    if left and left <= stragglers:
+        return MembershipReason.STRAGGLER_EVICTED
+    return MembershipReason.PEER_PREEMPTED
 
 
 def on_peers_gone(policy: RestartPolicy, state: SupervisorState) -> Outcome:
@@ -241,6 +256,8 @@ def _membership(
 def _recovery_cause(reason: MembershipReason, causes: Mapping[int, FailureCause]) -> str | None:
     if reason == MembershipReason.PEER_PREEMPTED:
         return FailureCause.PREEMPTED.value
+    if reason == MembershipReason.STRAGGLER_EVICTED:
+        return reason.value
     return None  # a node joining is no failure: nothing to recover from
 
 

@@ -108,6 +108,20 @@ def reform_estimate_s(*, recoveries_s: float, recoveries: int, cold_start_s: flo
 # a re-form's cost before the job has measured any start (the rejoin and the leave)
 DEFAULT_REFORM_S = 30.0
 
+# cool-downs an evicted node waits out while its own probe still finds it slow, before it
+# joins anyway: a probe can be wrong (its baseline taken in a quiet moment), and once back the
+# group's verdict judges the node again, its backoff keeping that from becoming a loop
+MAX_COOLDOWNS = 3
+
+
+def rejoin_now(policy: EvictionPolicy, *, probe_ratio: float | None, cooldowns: int) -> bool:
+    """After its ``cooldowns``-th cool-down, whether an evicted node joins again: when its
+    probe (``processes/node_probe.py``: now over its own start) is below the threshold it
+    was evicted at, when there is no probe figure, or after ``MAX_COOLDOWNS``."""
+    if probe_ratio is None or cooldowns >= MAX_COOLDOWNS:
+        return True
+    return probe_ratio < policy.threshold
+
 
 def projected_gain_s(node: SlowNode, reform_s: float) -> float:
     """Seconds the group saves over the work left if the node leaves and later comes back."""

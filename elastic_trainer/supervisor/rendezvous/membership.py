@@ -82,10 +82,11 @@ class MembershipWatch:
         self.peers = presence.PeerWatch(key, member_name(self._handler.this_node))
         self._address = address
 
-    def say_goodbye(self) -> None:
-        """We leave on purpose: every member watching us hears so now (``left_peers``)."""
+    def say_goodbye(self, *, as_straggler: bool = False) -> None:
+        """We leave on purpose: every member watching us hears so now (``left_peers``), and
+        whether we leave as a straggler (``stragglers_left``)."""
         if self._server is not None:
-            self._server.say_goodbye()
+            self._server.say_goodbye(presence.BYE_STRAGGLER if as_straggler else presence.BYE)
 
     def left_peers(self) -> set[Any]:
         """Members of this round that said goodbye (preempted, or done): gone on purpose."""
@@ -93,6 +94,12 @@ class MembershipWatch:
             return set()
         self.peers.lost()  # reads the connections: a goodbye is found there
         return self.peers.left() & self.members
+
+    def stragglers_left(self) -> set[Any]:
+        """Of ``left_peers()``: members that said they leave as stragglers (call it after)."""
+        if self.peers is None:
+            return set()
+        return self.peers.left_as_stragglers() & self.members
 
     def close(self) -> None:
         """We leave on purpose: tell the peers so (not a lost node)."""

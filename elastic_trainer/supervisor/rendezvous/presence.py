@@ -35,6 +35,10 @@ from elastic_trainer.supervisor.processes import fd_limit
 
 CONNECT_TIMEOUT_S = 2.0
 BYE = b"b"  # sent by an agent that exits on purpose (done, preempted): not a lost node
+# sent instead by an agent that leaves the group as a straggler (it rejoins after a cool-down);
+# an agent that does not know it reads a lost node, the outcome before goodbyes had reasons
+BYE_STRAGGLER = b"s"
+GOODBYES = (BYE, BYE_STRAGGLER)
 
 
 def bind_host(local_addr: str | None, rdzv_host: str) -> str:
@@ -259,13 +263,16 @@ class PresenceServer:
         else:
             sock.close()
 
-    def say_goodbye(self) -> None:
-        """Tell every member watching us that we leave on purpose (preempted), before our
-        workers stop: their workers' failure that follows is our leaving, not a crash. The
-        connections stay open (each watcher ends its own on the goodbye)."""
+    def say_goodbye(self, goodbye: bytes = BYE) -> None:
+        """Tell every member watching us that we leave on purpose (preempted; or
+        ``BYE_STRAGGLER``), before our workers stop: their workers' failure that follows is
+        our leaving, not a crash. The connections stay open (each watcher ends its own on the
+        goodbye)."""
+        if goodbye not in GOODBYES:
+            raise ValueError(f"not a goodbye: {goodbye!r}")
         for sock in list(self._held):
             with contextlib.suppress(OSError):
-                sock.send(BYE)
+                sock.send(goodbye)
 
     def close(self) -> None:
         """Say goodbye on every connection (we leave on purpose), then close."""
@@ -305,6 +312,7 @@ class PeerWatch:
         self._links: dict[Any, _Link] = {}
         self._lost: set[Any] = set()
         self._left: set[Any] = set()
+        self._stragglers: set[Any] = set()  # of ``_left``: left as stragglers
 
     def watch(self, peers: Mapping[Any, tuple[str, int]]) -> None:
         """Watch exactly ``peers`` (node -> (host, port)) from now on."""
@@ -355,7 +363,7 @@ class PeerWatch:
             return
         link.got += data
         if not _PREFIX.startswith(link.got[: len(_PREFIX)]):  # REFUSED, BYE or not ours
-            self._end(node, self._left if link.got[:1] == BYE else None)
+            self._end_with(node, link.got[:1])
         elif len(link.got) == CHALLENGE_LEN:
             self._answer(node, link)
 
@@ -374,6 +382,13 @@ class PeerWatch:
         if into is not None:
             into.add(node)
 
+    def _end_with(self, node: Any, first: bytes) -> None:
+        """Stop watching ``node``, whose first unread byte is ``first``: a goodbye (left), or
+        REFUSED or not ours (unknown)."""
+        if first == BYE_STRAGGLER:
+            self._stragglers.add(node)
+        self._end(node, self._left if first in GOODBYES else None)
+
     def lost(self) -> set[Any]:
         """Peers whose connection was closed or reset (read without blocking); one their port
         turned away is no longer watched, and not lost."""
@@ -387,8 +402,8 @@ class PeerWatch:
                 continue  # open, nothing to read: alive
             except OSError:
                 data = None  # reset
-            if data == BYE:
-                self._end(node, self._left)
+            if data in GOODBYES:
+                self._end_with(node, data)
             elif data == REFUSED:
                 self._end(node, None)  # turned away: unknown, the heartbeat expiry decides
             else:  # EOF or reset without a goodbye: the process is gone
@@ -399,6 +414,10 @@ class PeerWatch:
         """Peers that said goodbye (done or preempted): gone, but not lost. Call after
         ``lost()``, which reads the connections."""
         return set(self._left)
+
+    def left_as_stragglers(self) -> set[Any]:
+        """Of ``left()``: peers whose goodbye said they leave as stragglers."""
+        return set(self._stragglers)
 
     def fds(self) -> list[int]:
         """The open connections' fds: readable once a peer closes or resets one (its
@@ -416,3 +435,4 @@ class PeerWatch:
         self._links.clear()
         self._lost.clear()
         self._left.clear()
+        self._stragglers.clear()

@@ -151,6 +151,25 @@ def test_a_peer_that_leaves_on_purpose_is_not_lost() -> None:
     assert watch.left() == {"b"}  # gone all the same: the next round does not wait for it
 
 
+def test_a_straggler_s_goodbye_says_why_it_leaves() -> None:
+    slow, preempted = PresenceServer("127.0.0.1", KEY), PresenceServer("127.0.0.1", KEY)
+    watch = member()
+    watch.watch({"slow": ("127.0.0.1", slow.port), "preempted": ("127.0.0.1", preempted.port)})
+    held(watch, lambda: slow.held + preempted.held, count=2)  # a goodbye goes to members
+    slow.say_goodbye(presence.BYE_STRAGGLER)
+    preempted.say_goodbye()
+    deadline = time.monotonic() + 10
+    while watch.watching() and time.monotonic() < deadline:
+        assert watch.lost() == set()
+        time.sleep(0.01)
+    assert watch.left() == {"slow", "preempted"} and watch.lost() == set()
+    assert watch.left_as_stragglers() == {"slow"}
+    slow.close()
+    preempted.close()
+    with pytest.raises(ValueError, match="not a goodbye"):
+        slow.say_goodbye(b"x")
+
+
 def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
     with socket.socket() as s:  # a closed loopback port: bound, never listening
         s.bind(("127.0.0.1", 0))

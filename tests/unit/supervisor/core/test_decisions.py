@@ -290,6 +290,40 @@ def test_our_workers_ending_after_a_peer_said_goodbye_is_a_free_preemption() -> 
     assert out.state.policy == decisions.on_peers_gone(POLICY, state).state.policy  # not charged
 
 
+def test_a_straggler_leaving_is_said_so_and_is_as_free_as_a_preemption() -> None:
+    state = SupervisorState(world_size=3)
+    reason = decisions.leaving_reason({"b"}, {"b"})
+    assert reason == MembershipReason.STRAGGLER_EVICTED
+    out = decisions.on_peers_left(POLICY, state, {}, reason)
+    assert out.state.membership_reason == MembershipReason.STRAGGLER_EVICTED
+    assert out.recovery_cause == "straggler_evicted"
+    assert out.state.policy == decisions.on_peers_left(POLICY, state, {}).state.policy
+    # a session's workers exit 75 for it: the same reason through on_group_failure
+    out = decisions.on_group_failure(
+        POLICY,
+        state,
+        exits(r0=protocol.EXIT_PEER_PREEMPTED),
+        oom_kills=0,
+        ran_for_s=100.0,
+        multi_node=True,
+        peers_leaving=reason,
+    )
+    assert out.state.membership_reason == MembershipReason.STRAGGLER_EVICTED
+
+
+@pytest.mark.parametrize(
+    ("left", "stragglers", "reason"),
+    [
+        ({"b"}, {"b"}, "straggler_evicted"),
+        ({"b", "c"}, {"b"}, "peer_preempted"),  # a preemption among them is the news
+        ({"b"}, set(), "peer_preempted"),
+        (set(), set(), "peer_preempted"),
+    ],
+)
+def test_why_members_leave(left, stragglers, reason) -> None:
+    assert decisions.leaving_reason(left, stragglers).value == reason
+
+
 def hold(**kw: object) -> bool:
     base: dict = dict(
         complete=False, joined={"a", "b"}, known={"a", "b", "c"}, dead=set(), alive={"c"}

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from elastic_trainer.supervisor.core.eviction import (
+    MAX_COOLDOWNS,
     EvictionHistory,
     EvictionPolicy,
     SlowNode,
     decide,
     projected_gain_s,
     reform_estimate_s,
+    rejoin_now,
     slow_node,
 )
 
@@ -104,3 +106,20 @@ def test_a_re_form_costs_the_mean_measured_recovery_else_the_first_start():
     assert reform_estimate_s(recoveries_s=9.0, recoveries=3, cold_start_s=20.0) == 3.0
     assert reform_estimate_s(recoveries_s=0.0, recoveries=0, cold_start_s=20.0) == 20.0
     assert reform_estimate_s(recoveries_s=0.0, recoveries=0, cold_start_s=None) > 0
+
+
+@pytest.mark.parametrize(
+    ("probe_ratio", "cooldowns", "rejoins"),
+    [
+        (1.0, 1, True),  # as fast as at its start
+        (1.29, 1, True),  # below the threshold it was evicted at
+        (1.3, 1, False),  # still that slow: another cool-down
+        (2.0, MAX_COOLDOWNS - 1, False),
+        (2.0, MAX_COOLDOWNS, True),  # the group's verdict judges it again
+        (None, 1, True),  # no probe figure: nothing holds it
+    ],
+)
+def test_an_evicted_node_rejoins_once_its_own_probe_finds_it_healthy(
+    probe_ratio, cooldowns, rejoins
+):
+    assert rejoin_now(POLICY, probe_ratio=probe_ratio, cooldowns=cooldowns) is rejoins
