@@ -108,22 +108,21 @@ class SignedStateBackend(RendezvousBackend):
         """Each of ``nodes``' own heartbeat time (µs since the epoch; None: no key, or a bad
         one), whether or not it is in the state."""
         keys = [beat_key(self._run_id, node_entry(n)) for n in nodes]
-        return {
-            n: self._beat(k) if self._call("check", [k]) else None
-            for n, k in zip(nodes, keys, strict=True)
-        }
+        return dict(zip(nodes, self._read_beats(keys), strict=True))
 
     def _with_beats(self, plain: dict[str, Any]) -> dict[str, Any]:
         entries = plain["last_heartbeats"]
         if not entries:
             return plain
-        keys = [beat_key(self._run_id, e) for e in entries]
+        return with_beats(plain, self._read_beats([beat_key(self._run_id, e) for e in entries]))
+
+    def _read_beats(self, keys: list[str]) -> list[int | None]:
+        """The heartbeats at ``keys``: two store operations when every key exists (a get of
+        a missing key would wait for it), else a check and a get per key."""
         if not self._call("check", keys):  # one not beaten yet (just joined, a new store)
-            found = [self._beat(k) if self._call("check", [k]) else None for k in keys]
-        else:
-            values = self._call("multi_get", keys)
-            found = [self._verified_beat(k, v) for k, v in zip(keys, values, strict=True)]
-        return with_beats(plain, found)
+            return [self._beat(k) if self._call("check", [k]) else None for k in keys]
+        values = self._call("multi_get", keys)
+        return [self._verified_beat(k, v) for k, v in zip(keys, values, strict=True)]
 
     def _beat(self, key: str) -> int | None:
         return self._verified_beat(key, self._call("get", key))

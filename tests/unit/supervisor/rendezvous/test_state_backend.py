@@ -229,3 +229,40 @@ def test_a_node_expired_on_purpose_stays_expired_though_its_key_holds_a_recent_b
     _write(backend, state)
     bits, _ = _backend(store).get_state()
     assert pickle.loads(bits).last_heartbeats[a] == datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+class _CountingStore(HashStore):
+    """A HashStore that counts the operations the backend calls on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls.append("check")
+        return super().check(keys)
+
+    def get(self, key: str) -> bytes:
+        self.calls.append("get")
+        return super().get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls.append("multi_get")
+        return super().multi_get(keys)
+
+
+def test_the_heartbeats_of_many_nodes_are_two_store_operations() -> None:
+    store = _CountingStore()
+    backend = _backend(store)
+    nodes = [_NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in range(50)]
+    for i, node in enumerate(nodes):
+        backend.beat(node, 1_000 + i)
+    store.calls.clear()
+    assert backend.beats(nodes) == {n: 1_000 + i for i, n in enumerate(nodes)}
+    assert store.calls == ["check", "multi_get"]
+    # one never beaten (just joined): a check and a get per node, None for it
+    store.calls.clear()
+    new = _NodeDesc("10.0.1.1", 7, 0)
+    beats = backend.beats([*nodes[:2], new])
+    assert beats == {nodes[0]: 1_000, nodes[1]: 1_001, new: None}
+    assert store.calls.count("check") == 4 and store.calls.count("get") == 2
