@@ -6,7 +6,11 @@ is the probe's work, its hooks and marks around each sharded module's forward, p
 post-backward and the end of backward (``elastic_trainer/worker/step_timing.py``). Rounds of
 steps alternate between the two models; the table gives the median round of each.
 
-    python bench/fsdp_wait_cost.py [--rounds 15] [--steps 20]
+    python bench/fsdp_wait_cost.py [--rounds 15] [--steps 20] [--shapes 8x64,32x64,...]
+        [--batch 16]
+
+``--shapes``: BLOCKSxWIDTH of the stacks to measure; ``--batch``: rows of the input (blocks
+with more work of their own, closer to a real model's, dilute the probe's fixed cost).
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ def step_ms(model: torch.nn.Module, data: torch.Tensor, steps: int) -> float:
     return (time.perf_counter() - began) / steps * 1e3
 
 
-def measure(blocks: int, width: int, rounds: int, steps: int) -> tuple[float, float]:
+def measure(
+    blocks: int, width: int, rounds: int, steps: int, batch: int = 16
+) -> tuple[float, float]:
     plain, probed = sharded_model(blocks, width), sharded_model(blocks, width)
     probe = FSDPWait.attach(probed, Stopwatch())
     assert probe is not None
-    data = torch.randn(16, width)
+    data = torch.randn(batch, width)
     times: dict[str, list[float]] = {"plain": [], "probed": []}
     for round_ in range(rounds + 1):
         for name, model in (("plain", plain), ("probed", probed)):
@@ -67,7 +73,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--shapes", default="8x64,32x64,8x256,32x256", help="BLOCKSxWIDTH,...")
+    parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+        if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shapes {args.shapes!r}: use BLOCKSxWIDTH pairs, e.g. 8x64,32x256")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         store = dist.FileStore(str(Path(folder) / "store"), 1)
@@ -75,8 +89,8 @@ def main() -> None:
         try:
             print(f"{'modules':>8} {'width':>6} {'plain ms':>9} {'probed ms':>10} "
                   f"{'ratio':>6} {'us/module':>10}")  # fmt: skip
-            for blocks, width in ((8, 64), (32, 64), (8, 256), (32, 256)):
-                plain, probed = measure(blocks, width, args.rounds, args.steps)
+            for blocks, width in shapes:
+                plain, probed = measure(blocks, width, args.rounds, args.steps, args.batch)
                 per_module = (probed - plain) * 1e3 / (blocks + 1)
                 print(
                     f"{blocks + 1:>8} {width:>6} {plain:>9.2f} {probed:>10.2f} "
