@@ -326,7 +326,8 @@ class RunConfig:
         "--evict-cooldown",
         parse=seconds(zero=True),
         metavar="S",
-        help="seconds a node left out as a straggler waits before it joins again",
+        help="seconds a node left out as a straggler waits before it joins again (once more, "
+        "up to 3 in all, while its own CPU probe is still that slow)",
     )
 
     def __post_init__(self) -> None:
