@@ -70,7 +70,7 @@ def test_a_burst_of_under_a_second_at_short_steps_is_not_reported():
     ("healthy_s", "slow_s", "said_slow"),
     [
         (0.1, 0.15, 7),  # 1 s of slow steps: 7 of 150 ms
-        (0.05, 0.08, POLICY.sustain_steps),  # 1 s would be 13 steps: 12 bound the delay
+        (0.05, 0.06, POLICY.sustain_steps),  # 1 s would be 17 steps: 14 bound the delay
     ],
 )
 def test_a_lasting_slowdown_is_reported_after_a_second_or_twelve_steps(
