@@ -108,7 +108,7 @@ class Watch:
     flagged: Mapping[int, Straggler] = field(default_factory=dict)
     slow_streak: torch.Tensor = field(default=_EMPTY)  # (ranks,): steps the window said slow
     slow_s: torch.Tensor = field(default=_EMPTY)  # (ranks,): ... and those steps' time
-    onsets: Mapping[int, int] = field(default_factory=dict)  # rank: its slow run's first step
+    onset: torch.Tensor = field(default=_EMPTY)  # (ranks,): its slow run's first step, or -1
     # each step's noise: the median over ranks of a rank's change since its previous step
     # (|c_t / c_t-1 - 1|: a steady straggler adds none, and at two ranks it still tells)
     noise: torch.Tensor = field(default=_EMPTY)
@@ -152,13 +152,14 @@ def observe(
     sustained = (streak >= policy.confirm) & lasted
     # a slow run's onset, found in the window as it first says slow (the window may have
     # moved past it by the time the run has lasted ``sustain_s``)
-    onsets = {r: at for r, at in watch.onsets.items() if r < len(now) and streak[r] > 0}
-    for rank in torch.nonzero(streak == 1).flatten().tolist():
-        onsets[rank] = _onset(steps, ratios[:, rank].tolist(), limit)
+    kept_onset = watch.onset if watch.onset.numel() else torch.full_like(now, -1, dtype=torch.long)
+    onset = torch.where(streak > 0, kept_onset, -1)
+    if (new := torch.nonzero(streak == 1).flatten()).numel():
+        onset[new] = _onsets(steps, ratios[:, new], limit)  # a new tensor: where made it
     judged = set(flagged) | set(torch.nonzero(sustained).flatten().tolist())
     verdicts: list[Verdict] = []
     for rank in sorted(judged):
-        verdict = _judge(rank, onsets.get(rank, step), flagged.get(rank), float(typical[rank]),
+        verdict = _judge(rank, int(onset[rank]), flagged.get(rank), float(typical[rank]),
                          bool(sustained[rank]), step, limit, policy)  # fmt: skip
         if verdict is None:
             continue
@@ -169,7 +170,7 @@ def observe(
             del flagged[rank]
     out = Watch(
         compute=compute, ratio=ratios, steps=steps, flagged=flagged, slow_streak=streak,
-        slow_s=slow_s, onsets=onsets, noise=noise, steps_seen=seen, waited_s=waited,
+        slow_s=slow_s, onset=onset, noise=noise, steps_seen=seen, waited_s=waited,
     )  # fmt: skip
     return out, verdicts
 
@@ -256,16 +257,18 @@ def _judge(
     return Verdict(DETECTED, Straggler(rank, onset, step, round(ratio, 3)), step)
 
 
-def _onset(steps: tuple[int, ...], ratios: list[float], threshold: float) -> int:
-    """The first step of the slow run that ends the window: back from the newest step until
-    two healthy steps in a row (one healthy step inside a slowdown is noise, an earlier slow
-    blip apart from it is not its onset)."""
-    onset, healthy = steps[-1], 0
-    for at, ratio in zip(reversed(steps), reversed(ratios), strict=True):
-        if ratio >= threshold:
-            onset, healthy = at, 0
-        else:
-            healthy += 1
-            if healthy == 2:
-                break
-    return onset
+def _onsets(steps: tuple[int, ...], ratios: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Each rank's first step of the slow run that ends the window (``ratios``: steps x ranks):
+    back from the newest step until two healthy steps in a row (one healthy step inside a
+    slowdown is noise, an earlier slow blip apart from it is not its onset); the newest step
+    where the run has no slow step. Tensor operations over all ranks at once."""
+    n = len(steps)
+    slow = ratios >= threshold
+    rows = torch.arange(n)[:, None]
+    healthy_pair = ~slow[:-1] & ~slow[1:]  # row j: steps j and j + 1 both healthy
+    last_pair = torch.where(healthy_pair, rows[:-1], -1).amax(0) if n > 1 else None
+    start = torch.zeros(ratios.shape[1], dtype=torch.long)
+    if last_pair is not None:
+        start = torch.where(last_pair >= 0, last_pair + 2, 0)
+    first = torch.where(slow & (rows >= start), rows, n).amin(0)
+    return torch.tensor(steps)[first.clamp(max=n - 1)]

@@ -6,7 +6,9 @@ import math
 import random
 
 import pytest
+import torch
 
+from elastic_trainer.worker import stragglers
 from elastic_trainer.worker.stragglers import (
     DETECTED,
     RECOVERED,
@@ -171,3 +173,31 @@ def test_both_ranks_of_a_slow_node_are_named():
 def test_a_policy_that_cannot_work_is_refused(kwargs):
     with pytest.raises(ValueError, match="StragglerPolicy"):
         StragglerPolicy(**kwargs)
+
+
+def _onset_step_by_step(steps, ratios, threshold):
+    """The onset by its definition: back from the newest step until two healthy steps in a
+    row; the earliest slow step passed on the way (the newest step if none)."""
+    onset, healthy = steps[-1], 0
+    for at, ratio in zip(reversed(steps), reversed(ratios), strict=True):
+        if ratio >= threshold:
+            onset, healthy = at, 0
+        else:
+            healthy += 1
+            if healthy == 2:
+                break
+    return onset
+
+
+def test_the_onsets_of_all_ranks_at_once_are_each_ranks_onset_by_its_definition():
+    rng = random.Random(3)
+    for _ in range(200):
+        n, ranks = rng.randint(1, 14), rng.randint(1, 6)
+        steps = tuple(range(100, 100 + n))
+        ratios = torch.tensor(
+            [[rng.choice([1.0, 1.0, 1.5]) for _ in range(ranks)] for _ in range(n)],
+            dtype=torch.float64,
+        )
+        got = stragglers._onsets(steps, ratios, 1.1).tolist()
+        want = [_onset_step_by_step(steps, ratios[:, r].tolist(), 1.1) for r in range(ranks)]
+        assert got == want, (ratios, got, want)
