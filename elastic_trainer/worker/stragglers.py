@@ -150,12 +150,15 @@ def observe(
     slow_s = torch.where(slow, before_s + ordered[-1], 0.0)
     lasted = (slow_s >= policy.sustain_s) | (streak >= policy.sustain_steps)
     sustained = (streak >= policy.confirm) & lasted
-    # a slow run's onset, found in the window as it first says slow (the window may have
-    # moved past it by the time the run has lasted ``sustain_s``)
+    # a slow run's onset, found as the window first says slow (it may have moved past it by
+    # the time the run has lasted ``sustain_s``), among the steps that made its majority: the
+    # healthy steps before them are where a busy machine's blips would pass for the start
     kept_onset = watch.onset if watch.onset.numel() else torch.full_like(now, -1, dtype=torch.long)
     onset = torch.where(streak > 0, kept_onset, -1)
     if (new := torch.nonzero(streak == 1).flatten()).numel():
-        onset[new] = _onsets(steps, ratios[:, new], limit)  # a new tensor: where made it
+        majority = policy.window // 2 + 1
+        found = _onsets(steps[-majority:], ratios[-majority:, new], limit)
+        onset[new] = found  # a new tensor: torch.where made it
     judged = set(flagged) | set(torch.nonzero(sustained).flatten().tolist())
     verdicts: list[Verdict] = []
     for rank in sorted(judged):

@@ -201,3 +201,14 @@ def test_the_onsets_of_all_ranks_at_once_are_each_ranks_onset_by_its_definition(
         got = stragglers._onsets(steps, ratios, 1.1).tolist()
         want = [_onset_step_by_step(steps, ratios[:, r].tolist(), 1.1) for r in range(ranks)]
         assert got == want, (ratios, got, want)
+
+
+def test_blips_before_a_slowdown_are_not_its_onset():
+    # a busy machine: rank 1 slow every other step just before it really slows down
+    onset = LEAD + 7
+    healthy, slow = [BASE] * 3, [BASE, BASE * 1.5, BASE]
+    steps = [healthy] * LEAD + [slow, healthy] * 3 + [slow] * 30
+    (detected,) = run(steps)[1]
+    assert detected.straggler.rank == 1
+    # the steps that made the window's majority, not the blips of the healthy steps before
+    assert onset - 2 <= detected.straggler.since_step <= onset
