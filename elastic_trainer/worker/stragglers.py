@@ -18,11 +18,11 @@ the threshold does not flap). On a noisy machine both bars rise: the ratio must 
 the ranks show (measured over ``noise_steps``, at least two windows before any verdict).
 
 With a window of 14 a slowdown that starts at step s makes the window say slow at step s + 7
-(8 slow steps make the majority); it is reported 3 steps and 1 s later, or 14 steps later
-where steps are shorter than 1/14 s: at step s + 9 to s + 20 on a quiet machine, within the
+(8 slow steps make the majority); it is reported 3 steps and 0.7 s later, or 14 steps later
+where steps are shorter than 50 ms: at step s + 9 to s + 20 on a quiet machine, within the
 20 steps the issue asks for (later only where the noise raises the bar). A single spike, or
-seven in fourteen, never makes the majority; a co-tenant that takes a shared core for under a
-second of steps of 80 ms or more is not reported.
+seven in fourteen, never makes the majority; a co-tenant that takes a shared core for under
+0.7 s (or 14 steps) is not reported.
 
 Every rank runs this after every step, so its cost is per step and per rank of the group: the
 figures are kept as tensors (a window of steps by ranks) and each step is a fixed number of
@@ -45,8 +45,9 @@ class StragglerPolicy:
     window: int = 14  # steps whose median ratio decides
     confirm: int = 3  # steps in a row the window must say slow before it is reported
     # ... and for this long (the group's steps' time): a co-tenant that takes a shared core for
-    # a second makes a real 1.5-2x straggler for that second, not one worth a report
-    sustain_s: float = 1.0
+    # a moment makes a real 1.5-2x straggler for that moment, not one worth a report (0.7 s:
+    # the shortest floor that left no report in 30-minute healthy runs, docs/benchmarks.md)
+    sustain_s: float = 0.7
     # ... or for this many steps, however short: a slowdown is reported within 20 steps of its
     # onset (the window says slow from its 8th slow step, onset + 7, to onset + 20); fewer let
     # co-tenants' bursts through at steps of ~60 ms (docs/benchmarks.md#stragglers)
