@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import subprocess
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -94,27 +95,14 @@ HANDLER_METHODS = (
 # backoff in newer torch) are not next_rendezvous' and stay.
 @contextlib.contextmanager
 def no_join_jitter() -> Iterator[None]:
-    """Inside: ``next_rendezvous`` joins without its random sleep. Where torch has no
-    ``_delay`` to call, nothing changes."""
-    import sys
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    original = getattr(dynamic_rendezvous, "_delay", None)
-    if original is None:
-        yield
-        return
-
-    def delay(seconds: Any) -> None:
-        if isinstance(seconds, tuple) and sys._getframe(1).f_code.co_name == "next_rendezvous":
-            return
-        original(seconds=seconds)
-
-    dynamic_rendezvous._delay = delay  # type: ignore[attr-defined]
+    """Inside, on this thread: ``next_rendezvous`` joins without its random sleep. Where
+    torch has no ``_delay`` to call, nothing changes."""
+    _install_delay()
+    _told.no_jitter = True
     try:
         yield
     finally:
-        dynamic_rendezvous._delay = original  # type: ignore[attr-defined]
+        _told.no_jitter = False
 
 
 def set_last_call_timeout(handler: DynamicRendezvousHandler, last_call: timedelta) -> None:
@@ -196,7 +184,8 @@ def rebind_store(handler: DynamicRendezvousHandler, store: Any, backend: Any) ->
 # - a hook around the join op (_RendezvousJoinOp): close a re-forming round as soon as every
 #   node still alive has joined (MARK_RENDEZVOUS_COMPLETE, the action torch's own op returns
 #   at the last-call deadline), and wait for a state change by polling the store key instead
-#   of torch's fixed 1 s SYNC sleep (KEEP_ALIVE then resyncs, and writes only our heartbeat);
+#   of torch's fixed 1 s SYNC sleep (then a SYNC that reads the store at once, writing
+#   nothing: _resync_now);
 # - an op that expires the heartbeats of nodes known dead, so torch's own state sanitiser
 #   removes them at once (as it does after interval x attempts) with its own bookkeeping.
 # _RendezvousContext: .node, .state (participants, wait_list, complete, round,
@@ -243,6 +232,7 @@ def install_join_hook(
     hook: JoinHook,
     dead: Callable[[], set[Any]] = set,
     hold: HoldHook = lambda view: False,
+    rejoining: Callable[[], bool] = lambda: False,
 ) -> None:
     """Route every join op of ``handler`` through ``hook`` (idempotent). The hook is asked
     only where torch's own op would wait (SYNC / KEEP_ALIVE; ``may_wait`` only for SYNC, a due
@@ -251,23 +241,76 @@ def install_join_hook(
     ``dead``: nodes found gone while we wait; their heartbeats are expired in the shared
     state then and there (as ``expire_nodes`` does before a join). ``hold``: asked where
     torch would close the round because its last call ran out; True keeps it open (a sync,
-    torch's one-second poll) for now."""
+    torch's one-second poll) for now. ``rejoining``: whether a removal from the round is
+    this node's own re-join (``_admitting_waiters``), not its leaving."""
     executor = handler._op_executor
     if getattr(executor, "elastic_train_hooked", False):
         return
     run = executor.run
+    _install_delay()
+
+    def resync() -> None:
+        _resync_now(executor._state_holder)
 
     def hooked_run(op: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(op, _RendezvousJoinOp):
-            op = _hooked_join(op, hook, dead, hold)
+            op = _hooked_join(op, hook, dead, hold, resync)
         run(op, deadline, update_deadline)
 
     executor.run = hooked_run
+    executor._remove_from_participants = _admitting_waiters(executor, rejoining)
     executor.elastic_train_hooked = True
 
 
+def _admitting_waiters(executor: Any, rejoining: Callable[[], bool]) -> Callable[[], None]:
+    """torch's ``_remove_from_participants``, and in the same write: where this node leaves a
+    round that others still run in order to re-join (``rejoining``), it goes on the wait list
+    for the next (torch's join op adds it there with a write of its own next); where the
+    removal ends the round (the last member left: the next one opens), every node on the
+    wait list joins the new round, as each would join it itself a moment later.
+
+    A re-form is every survivor leaving the finished round for its wait list (two writes
+    each) and the last one out opening the next; then each waiter woke and added itself, all
+    at once. Every write is a compare-and-set of the one state: N writers colliding, each
+    retry a read and a write of the whole state (O(N) bytes), O(N²) attempts. Now a survivor
+    writes once and a waiter wakes to find itself joined, only waiting for the round to
+    close; the writers that remain (one per survivor, at about the same moment) still
+    collide, which ``SignedStateBackend`` spreads out."""
+    remove = executor._remove_from_participants
+
+    def remove_and_admit() -> None:
+        state = executor._state
+        before = state.round
+        remove()
+        if state.round == before:
+            if (
+                rejoining()
+                and state.complete
+                and len(state.participants) < (executor._settings.max_nodes)
+            ):
+                executor._add_to_wait_list()  # what the join op's next write would do
+            return
+        settings = executor._settings
+        waiting = len(state.wait_list)
+        # with a place to spare, for the node that opened the round (it joins next, unless
+        # it is leaving): where they would not all fit, torch's race decides who is in
+        if not waiting or waiting >= settings.max_nodes:
+            return
+        for node in state.wait_list:  # as _add_to_participants does for one
+            state.participants[node] = 0
+        state.wait_list.clear()
+        if len(state.participants) >= settings.min_nodes:
+            state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+
+    return remove_and_admit
+
+
 def _hooked_join(
-    op: Any, hook: JoinHook, dead: Callable[[], set[Any]], hold: HoldHook
+    op: Any,
+    hook: JoinHook,
+    dead: Callable[[], set[Any]],
+    hold: HoldHook,
+    resync: Callable[[], None],
 ) -> Callable[[Any, float], Any]:
     def join(ctx: Any, deadline: float) -> Any:
         if _expire_in(ctx, dead()):
@@ -282,11 +325,57 @@ def _hooked_join(
         answer = hook(round_view(ctx), action == _Action.SYNC)
         if answer == CLOSE:
             return _Action.MARK_RENDEZVOUS_COMPLETE
-        if answer == POLLED and ctx.node in ctx.state.last_heartbeats:
-            return _Action.KEEP_ALIVE  # resync now; torch's SYNC would sleep 1 s first
+        if answer == POLLED:
+            resync()
+            return _Action.SYNC
         return action
 
     return join
+
+
+# The hook has waited for a change itself: the executor's next sync must read the store at
+# once. torch's SYNC sleeps 1 s first (``_delay(seconds=1)``) and its state holder then serves
+# a state read within the last second from its cache (``_last_sync_time``). A KEEP_ALIVE
+# instead (what was used) resyncs at once but writes the whole state with our heartbeat: every
+# waiter did so after every join, each write colliding with the others' (compare-and-set on
+# one key), so a round of N joins cost N² writes of O(N) bytes, and a waiter whose writes kept
+# colliding kept no heartbeat and was dropped from the round (seen at 32 nodes).
+def _resync_now(holder: Any) -> None:
+    holder._last_sync_time = -1.0  # older than any cache duration
+    _told.skip_sync_delay = True
+
+
+# What this thread's joins told dynamic_rendezvous' ``_delay`` to skip: .no_jitter (the
+# jitter of next_rendezvous, no_join_jitter), .skip_sync_delay (the next SYNC sleep, once).
+# Thread-local flags read by one wrapper installed once, not a function swapped in and out
+# around each join: two handlers joining at once on two threads (tests; an agent's failover
+# probe) would restore each other's swaps.
+_told = threading.local()
+
+
+def _install_delay() -> None:
+    """Replace dynamic_rendezvous' ``_delay`` (once) by one that skips what this thread was
+    told to (``_told``); every other delay is torch's."""
+    import sys
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = getattr(dynamic_rendezvous, "_delay", None)
+    if original is None or getattr(original, "elastic_train_told", False):
+        return
+
+    def delay(seconds: Any) -> None:
+        if isinstance(seconds, tuple):
+            told = getattr(_told, "no_jitter", False)
+            if told and sys._getframe(1).f_code.co_name == "next_rendezvous":
+                return  # not torch 2.15's compare-and-set backoff, also a range
+        elif getattr(_told, "skip_sync_delay", False):
+            _told.skip_sync_delay = False
+            return
+        original(seconds=seconds)
+
+    delay.elastic_train_told = True  # type: ignore[attr-defined]
+    dynamic_rendezvous._delay = delay  # type: ignore[attr-defined]
 
 
 def _expire_in(ctx: Any, nodes: set[Any]) -> bool:
@@ -596,6 +685,12 @@ def checks() -> dict[str, Callable[[], bool]]:
             == ["node", "state_holder", "settings"]
         ),
         "_RendezvousJoinOp()": lambda: callable(_RendezvousJoinOp()),
+        "_DistributedRendezvousOpExecutor._remove_from_participants(), _add_to_wait_list(), "
+        "._state, ._settings": (_executor_removal_shape),
+        "_BackendRendezvousStateHolder._last_sync_time (its cache)": lambda: (
+            "_last_sync_time" in _BackendRendezvousStateHolder.sync.__code__.co_names
+        ),
+        "dynamic_rendezvous._delay(seconds)": _delay_shape,
         **{f"_Action.{a}": _has_action(a) for a in JOIN_ACTIONS},
         "DynamicRendezvousHandler._op_executor.run(op, deadline, update_deadline)": _run_shape,
         "_RendezvousState fields": _state_fields,
@@ -621,6 +716,24 @@ def checks() -> dict[str, Callable[[], bool]]:
             _abort_process_group_shape
         ),
     }
+
+
+def _executor_removal_shape() -> bool:
+    code = _DistributedRendezvousOpExecutor._remove_from_participants.__code__
+    add = getattr(_DistributedRendezvousOpExecutor, "_add_to_wait_list", None)
+    return (
+        "_state" in code.co_names
+        and "_settings" in _DistributedRendezvousOpExecutor.__init__.__code__.co_names
+        and callable(add)
+        and not list(inspect.signature(add).parameters)[1:]
+    )
+
+
+def _delay_shape() -> bool:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    return callable(delay) and "seconds" in inspect.signature(delay).parameters
 
 
 def _has_action(name: str) -> Callable[[], bool]:

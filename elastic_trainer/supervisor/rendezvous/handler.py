@@ -84,6 +84,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _dead: frozenset[Any] = frozenset()  # nodes known gone, expired before the next join
     store: Any = None  # the c10d store (create_handler): state polls and presence addresses
     poll_s = 0.05  # while waiting for others to join: how often the state is read
+    _joining = False  # inside torch's next_rendezvous
+    _beating = False  # our heartbeat timer runs
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
     lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
@@ -112,19 +114,32 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         last_call = self._first_last_call if self._rounds_joined == 0 else self._later_last_call
         torch_compat.set_last_call_timeout(self, last_call)
         torch_compat.install_join_hook(
-            self, self._join_hook, self._dead_while_joining, self._hold_round_open
+            self,
+            self._join_hook,
+            self._dead_while_joining,
+            self._hold_round_open,
+            lambda: self._joining,
         )
         self._rounds_joined += 1
         if self.state_backend is not None:  # our key exists before we are in the state
             self._keep_alive()
+            self._start_heartbeats()  # ... and stays fresh through the join (_stop_heartbeats)
         if self._dead:
             self._expire_dead()
         if self._static_rank is not None and self.store is not None:
             self._publish("node-rank", str(self._static_rank))  # before joining: see check
         # the jitter that spreads a job's first joins, not its re-forms (torch_compat)
         jitter = self._rounds_joined == 1
-        with contextlib.nullcontext() if jitter else torch_compat.no_join_jitter():
-            info = super().next_rendezvous()
+        self._joining = True
+        try:
+            with contextlib.nullcontext() if jitter else torch_compat.no_join_jitter():
+                info = super().next_rendezvous()
+        except BaseException:
+            self._joining = False
+            self._stop_heartbeats()  # as torch leaves them after a failed join
+            raise
+        finally:
+            self._joining = False
         if self.lineage:  # the workers of this round start after it: they inherit it
             os.environ[ENV_RDZV_LINEAGE] = self.lineage
         if self.endpoint:  # ... and where it is now (snapshots' owner record: run_liveness)
@@ -273,7 +288,18 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 return
 
     def _start_heartbeats(self) -> None:
-        torch_compat.start_fast_heartbeats(self)
+        if not self._beating:
+            torch_compat.start_fast_heartbeats(self)
+            self._beating = True
+
+    def _stop_heartbeats(self) -> None:
+        # torch stops them for a join because its heartbeats were writes of the state the
+        # join writes too. Ours are our own key: they go on, or a join that lasts longer than
+        # the expiry (many nodes re-forming at once) would drop us from the round we wait in.
+        if self._joining and self.state_backend is not None:
+            return
+        super()._stop_heartbeats()
+        self._beating = False
 
     def _keep_alive(self) -> None:
         """A heartbeat, in this node's own key (``SignedStateBackend.beat``: not a rewrite
@@ -380,7 +406,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         all joined), the same lineage (set here unless a survivor set it first)."""
         run_id = self.get_run_id()
         store = signed_store.signed(store, self.store.key, self.store.log)
+        reuse_s = self.state_backend.beats_reuse_s if self.state_backend is not None else 0.0
         self.state_backend = SignedStateBackend(store, run_id)
+        self.state_backend.beats_reuse_s = reuse_s
         torch_compat.rebind_store(self, store, self.state_backend)
         self.store = store
         self.endpoint = endpoint or self.endpoint
@@ -522,6 +550,7 @@ def handler_on(
         keep_alive_interval=keep_alive_interval,  # type: ignore[arg-type]  # float works
         keep_alive_max_attempt=keep_alive_max_attempt,
     )
+    backend.beats_reuse_s = keep_alive_interval / 4  # expiry: keep_alive_max_attempt intervals
     handler.store, handler.state_backend = store, backend
     return handler
 

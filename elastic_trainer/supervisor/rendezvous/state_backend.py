@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import pickle
+import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +61,12 @@ class SignedStateBackend(RendezvousBackend):
         self._last_good: bytes | None = None  # the last verified state, pickled for the holder
         self._last_raw = b""  # ... and the stored value it came from: read again, not decoded
         self._last_plain: dict[str, Any] | None = None  # ... and that value decoded
+        # the heartbeat keys as last read with a state (key -> time) and when: a state read
+        # again within beats_reuse_s takes them, not another N-key read. A reused time is
+        # older than the key's, never newer, so a node can only look staler by that much.
+        self.beats_reuse_s = 0.0  # handler_on: a quarter of the keep-alive interval
+        self._beats_read: dict[str, int | None] = {}
+        self._beats_read_at = -math.inf
         # as torch's backend: the key exists from now on (a write without a token expects it)
         self._call("compare_set", self._key, "", self._empty)
 
@@ -82,10 +91,20 @@ class SignedStateBackend(RendezvousBackend):
             self._store.set(self._version_key, hashlib.blake2b(raw, digest_size=8).hexdigest())
             return state, raw, True
         found = self._state_of(raw)
+        self._back_off()
         if found is None:
             return None
         bits, new_token = found
-        return bits, new_token, raw == value
+        return bits, new_token, False
+
+    def _back_off(self) -> None:
+        """After a write lost to another node's: a random pause before the holder retries,
+        spread over more time the more nodes there are. Without it every loser retried at
+        once against the same others (N nodes writing at one moment: O(N²) attempts, each
+        a read and a write of the whole state, which at 32 nodes on one machine took
+        seconds of CPU)."""
+        nodes = len(self._last_plain["last_heartbeats"]) if self._last_plain else 1
+        time.sleep(random.uniform(0.0, min(MAX_BACKOFF_S, BACKOFF_S_PER_NODE * nodes)))
 
     def version(self) -> str | None:
         """A mark of the state's last write (a digest its writer sets, signed): a node that
@@ -114,7 +133,18 @@ class SignedStateBackend(RendezvousBackend):
         entries = plain["last_heartbeats"]
         if not entries:
             return plain
-        return with_beats(plain, self._read_beats([beat_key(self._run_id, e) for e in entries]))
+        keys = [beat_key(self._run_id, e) for e in entries]
+        reused = self._beats_read
+        if time.monotonic() - self._beats_read_at < self.beats_reuse_s and reused.keys() >= set(
+            keys
+        ):
+            return with_beats(plain, [reused[k] for k in keys])
+        beats = self._read_beats(keys)
+        self._beats_read, self._beats_read_at = (
+            dict(zip(keys, beats, strict=True)),
+            time.monotonic(),
+        )
+        return with_beats(plain, beats)
 
     def _read_beats(self, keys: list[str]) -> list[int | None]:
         """The heartbeats at ``keys``: two store operations when every key exists (a get of
@@ -217,6 +247,13 @@ _EMPTY_PLAIN: dict[str, Any] = {
     "last_heartbeats": [],
 }
 
+
+# After a lost write: a pause drawn from [0, min(MAX_BACKOFF_S, BACKOFF_S_PER_NODE x nodes in
+# the state)]. 2 ms is about what one attempt costs an agent on a loaded machine (encode,
+# sign, send and read back the state; decode the one that won), so N colliding writers are
+# spread over about N attempts' time.
+BACKOFF_S_PER_NODE = 0.002
+MAX_BACKOFF_S = 0.25
 
 MAX_BEAT_CHARS = 20  # digits of microseconds since the epoch (2^63 has 19)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from elastic_trainer.supervisor import torch_compat
 from tests import ROOT
@@ -146,3 +148,71 @@ def test_the_agents_shutdown_gets_its_timeout_where_torch_takes_one() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     assert "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
+
+
+class _Holder:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+
+def _executor_ending_a_round(
+    waiting: int, *, min_nodes: int = 1, max_nodes: int = 4
+) -> tuple[Any, Any]:
+    """An op executor whose node is the last member of a complete round, ``waiting`` nodes
+    on the wait list, its removal torch's own (``_admitting_waiters`` wraps it)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousSettings,
+        RendezvousTimeout,
+        _RendezvousState,
+    )
+
+    me = _NodeDesc("h", 1, 0)
+    timeout = RendezvousTimeout(last_call=timedelta(seconds=2))
+    settings = RendezvousSettings("job", min_nodes, max_nodes, timeout, timedelta(seconds=1), 3)
+    state = _RendezvousState()
+    state.complete, state.participants = True, {me: 0}
+    state.last_heartbeats[me] = datetime.now(timezone.utc)
+    state.wait_list = {_NodeDesc("h", 2 + i, 0) for i in range(waiting)}
+    executor = torch_compat._DistributedRendezvousOpExecutor(me, _Holder(state), settings)
+    executor._state = state
+    return executor, state
+
+
+@pytest.mark.parametrize("waiting", [1, 3])
+def test_the_round_opened_by_the_last_node_out_takes_in_its_waiters(waiting) -> None:
+    executor, state = _executor_ending_a_round(waiting)
+    waiters = set(state.wait_list)
+    torch_compat._admitting_waiters(executor, lambda: True)()
+    assert (state.round, state.complete) == (1, False)
+    assert set(state.participants) == waiters and not state.wait_list
+    assert state.deadline is not None  # the last call runs from now (min_nodes 1)
+
+
+def test_waiters_that_would_fill_the_round_are_left_to_join_themselves() -> None:
+    """No place would be left for the node that opened the round (it joins next): torch's
+    own race decides then, as before."""
+    executor, state = _executor_ending_a_round(4)
+    torch_compat._admitting_waiters(executor, lambda: True)()
+    assert (state.round, state.participants, len(state.wait_list)) == (1, {}, 4)
+
+
+def test_waiters_below_the_minimum_join_without_a_last_call() -> None:
+    executor, state = _executor_ending_a_round(1, min_nodes=3)
+    torch_compat._admitting_waiters(executor, lambda: True)()
+    assert len(state.participants) == 1 and state.deadline is None
+
+
+def test_a_node_leaving_a_round_for_the_next_waits_for_it_in_the_same_write() -> None:
+    executor, state = _executor_ending_a_round(0)
+    other = _NodeDesc("h", 9, 0)
+    state.participants[other] = 1  # still running: the round goes on
+    torch_compat._admitting_waiters(executor, lambda: True)()
+    assert (state.round, set(state.participants)) == (0, {other})
+    assert state.wait_list == {executor._node}
+
+
+def test_a_node_leaving_for_good_is_not_put_on_the_wait_list() -> None:
+    executor, state = _executor_ending_a_round(0)
+    state.participants[_NodeDesc("h", 9, 0)] = 1
+    torch_compat._admitting_waiters(executor, lambda: False)()
+    assert not state.wait_list

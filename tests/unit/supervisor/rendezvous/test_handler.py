@@ -43,7 +43,9 @@ def nodes(server, monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     made: list[FastRecoveryRendezvousHandler] = []
 
-    def make(*, max_nodes: int, first_last_call_s: float = 30.0) -> FastRecoveryRendezvousHandler:
+    def make(
+        *, max_nodes: int, first_last_call_s: float = 30.0, keep_alive_s: float = 10.0
+    ) -> FastRecoveryRendezvousHandler:
         store = TCPStore("127.0.0.1", server, is_master=False, timeout=timedelta(seconds=30))
         handler = rendezvous.handler_on(
             store,
@@ -53,8 +55,8 @@ def nodes(server, monkeypatch):
             max_nodes,
             "127.0.0.1",
             RendezvousTimeout(join=timedelta(seconds=60), close=timedelta(seconds=5)),
-            keep_alive_interval=10,  # a heartbeat expiry of 30 s: never reached here
-            keep_alive_max_attempt=3,
+            keep_alive_interval=keep_alive_s,  # expiry after 30 s: never reached here
+            keep_alive_max_attempt=int(30 / keep_alive_s),
         )
         handler.tune(first_last_call_s=first_last_call_s, later_last_call_s=30.0)
         made.append(handler)
@@ -88,6 +90,12 @@ class Joining:
 
 def shared_state(handler: FastRecoveryRendezvousHandler) -> Any:
     return handler.state_backend.peek()
+
+
+def joined(handler: FastRecoveryRendezvousHandler) -> set[Any]:
+    """The participants of the stored state (none before the first write)."""
+    state = shared_state(handler)
+    return set() if state is None else set(state.participants)
 
 
 def wait_for(predicate: Any) -> None:
@@ -133,7 +141,69 @@ def test_only_the_first_join_sleeps_torchs_random_jitter(nodes, monkeypatch) -> 
     a.mark_dead({b.this_node})
     assert Joining(a).result() == 1  # a re-form of round 0
     assert len(jitters) == 2, jitters
-    assert dynamic_rendezvous._delay is delay  # put back as it was
+
+
+def test_a_node_waiting_in_a_round_writes_nothing_while_others_join(nodes, monkeypatch) -> None:
+    """A member that has joined and waits for the others re-reads the state when it changes
+    and writes nothing: it used to write the whole state (its heartbeat) after every other
+    node's join, N² colliding writes of O(N) bytes a round, and one whose writes kept
+    colliding kept no heartbeat and was dropped (32 nodes re-forming on one machine)."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    writes: list[bytes] = []
+    set_state = a.state_backend.set_state
+
+    def counted(state: bytes, token: Any = None) -> Any:
+        writes.append(state)
+        return set_state(state, token)
+
+    monkeypatch.setattr(a.state_backend, "set_state", counted)
+    first = Joining(a)  # the round stays open until all three are in (30 s last call)
+    wait_for(lambda: a.this_node in joined(b))
+    joined_with = len(writes)
+    second = Joining(b)
+    wait_for(lambda: b.this_node in joined(a))
+    third = Joining(c)
+    assert (first.result(), second.result(), third.result()) == (3, 3, 3)
+    assert joined_with == 1 and len(writes) == joined_with
+
+
+def test_the_last_node_out_of_a_round_joins_the_waiting_ones_to_the_next(nodes, monkeypatch):
+    """A re-form: each survivor leaves the finished round for its wait list in one write;
+    the last one out opens the next round and, in that same write, joins every waiting node
+    to it. Each used to write twice, then wake and add itself, all at once: N writers
+    colliding on the one state."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form(a, b, c)
+    writes: list[bytes] = []
+    set_state = a.state_backend.set_state
+
+    def counted(state: bytes, token: Any = None) -> Any:
+        result = set_state(state, token)
+        if result is not None and result[2]:  # written (not a collision with b's write)
+            writes.append(state)
+        return result
+
+    monkeypatch.setattr(a.state_backend, "set_state", counted)
+    first, second = Joining(a), Joining(b)
+    wait_for(lambda: {a.this_node, b.this_node} <= set(shared_state(c).wait_list))
+    assert len(writes) == 1  # a left the round for its wait list
+    third = Joining(c)
+    assert (first.result(), second.result(), third.result()) == (3, 3, 3)
+    assert len(writes) == 1  # joined by c, not by itself
+    assert shared_state(a).round == 1
+
+
+def test_a_joining_node_keeps_its_heartbeat_fresh_while_it_waits(nodes) -> None:
+    """Heartbeats are each node's own key: they go on through a join (torch stops its timer
+    for one), or a node waiting longer than the expiry would be dropped from its round."""
+    a = nodes(max_nodes=2, keep_alive_s=0.1)
+    joining = Joining(a)  # waits for a second node up to the 30 s last call
+    wait_for(lambda: a.this_node in joined(a))
+    (first,) = a.state_backend.beats([a.this_node]).values()
+    assert first is not None
+    wait_for(lambda: (a.state_backend.beats([a.this_node])[a.this_node] or 0) > first)
+    second = Joining(nodes(max_nodes=2, keep_alive_s=0.1))
+    assert (joining.result(), second.result()) == (2, 2)
 
 
 def test_a_live_peer_that_rejoins_late_is_waited_for_not_dropped(nodes) -> None:

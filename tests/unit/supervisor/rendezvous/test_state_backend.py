@@ -266,3 +266,53 @@ def test_the_heartbeats_of_many_nodes_are_two_store_operations() -> None:
     beats = backend.beats([*nodes[:2], new])
     assert beats == {nodes[0]: 1_000, nodes[1]: 1_001, new: None}
     assert store.calls.count("check") == 4 and store.calls.count("get") == 2
+
+
+def test_a_state_read_again_soon_takes_the_heartbeats_just_read(monkeypatch) -> None:
+    """A lost write, a waiter woken by a join: the state is read again and again within a
+    fraction of a second; its N heartbeat keys are read once per ``beats_reuse_s``, and a
+    reused time only makes a node look older than its key says, never newer."""
+    store = _CountingStore()
+    backend = _backend(store)
+    _write(backend, _state())
+    a, b = sorted(_state().last_heartbeats, key=lambda n: n.addr)
+    backend.beat(a, _micros(_state().deadline + timedelta(seconds=7)))
+    backend.beat(b, _micros(_state().deadline))
+    now = [100.0]
+    monkeypatch.setattr(state_backend.time, "monotonic", lambda: now[0])
+    backend.beats_reuse_s = 0.25
+    reader = _backend(store)
+    reader.beats_reuse_s = 0.25
+    reader.get_state()
+    backend.beat(a, _micros(_state().deadline + timedelta(seconds=8)))
+    store.calls.clear()
+    now[0] += 0.2
+    bits, _ = reader.get_state()
+    assert "multi_get" not in store.calls  # the keys' times of 0.2 s ago
+    assert pickle.loads(bits).last_heartbeats[a] == _state().deadline + timedelta(seconds=7)
+    now[0] += 0.1
+    bits, _ = reader.get_state()
+    assert "multi_get" in store.calls
+    assert pickle.loads(bits).last_heartbeats[a] == _state().deadline + timedelta(seconds=8)
+
+
+def test_a_lost_write_pauses_longer_the_more_nodes_there_are(monkeypatch) -> None:
+    """N nodes writing at one moment: each loser pauses a random time drawn from a range
+    that grows with N before its retry, instead of all retrying at once again."""
+    store = HashStore()
+    pauses: list[float] = []
+    monkeypatch.setattr(state_backend.random, "uniform", lambda low, high: high)
+    monkeypatch.setattr(state_backend.time, "sleep", pauses.append)
+    winner, loser = _backend(store), _backend(store)
+    stale = loser.get_state()
+    _write(winner, _state())  # two nodes in it
+    state = _state()
+    state.round = 5
+    assert loser.set_state(pickle.dumps(state), stale[1] if stale else None)[2] is False
+    big = _state()
+    big.last_heartbeats = {_NodeDesc(f"n{i}", i, 0): big.deadline for i in range(40)}
+    big.participants = dict.fromkeys(big.last_heartbeats, 0)
+    _write(winner, big)
+    assert loser.set_state(pickle.dumps(state), stale[1] if stale else None)[2] is False
+    assert pauses == [2 * state_backend.BACKOFF_S_PER_NODE, 40 * state_backend.BACKOFF_S_PER_NODE]
+    assert store.get(NAME) and pauses[-1] <= state_backend.MAX_BACKOFF_S
