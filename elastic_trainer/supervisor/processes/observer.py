@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 
 # psutil's first CPU reading of a process is 0: the first resources event comes after a while
 _FIRST_RESOURCES_AFTER_S = 5.0
+# How often the workers' process trees are scanned for new descendants between resources
+# samples. A scan reads every process of the machine (psutil's children() builds the parent
+# map from all of /proc): at every 0.2 s tick it was the largest part of an idle agent's CPU.
+# A descendant orphaned between two scans still comes to the supervisor (the child
+# subreaper), where the stop's own scan and reap_strays find it.
+TREE_SCAN_EVERY_S = 1.0
 
 
 class GroupObserver:
@@ -60,6 +66,7 @@ class GroupObserver:
         self._watchdog = HangWatchdog(timeout_s=hang_timeout)
         self._interval = resources_interval
         self._next_resources = 0.0
+        self._next_scan = 0.0
         self._last: dict[int, Resources] = {}
 
     def attempt_started(self, now: float) -> None:
@@ -93,7 +100,8 @@ class GroupObserver:
             self._next_resources = now + self._interval
             self._emit_resources(global_rank)
             self._feed_goodput(now)
-        else:
+        elif now >= self._next_scan:
+            self._next_scan = now + TREE_SCAN_EVERY_S
             self._procs.refresh()
         self._read_events(control_dir, local_world_size, reports)
         return self._watchdog.observe(reports, now)

@@ -30,8 +30,6 @@ from elastic_trainer.contract import protocol
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Signals torch's PContext may still handle itself (abort: raise + kill the workers).
 TORCH_SIGNALS = "SIGHUP,SIGQUIT"
-# While the loop waits on fds (``wait_for_change``): how late a stop may be seen at most.
-STOP_CHECK_S = 0.05
 
 
 class StopRequested(BaseException):
@@ -59,6 +57,9 @@ class StopRequest:
         self.count = 0
         self.control_dir: str | None = None
         self.interruptible = False  # True while blocked where nothing needs a graceful stop
+        # a pipe that request() writes to, so a stop ends wait_for_change's poll at once
+        # (a signal does not: poll is retried after the handler); made by its first call
+        self._wake_read, self._wake_write = -1, -1
 
     @property
     def requested(self) -> bool:
@@ -71,6 +72,9 @@ class StopRequest:
             self.received_at = time.monotonic()
         self.write_stop_file()
         self.event.set()
+        if self._wake_write >= 0:
+            with contextlib.suppress(OSError):  # full: it is readable already
+                os.write(self._wake_write, b"\0")
 
     def write_stop_file(self) -> None:
         if self.control_dir is None or self.received_at is None:
@@ -84,19 +88,25 @@ class StopRequest:
     def wait_for_change(self, seconds: float, fds: Sequence[int] = ()) -> bool:
         """``wait``, ended early too once one of ``fds`` is readable: a worker's pidfd (it
         exited) or a peer's presence connection (it closed), so that the loop sees a failure
-        when it happens instead of up to a monitor interval later. A signal does not end
-        ``poll`` (it is retried), so the stop is checked every ``STOP_CHECK_S`` meanwhile."""
+        when it happens instead of up to a monitor interval later; and by a stop, through
+        the pipe ``request`` writes to. One poll: it used to wake every 50 ms to look for a
+        stop, most of an idle agent's wake-ups."""
         if not fds:
             return self.wait(seconds)
+        if self._wake_read < 0:
+            self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         poller = select.poll()
-        for fd in fds:
+        for fd in (self._wake_read, *fds):
             poller.register(fd, select.POLLIN)
-        deadline = time.monotonic() + seconds
-        while not self.requested:
-            left = deadline - time.monotonic()
-            if left <= 0 or poller.poll(min(left, STOP_CHECK_S) * 1000):
-                break
+        if not self.requested:  # after the pipe exists: a stop from now on is in it
+            poller.poll(max(0.0, seconds) * 1000)
         return self.requested
+
+    def __del__(self) -> None:
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
         self.request(signum)

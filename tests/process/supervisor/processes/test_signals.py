@@ -54,3 +54,50 @@ def test_without_fds_it_is_the_plain_wait() -> None:
     stop.request(signal.SIGTERM)
     assert stop.wait_for_change(INTERVAL_S) is True
     assert StopRequest().wait_for_change(0.0, []) is False
+
+
+def test_an_idle_wait_is_one_poll_not_one_every_50_ms(monkeypatch) -> None:
+    """Nothing happens for the whole interval: one wake-up at its end. It used to poll every
+    50 ms to look for a stop, most of an idle agent's wake-ups."""
+    import select
+
+    polls: list[float] = []
+    real = select.poll
+
+    class Counting:
+        def __init__(self) -> None:
+            self._poll = real()
+
+        def register(self, fd: int, mask: int) -> None:
+            self._poll.register(fd, mask)
+
+        def poll(self, timeout_ms: float) -> list:
+            polls.append(timeout_ms)
+            return self._poll.poll(timeout_ms)
+
+    monkeypatch.setattr(select, "poll", Counting)
+    read, write = os.pipe()
+    try:
+        assert StopRequest().wait_for_change(0.3, [read]) is False
+    finally:
+        os.close(read)
+        os.close(write)
+    assert polls == [300.0]
+
+
+def test_a_stop_signal_ends_a_wait_on_fds_at_once() -> None:
+    """The handler runs while the loop is in poll, which Python then retries: the pipe the
+    request writes to is what ends it."""
+    read, write = os.pipe()
+    stop = StopRequest()
+    previous = signal.signal(signal.SIGUSR1, stop.handler)
+    try:
+        threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGUSR1)).start()
+        began = time.monotonic()
+        assert stop.wait_for_change(INTERVAL_S, [read]) is True
+        assert time.monotonic() - began < 30
+        assert stop.signal_name == "SIGUSR1"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(read)
+        os.close(write)
