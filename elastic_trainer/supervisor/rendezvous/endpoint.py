@@ -115,6 +115,10 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
     if "store" in outcome:
         return outcome["store"]
     reach(host, port)  # refused now: the store went away while we talked to it (transient)
+    if "error" in outcome and "aborted" not in outcome and _not_accepted(outcome["error"]):
+        # a store too busy to accept us within the client's own retry time (a failed-over
+        # store that every survivor dials at once): not up for us yet, not bad input
+        raise _Transient(_first_line(outcome["error"]))
     if "error" in outcome and "aborted" not in outcome:
         reason = f"its c10d handshake failed: {_first_line(outcome['error'])}"
     else:
@@ -123,6 +127,13 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
         f"--rdzv-endpoint={host}:{port} answers but is not a c10d store ({reason}): "
         "point it at the store host (elastic-train store) or free the port"
     )
+
+
+def _not_accepted(error: BaseException) -> bool:
+    """torch's client gave up connecting (``timed out ... while trying to connect``): the
+    listener did not take the connection in time; one that is not a store fails after."""
+    text = str(error)
+    return isinstance(error, TimeoutError) or ("timed out" in text and "to connect" in text)
 
 
 def _abort(thread: threading.Thread, host: str, port: int) -> None:

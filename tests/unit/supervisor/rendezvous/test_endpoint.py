@@ -85,6 +85,33 @@ def test_a_store_connects_and_answers(store_port):
     assert store.get("k") == b"v"
 
 
+@pytest.mark.usefixtures("fast")
+def test_a_store_too_busy_to_accept_at_once_is_waited_for_not_bad_input(store_port, monkeypatch):
+    """Regression: at 32 nodes on one machine the survivors of a store host's loss all dialled
+    the failed-over store at once; some clients' connects timed out after torch's 1 s, and
+    those survivors exited 2 with "answers but is not a c10d store"."""
+    from torch.distributed import DistNetworkError
+
+    real, calls = endpoint._client, []
+
+    def busy_then_up(host: str, port: int, *, read_timeout_s: float):
+        calls.append(port)
+        if len(calls) < 3:
+            raise DistNetworkError(
+                f"The client socket has timed out after 1000ms while trying to connect to "
+                f"({host}, {port})."
+            )
+        return real(host, port, read_timeout_s=read_timeout_s)
+
+    monkeypatch.setattr(endpoint, "_client", busy_then_up)
+    with capture_logs():
+        store = endpoint.connect("127.0.0.1", store_port, deadline_s=30, read_timeout_s=5)
+    assert store.check(["nothing"]) is False and len(calls) == 3
+    monkeypatch.setattr(endpoint, "_client", busy_then_up)
+    calls.clear()
+    assert endpoint.try_once("127.0.0.1", store_port, 5) is None  # the failover's: try again
+
+
 def test_hosting_on_a_taken_port_is_bad_input_only_when_asked_to_host(store_port):
     with pytest.raises(EndpointError, match="cannot host"):
         endpoint.open_store(
