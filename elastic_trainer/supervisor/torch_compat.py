@@ -223,6 +223,8 @@ class RoundView:
 
 
 CLOSE, POLLED = "close", "polled"  # the join hook's answers (None: torch's own action)
+LEFT, OPENED = "left", "opened"  # the exit hook's (and POLLED)
+LeaveHook = Callable[[Any], str | None]  # (torch's op context) -> answer
 JoinHook = Callable[[RoundView, bool], str | None]  # (view, may wait) -> answer
 HoldHook = Callable[[RoundView], bool]  # the last call ran out: keep the round open?
 
@@ -233,6 +235,7 @@ def install_join_hook(
     dead: Callable[[], set[Any]] = set,
     hold: HoldHook = lambda view: False,
     rejoining: Callable[[], bool] = lambda: False,
+    leaving: LeaveHook = lambda ctx: None,
 ) -> None:
     """Route every join op of ``handler`` through ``hook`` (idempotent). The hook is asked
     only where torch's own op would wait (SYNC / KEEP_ALIVE; ``may_wait`` only for SYNC, a due
@@ -242,7 +245,11 @@ def install_join_hook(
     state then and there (as ``expire_nodes`` does before a join). ``hold``: asked where
     torch would close the round because its last call ran out; True keeps it open (a sync,
     torch's one-second poll) for now. ``rejoining``: whether a removal from the round is
-    this node's own re-join (``_admitting_waiters``), not its leaving."""
+    this node's own re-join (``_admitting_waiters``), not its leaving. ``leaving``: asked
+    before torch's exit op decides (the op every join starts with, and ``exit_round``): it
+    answers LEFT (this node is out of the round already: the op is done), OPENED (it
+    changed the state: write it), POLLED (it waited itself: resync at once) or None
+    (torch's own op)."""
     executor = handler._op_executor
     if getattr(executor, "elastic_train_hooked", False):
         return
@@ -255,6 +262,8 @@ def install_join_hook(
     def hooked_run(op: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(op, _RendezvousJoinOp):
             op = _hooked_join(op, hook, dead, hold, resync)
+        elif isinstance(op, _RendezvousExitOp):
+            op = _hooked_exit(op, leaving, resync)
         run(op, deadline, update_deadline)
 
     executor.run = hooked_run
@@ -376,6 +385,43 @@ def _install_delay() -> None:
 
     delay.elastic_train_told = True  # type: ignore[attr-defined]
     dynamic_rendezvous._delay = delay  # type: ignore[attr-defined]
+
+
+def _hooked_exit(
+    op: Any, leaving: LeaveHook, resync: Callable[[], None]
+) -> Callable[[Any, float], Any]:
+    def exit_round(ctx: Any, deadline: float) -> Any:
+        if time.monotonic() <= deadline:  # past it: torch's op rolls back or times out
+            answer = leaving(ctx)
+            if answer == LEFT:
+                return _Action.FINISH
+            if answer == OPENED:
+                return _Action.KEEP_ALIVE  # a write action: the executor writes ctx.state
+            if answer == POLLED:
+                resync()
+                return _Action.SYNC
+        return op(ctx, deadline)
+
+    return exit_round
+
+
+def open_next_round(ctx: Any, members: set[Any], *, close: Callable[[set[Any]], bool]) -> None:
+    """Round r+1 of ``ctx.state`` (a complete round r), with ``members`` (of round r, each
+    said it joins the next) and the nodes on the wait list, up to max_nodes: complete at once,
+    ranks assigned as torch's ``_mark_rendezvous_complete`` does, where ``close`` says so of
+    the nodes in it; else open, its last call running from now as torch's join starts it."""
+    state, settings = ctx.state, ctx.settings
+    joining = [*sorted(members), *sorted(state.wait_list - set(members))][: settings.max_nodes]
+    state.round += 1
+    state.participants = dict.fromkeys(joining, 0)
+    state.wait_list = state.wait_list - set(joining)
+    state.complete = close(set(joining))
+    state.deadline = None
+    if state.complete:
+        for rank, node in enumerate(sorted(state.participants)):
+            state.participants[node] = rank
+    elif len(joining) >= settings.min_nodes:
+        state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
 
 
 def _expire_in(ctx: Any, nodes: set[Any]) -> bool:

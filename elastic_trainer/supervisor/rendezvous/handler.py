@@ -47,6 +47,7 @@ docs/command-line.md, "Recovery defaults"):
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import uuid
@@ -85,6 +86,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     store: Any = None  # the c10d store (create_handler): state polls and presence addresses
     poll_s = 0.05  # while waiting for others to join: how often the state is read
     _joining = False  # inside torch's next_rendezvous
+    _rejoin_round: int | None = None  # ... having announced a re-join from this round
+    _announced = ""  # the key of our last announcement (deleted at the next)
+    _mark_checked_at = -math.inf  # when num_nodes_waiting last read the round's mark
     _beating = False  # our heartbeat timer runs
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
@@ -119,6 +123,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._dead_while_joining,
             self._hold_round_open,
             lambda: self._joining,
+            self._leave_hook,
         )
         self._rounds_joined += 1
         if self.state_backend is not None:  # our key exists before we are in the state
@@ -128,6 +133,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._expire_dead()
         if self._static_rank is not None and self.store is not None:
             self._publish("node-rank", str(self._static_rank))  # before joining: see check
+        self._rejoin_round = self._announce_rejoin()
         # the jitter that spreads a job's first joins, not its re-forms (torch_compat)
         jitter = self._rounds_joined == 1
         self._joining = True
@@ -139,7 +145,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._stop_heartbeats()  # as torch leaves them after a failed join
             raise
         finally:
-            self._joining = False
+            self._joining, self._rejoin_round = False, None
         if self.lineage:  # the workers of this round start after it: they inherit it
             os.environ[ENV_RDZV_LINEAGE] = self.lineage
         if self.endpoint:  # ... and where it is now (snapshots' owner record: run_liveness)
@@ -148,6 +154,104 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if self._static_rank is not None and self.store is not None:
             self._check_static_ranks(info.world_size)
         return with_group_rank(info, self._static_rank, local_addr=self.this_node.addr)
+
+    def _announce_rejoin(self) -> int | None:
+        """A member of a complete round that joins the next: it says so in its own key (and
+        sets the round's mark, which the running members' monitors read as nodes waiting)
+        instead of leaving the round and joining the wait list by writes of the one shared
+        state; the round's opener (``_leave_hook``) then opens the next round for every
+        member that said so, in one write. The round it announced for; None where torch's own
+        exit and join apply (a first join, a failed-over store, a round never completed)."""
+        if self.state_backend is None or self.store is None or self._rounds_joined <= 1:
+            return None
+        try:
+            state = torch_compat.rendezvous_state(self, sync=True)
+            if not state.complete or state.closed or self.this_node not in state.participants:
+                return None
+            round_ = int(state.round)
+            key = rejoin_key(self.get_run_id(), round_, self.this_node)
+            if self._announced and self._announced != key:  # the store keeps no old rounds'
+                self.store.delete_key(self._announced)
+            self.store.set(key, "1")
+            self.store.set(rejoin_mark_key(self.get_run_id(), round_), "1")
+        except Exception:  # the store is failing: torch's own ops say how
+            return None
+        self._announced = key
+        return round_
+
+    def _leave_hook(self, ctx: Any) -> str | None:
+        """torch's exit op, for a member that announced its re-join (``_announce_rejoin``):
+        done once the round has moved on; where this node opens the next round (the first of
+        the members not known dead, in torch's node order) and every one of them has
+        announced, the next round with them (``torch_compat.open_next_round``); else wait
+        for a change. None: torch's own exit (leaving for good, or no announcement)."""
+        announced = self._rejoin_round
+        if announced is None or not self._joining:
+            return None
+        state = ctx.state
+        if state.round > announced:
+            return torch_compat.LEFT
+        if (
+            state.round < announced
+            or not state.complete
+            or self.this_node not in (state.participants)
+        ):
+            return None
+        self._raise_if_static_conflict()
+        self._newly_dead()
+        members = set(state.participants) - self._dead
+        if min(members) == self.this_node:
+            if self._all_announced(announced, members):
+                view = torch_compat.round_view(ctx)
+                torch_compat.open_next_round(
+                    ctx, members, close=lambda joined: self._closes_at_once(joined, view)
+                )
+                return torch_compat.OPENED
+            time.sleep(self.poll_s)  # a member's key may be on its way
+        else:
+            self._wait_for_change(torch_compat.round_view(ctx))
+        return torch_compat.POLLED
+
+    def _closes_at_once(self, joined: set[Any], view: torch_compat.RoundView) -> bool:
+        """The round about to open with ``joined`` closes at once where the join hook would
+        close it (``decisions.close_round_now``): no member of the last round still alive is
+        missing (one that left it, still on its way back, is waited for as before)."""
+        return decisions.close_round_now(
+            me=self.this_node,
+            complete=False,
+            joined=joined,
+            waiting=set(),
+            known=self._known,
+            dead=self._dead,
+            min_nodes=view.min_nodes,
+            max_nodes=view.max_nodes,
+        )
+
+    def _all_announced(self, round_: int, members: set[Any]) -> bool:
+        """Has every one of ``members`` announced its re-join from ``round_`` (signed)? One
+        check for all, then one verified read."""
+        keys = [rejoin_key(self.get_run_id(), round_, n) for n in sorted(members)]
+        try:
+            return self.store.check(keys) and None not in self.store.get_each(keys)
+        except Exception:
+            return False
+
+    def num_nodes_waiting(self) -> int:
+        """torch's count (the wait list), or 1 where a member of the current complete round
+        announced its re-join (``_announce_rejoin``): the running members re-form with it.
+        The mark is read at most once per ``MARK_CHECK_S``, as torch reads the wait list."""
+        waiting = int(super().num_nodes_waiting())
+        now = time.monotonic()
+        if waiting or self.store is None or now < self._mark_checked_at + MARK_CHECK_S:
+            return waiting
+        self._mark_checked_at = now
+        state = torch_compat.rendezvous_state(self)
+        if not state.complete:
+            return 0
+        key = rejoin_mark_key(self.get_run_id(), int(state.round))
+        with contextlib.suppress(signed_store.TamperedValue):
+            return 1 if self.store.check([key]) and self.store.get(key) == b"1" else 0
+        return 0
 
     def _check_static_ranks(self, num_nodes: int) -> None:
         """Every member published its rank before it joined, so all are readable now."""
@@ -567,6 +671,20 @@ def share_lineage(store: Any, job_id: str) -> str:
 
 
 lineage_key = protocol.lineage_key
+
+
+MARK_CHECK_S = 1.0  # how often a running member reads the round's re-join mark
+
+
+def rejoin_key(job_id: str, round_: int, node: Any) -> str:
+    """Where ``node`` announces that it leaves round ``round_`` to join the next."""
+    return f"elastic-train/{job_id}/rejoin/{round_}/{node.addr}/{node.pid}/{node.local_id}"
+
+
+def rejoin_mark_key(job_id: str, round_: int) -> str:
+    """Set by every member that announced a re-join from ``round_``: one key for the
+    running members to read."""
+    return f"elastic-train/{job_id}/rejoin/{round_}"
 
 
 def store_host_key(job_id: str) -> str:

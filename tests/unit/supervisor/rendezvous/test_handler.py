@@ -167,30 +167,65 @@ def test_a_node_waiting_in_a_round_writes_nothing_while_others_join(nodes, monke
     assert joined_with == 1 and len(writes) == joined_with
 
 
-def test_the_last_node_out_of_a_round_joins_the_waiting_ones_to_the_next(nodes, monkeypatch):
-    """A re-form: each survivor leaves the finished round for its wait list in one write;
-    the last one out opens the next round and, in that same write, joins every waiting node
-    to it. Each used to write twice, then wake and add itself, all at once: N writers
-    colliding on the one state."""
-    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
-    form(a, b, c)
-    writes: list[bytes] = []
-    set_state = a.state_backend.set_state
+def _count_writes(handler: FastRecoveryRendezvousHandler, monkeypatch: Any) -> list[bool]:
+    """Each write of the shared state ``handler`` attempts from now on: whether it won."""
+    writes: list[bool] = []
+    set_state = handler.state_backend.set_state
 
     def counted(state: bytes, token: Any = None) -> Any:
         result = set_state(state, token)
-        if result is not None and result[2]:  # written (not a collision with b's write)
-            writes.append(state)
+        writes.append(result is not None and result[2])
         return result
 
-    monkeypatch.setattr(a.state_backend, "set_state", counted)
-    first, second = Joining(a), Joining(b)
-    wait_for(lambda: {a.this_node, b.this_node} <= set(shared_state(c).wait_list))
-    assert len(writes) == 1  # a left the round for its wait list
-    third = Joining(c)
+    monkeypatch.setattr(handler.state_backend, "set_state", counted)
+    return writes
+
+
+def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch) -> None:
+    """Every member of a complete round re-joins (a worker crash, a node lost): each says so
+    in its own key, and the first of them opens the next round with all in one write. Each
+    used to leave the round and join its wait list by writes of the one state, then add
+    itself to the next round: N writers colliding, O(N²) attempts of O(N) bytes."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form(a, b, c)
+    writes = {h: _count_writes(h, monkeypatch) for h in (a, b, c)}
+    first, second = Joining(b), Joining(c)
+    wait_for(lambda: a.num_nodes_waiting() == 1)  # the running member sees them
+    third = Joining(a)
     assert (first.result(), second.result(), third.result()) == (3, 3, 3)
-    assert len(writes) == 1  # joined by c, not by itself
+    assert [writes[h] for h in (a, b, c)] == [[True], [], []]  # a opened the round
     assert shared_state(a).round == 1
+    assert a.num_nodes_waiting() == 0
+
+
+def test_a_member_known_dead_is_not_waited_for_by_the_announced_re_form(nodes) -> None:
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form(a, b, c)
+    c._stop_heartbeats()  # c's process died: its heartbeats would last 30 s more
+    a.mark_dead({c.this_node})
+    b.mark_dead({c.this_node})
+    first, second = Joining(a), Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
+    assert set(shared_state(a).participants) == {a.this_node, b.this_node}
+
+
+def test_the_last_node_out_of_a_round_joins_the_waiting_ones_to_the_next(nodes, monkeypatch):
+    """A node leaves for good the round it was the last member of (preempted) while two
+    newcomers wait for the next: it opens the next round and, in that same write, joins them
+    to it. Each used to add itself, both at once, colliding on the one state."""
+    a = nodes(max_nodes=3, first_last_call_s=0.2)
+    assert Joining(a).result() == 1
+    b, c = nodes(max_nodes=3, first_last_call_s=0.2), nodes(max_nodes=3, first_last_call_s=0.2)
+    added: list[Any] = []
+    for handler in (b, c):  # torch's own "add myself to the round" (a write of the state)
+        executor = handler._op_executor
+        add = executor._add_to_participants
+        monkeypatch.setattr(executor, "_add_to_participants", lambda add=add: added.append(add()))
+    first, second = Joining(b), Joining(c)
+    wait_for(lambda: {b.this_node, c.this_node} <= set(shared_state(a).wait_list))
+    assert a.leave()
+    assert (first.result(), second.result()) == (2, 2)
+    assert added == []
 
 
 def test_a_joining_node_keeps_its_heartbeat_fresh_while_it_waits(nodes) -> None:
@@ -213,7 +248,7 @@ def test_a_live_peer_that_rejoins_late_is_waited_for_not_dropped(nodes) -> None:
     a, b = nodes(max_nodes=3), nodes(max_nodes=3)
     form_with_last_call(a, b)
     first = Joining(a)
-    wait_for(lambda: a.this_node in shared_state(a).wait_list)  # a waits, b still running
+    wait_for(lambda: b.num_nodes_waiting() == 1)  # a waits, b still running
     second = Joining(b)
     assert (first.result(), second.result()) == (2, 2)
 
@@ -342,7 +377,7 @@ def test_a_member_found_gone_while_we_wait_in_the_round_is_not_waited_for(nodes)
     known: set[Any] = set()
     a.dead_now = lambda: set(known)
     joining = Joining(a)
-    wait_for(lambda: a.this_node in shared_state(a).wait_list)  # waiting for b to rejoin
+    wait_for(lambda: b.num_nodes_waiting() == 1)  # a waits for b to rejoin
     began = time.monotonic()
     known.add(b.this_node)  # its connection closed
     assert joining.result() == 1
