@@ -586,7 +586,7 @@ class Supervisor:
             key=key,
             configured=cfg.rdzv_endpoint,
             connect=lambda host, port: signed(
-                endpoint.try_once(host, port, cfg.rdzv.read_timeout), key
+                endpoint.try_job_store(host, port, cfg.rdzv.read_timeout), key
             ),
         )
         if found is None:

@@ -74,7 +74,9 @@ class StoreFailover:
             serve=lambda host, port: signed(
                 endpoint.serve(host, port, read_timeout_s=read_timeout), key
             ),
-            connect=lambda host, port: signed(endpoint.try_once(host, port, read_timeout), key),
+            connect=lambda host, port: signed(
+                endpoint.try_job_store(host, port, read_timeout), key
+            ),
             is_served_by=lambda store, member: rendezvous.hosted_by(store, cfg.job_id, member),
         )
         handler.rebind(moved.store, hosted=moved.hosted, node=cfg.node, endpoint=moved.endpoint)

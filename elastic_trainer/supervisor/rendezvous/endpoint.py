@@ -261,6 +261,20 @@ def try_once(host: str, port: int, read_timeout_s: float) -> Any:
         return None
 
 
+def try_job_store(host: str, port: int, read_timeout_s: float) -> Any:
+    """One bounded attempt at a store that a member of this job serves (the failed-over
+    store, the one the snapshot folder's signed record names): None while it is not up, and
+    also where its handshake failed or was not answered in time. Every survivor of a store
+    host's loss dials the new store at once, and at 32 nodes on one machine it answered some
+    of them after ``HANDSHAKE_TIMEOUT_S``: those exited 2 ("not a c10d store"). The caller
+    trusts only a store that proves it is the job's (its signed host record) and retries
+    until its own deadline, so a listener that is not the job's ends there, not here."""
+    try:
+        return _attempt(host, port, read_timeout_s)
+    except (_Transient, EndpointError):
+        return None
+
+
 def _attempt(host: str, port: int, read_timeout_s: float) -> Any:
     _resolve(host, port)
     reach(host, port)
