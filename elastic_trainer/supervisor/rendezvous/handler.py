@@ -191,11 +191,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         state = ctx.state
         if state.round > announced:
             return torch_compat.LEFT
-        if (
-            state.round < announced
-            or not state.complete
-            or self.this_node not in (state.participants)
-        ):
+        member = self.this_node in state.participants
+        if state.round < announced or not state.complete or not member:
             return None
         self._raise_if_static_conflict()
         self._newly_dead()
