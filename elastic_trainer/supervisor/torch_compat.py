@@ -278,13 +278,11 @@ def _admitting_waiters(executor: Any, rejoining: Callable[[], bool]) -> Callable
     removal ends the round (the last member left: the next one opens), every node on the
     wait list joins the new round, as each would join it itself a moment later.
 
-    A re-form is every survivor leaving the finished round for its wait list (two writes
-    each) and the last one out opening the next; then each waiter woke and added itself, all
-    at once. Every write is a compare-and-set of the one state: N writers colliding, each
-    retry a read and a write of the whole state (O(N) bytes), O(N²) attempts. Now a survivor
-    writes once and a waiter wakes to find itself joined, only waiting for the round to
-    close; the writers that remain (one per survivor, at about the same moment) still
-    collide, which ``SignedStateBackend`` spreads out."""
+    A member of a complete round re-joins without this op (the handler's announcement: one
+    write for the whole re-form); this serves the removals that remain, a node leaving for
+    good and re-joins where no announcement applies. Each of those writes is a
+    compare-and-set of the one state, and every node the write spares is one fewer writer
+    colliding with the others (each retry a read and a write of the whole state)."""
     remove = executor._remove_from_participants
 
     def remove_and_admit() -> None:
@@ -292,11 +290,8 @@ def _admitting_waiters(executor: Any, rejoining: Callable[[], bool]) -> Callable
         before = state.round
         remove()
         if state.round == before:
-            if (
-                rejoining()
-                and state.complete
-                and len(state.participants) < (executor._settings.max_nodes)
-            ):
+            room = len(state.participants) < executor._settings.max_nodes
+            if rejoining() and state.complete and room:
                 executor._add_to_wait_list()  # what the join op's next write would do
             return
         settings = executor._settings
@@ -732,7 +727,7 @@ def checks() -> dict[str, Callable[[], bool]]:
         ),
         "_RendezvousJoinOp()": lambda: callable(_RendezvousJoinOp()),
         "_DistributedRendezvousOpExecutor._remove_from_participants(), _add_to_wait_list(), "
-        "._state, ._settings": (_executor_removal_shape),
+        "._state, ._settings": _executor_removal_shape,
         "_BackendRendezvousStateHolder._last_sync_time (its cache)": lambda: (
             "_last_sync_time" in _BackendRendezvousStateHolder.sync.__code__.co_names
         ),
