@@ -89,6 +89,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _rejoin_round: int | None = None  # ... having announced a re-join from this round
     _announced = ""  # the key of our last announcement (deleted at the next)
     _mark_checked_at = -math.inf  # when num_nodes_waiting last read the round's mark
+    _mark_seen: tuple[int, int] = (-1, 0)  # ... of which round, and what it said
     _beating = False  # our heartbeat timer runs
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
@@ -238,17 +239,19 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         announced its re-join (``_announce_rejoin``): the running members re-form with it.
         The mark is read at most once per ``MARK_CHECK_S``, as torch reads the wait list."""
         waiting = int(super().num_nodes_waiting())
-        now = time.monotonic()
-        if waiting or self.store is None or now < self._mark_checked_at + MARK_CHECK_S:
-            return waiting
-        self._mark_checked_at = now
         state = torch_compat.rendezvous_state(self)
-        if not state.complete:
-            return 0
-        key = rejoin_mark_key(self.get_run_id(), int(state.round))
+        if waiting or self.store is None or not state.complete:
+            return waiting
+        round_, now = int(state.round), time.monotonic()
+        if self._mark_seen[0] == round_ and now < self._mark_checked_at + MARK_CHECK_S:
+            return self._mark_seen[1]  # as read last, for this round
+        self._mark_checked_at = now
+        key = rejoin_mark_key(self.get_run_id(), round_)
+        seen = 0
         with contextlib.suppress(signed_store.TamperedValue):
-            return 1 if self.store.check([key]) and self.store.get(key) == b"1" else 0
-        return 0
+            seen = 1 if self.store.check([key]) and self.store.get(key) == b"1" else 0
+        self._mark_seen = (round_, seen)
+        return seen
 
     def _check_static_ranks(self, num_nodes: int) -> None:
         """Every member published its rank before it joined, so all are readable now."""

@@ -191,6 +191,7 @@ def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch
     writes = {h: _count_writes(h, monkeypatch) for h in (a, b, c)}
     first, second = Joining(b), Joining(c)
     wait_for(lambda: a.num_nodes_waiting() == 1)  # the running member sees them
+    assert a.num_nodes_waiting() == 1  # and until it reads the mark again, says so still
     third = Joining(a)
     assert (first.result(), second.result(), third.result()) == (3, 3, 3)
     assert [writes[h] for h in (a, b, c)] == [[True], [], []]  # a opened the round
