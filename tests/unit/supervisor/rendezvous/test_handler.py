@@ -199,6 +199,23 @@ def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch
     assert a.num_nodes_waiting() == 0
 
 
+def test_forged_re_join_keys_neither_count_as_waiting_nor_open_a_round(nodes) -> None:
+    """Anyone who reaches the store can write the re-join mark and keys; unsigned ones are
+    refused: no node counts as waiting, and a round is not opened for a member that did not
+    announce itself."""
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    form(a, b)
+    round_ = shared_state(a).round
+    raw = a.store.raw
+    raw.set(rendezvous.rejoin_mark_key("job", round_), "1")
+    raw.set(rendezvous.rejoin_key("job", round_, b.this_node), "1")
+    with capture_logs():
+        assert a.num_nodes_waiting() == 0
+        assert not a._all_announced(round_, {b.this_node})
+    b.store.set(rendezvous.rejoin_key("job", round_, b.this_node), "1")  # b's own, signed
+    assert a._all_announced(round_, {b.this_node})
+
+
 def test_a_member_known_dead_is_not_waited_for_by_the_announced_re_form(nodes) -> None:
     a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
     form(a, b, c)
