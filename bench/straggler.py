@@ -218,7 +218,8 @@ def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> ArmResult:
     try:
         if arm == "sigstop":
             wait_for(lambda: job.trace("b") and job.trace("b")[-1][0] >= args.onset, 300, "onset")
-            onset, _, pid = job.traced("b")[-1]
+            completed, _, pid = job.traced("b")[-1]
+            onset = completed + 1  # the step in progress when the cycle begins: the first slowed
             done = threading.Event()
             cycle = (pid, done, args.stop_ms / 1e3, args.run_ms / 1e3)
             thread = threading.Thread(target=duty_cycle, args=cycle, daemon=True)

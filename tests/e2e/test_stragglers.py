@@ -57,8 +57,14 @@ def traced(tmp: Path, name: str) -> list[tuple[int, float, int]]:
 
 
 def step_at(tmp: Path, name: str, when: float) -> int:
-    """The step node ``name`` was in at unix time ``when`` (the last one it had completed)."""
+    """The last step node ``name`` had completed at unix time ``when``."""
     return max((s for s, t, _ in traced(tmp, name) if t <= when), default=0)
+
+
+def first_slowed(tmp: Path, name: str, injected: float) -> int:
+    """The slowdown's onset: the step node ``name`` was in when the slowness began (the one
+    after its last completed step), as ``--slow-from`` names the first slow step."""
+    return step_at(tmp, name, injected) + 1
 
 
 def worker_after(tmp: Path, name: str, steps: int) -> int:
@@ -105,7 +111,7 @@ def test_a_duty_cycled_sigstop_is_named_within_20_steps(tmp_path, worker_env, ag
     finally:
         stop.set()
         thread.join()
-    assert_b_named(started, step_at(tmp_path, "b", began))
+    assert_b_named(started, first_slowed(tmp_path, "b", began))
     finish(started)
 
 
@@ -122,7 +128,7 @@ def test_a_cpu_quota_is_named_within_20_steps(tmp_path, worker_env, agents):
         began = time.time()
         quota.add(pid)
         wait_for(lambda: detections(started), 120, "a straggler.detected")
-        assert_b_named(started, step_at(tmp_path, "b", began))
+        assert_b_named(started, first_slowed(tmp_path, "b", began))
         quota.limit(100.0)  # as good as none: the job may end at its own pace
         finish(started)
     finally:
