@@ -151,6 +151,29 @@ def all_reduce_ints(values: list[int], op: Any = None) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """One all-gather of a few int64s per rank (the same count on every rank): each rank's
+    values, by rank; no collective at world size 1."""
+    if world_size() == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    out = [torch.empty_like(mine) for _ in range(world_size())]
+    dist.all_gather(out, mine)
+    return [[int(v) for v in t.tolist()] for t in out]
+
+
+def gather_problems(problem: str | None) -> list[tuple[int, str]]:
+    """Collective: (rank, problem) for every rank that had one. Where none had (a restore's
+    usual case) that is one all-reduce of a flag; the texts are gathered only after one did."""
+    if not all_reduce_ints([int(problem is not None)], op=dist.ReduceOp.MAX)[0]:
+        return []
+    texts: list[Any] = [problem]
+    if world_size() > 1:
+        texts = [None] * world_size()
+        dist.all_gather_object(texts, problem)
+    return [(r, str(p)) for r, p in enumerate(texts) if p is not None]
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -140,6 +140,10 @@ class TrainingSession:
         early = opens_before_handoff(self.state)
         memory_dir = self.context.settings.memory_dir
         self._memory = open_memory_tier(memory_dir, memory_every, self.state) if early else None
+        # the group's run token, agreed while any previous workers still train (a node joins),
+        # one collective fewer in the pause: it is later than their own token, which is all
+        # the snapshot folder's ownership and the audit's "newest attempt wins" compare
+        self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
         # started while the previous workers still train (a node joins): they stop first
         await_handoff(self.context.control_dir, self.context.local_rank)
         say_aware(self.context.control_dir, self.context.local_rank)
@@ -159,8 +163,6 @@ class TrainingSession:
         self._stopped_for_restart = False  # see _stop
         self._micro = 0  # micro-batches of the step in progress seen by accumulate()
         self._held_at: int | None = None  # the step the stop left in memory for the next group
-        # after the previous workers' stop: the folder's owner token is later than their end
-        self.attempt = D.all_reduce_ints([time.time_ns()], op=dist.ReduceOp.MAX)[0]
         url = self._setting("snapshot_dir", snapshot_dir)
         keep = self._setting("snapshot_keep", _snapshot_keep(snapshot_keep, keep))
         self._snapshots = open_snapshots(url, keep, self.context, self.attempt) if url else None

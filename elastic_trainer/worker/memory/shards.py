@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from elastic_trainer.contract.events import emit
+from elastic_trainer.worker.distributed import gather_problems
 from elastic_trainer.worker.memory import mirror
 from elastic_trainer.worker.memory import shard_plan as plan_
 from elastic_trainer.worker.memory.plan import RestorePlan, Source
@@ -213,7 +214,7 @@ class ShardedMemoryTier:
             state, streams, problem = self._load(plan.step, into)
         except Exception as exc:
             state, streams, problem = {}, {}, _one_line(exc)
-        problems = [(r, p) for r, p in enumerate(self._all_gather(problem)) if p is not None]
+        problems = gather_problems(problem)
         if problems:
             text = "; ".join(f"rank {r}: {p}" for r, p in problems)[:500]
             reason = f"the in-memory copy of step {plan.step} did not load ({text})"

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from elastic_trainer.contract.events import emit
 from elastic_trainer.private_files import NotOursError, open_file, open_private, private_dirs
+from elastic_trainer.worker.distributed import all_gather_ints, gather_problems
 from elastic_trainer.worker.memory import byte_layout
 from elastic_trainer.worker.memory.plan import RestorePlan, Source, shares
 from elastic_trainer.worker.memory.plan import plan_restore as plan_restore
@@ -290,9 +291,9 @@ class MemoryTier:
         self.flush()
         mine = self.copies.newest()
         newest = storage_newest() if self.rank == 0 and storage_newest is not None else None
-        facts = self._all_gather((mine, newest))
-        held = [f[0] for f in facts]
-        plan = plan_restore(held, facts[0][1])
+        facts = all_gather_ints([_or_none(mine), _or_none(newest)])
+        held = [_none_or(f[0]) for f in facts]
+        plan = plan_restore(held, _none_or(facts[0][1]))
         if plan.source is Source.STORAGE or plan.step is None:
             return plan, None
         payload, problem = self._load(plan, mine)
@@ -300,7 +301,7 @@ class MemoryTier:
             streams = self._streams.read(plan.step)
         except Exception as exc:  # never raise here: the peers are in the agreement below
             streams, problem = None, problem or _one_line(exc)
-        problems = [(r, p) for r, p in enumerate(self._all_gather(problem)) if p is not None]
+        problems = gather_problems(problem)
         if problems:
             text = "; ".join(f"rank {r}: {p}" for r, p in problems)[:500]
             reason = f"the in-memory copy of step {plan.step} did not load ({text})"
@@ -390,6 +391,18 @@ class _TreeOnly(Stager):
         if odd or tensor.is_nested or tensor.is_meta:
             return super()._stage(tensor, path)  # refused, or cloned into the skeleton
         return tensor.detach()
+
+
+# A step (>= 0) or None, as an int64 of a collective.
+_NONE = -1
+
+
+def _or_none(step: int | None) -> int:
+    return _NONE if step is None else step
+
+
+def _none_or(value: int) -> int | None:
+    return None if value == _NONE else value
 
 
 def _one_line(exc: Exception) -> str:

@@ -1,0 +1,36 @@
+"""``worker.distributed``'s agreements on 3 gloo ranks as threads of this process
+(``tests/inprocess/harness.py``)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from elastic_trainer.worker import distributed as D
+from tests.inprocess.harness import Rank, run_attempt, thread_local_world
+
+WORLD = 3
+
+
+def _gathered(problems: dict[int, str]) -> list[list[tuple[int, str]]]:
+    def fn(rank: Rank) -> list[tuple[int, str]]:
+        return D.gather_problems(problems.get(rank.rank))
+
+    with thread_local_world():
+        attempt = run_attempt(fn, WORLD)
+    attempt.raise_first()
+    return attempt.values()
+
+
+def test_every_rank_learns_each_rank_s_problem_with_its_rank():
+    problems = {0: "slot torn", 2: "checksum differs"}
+    assert _gathered(problems) == [[(0, "slot torn"), (2, "checksum differs")]] * WORLD
+
+
+def test_no_problem_anywhere_is_one_all_reduce_and_no_object_collective(monkeypatch):
+    gathers: list[int] = []
+    real = dist.all_gather_object
+    monkeypatch.setattr(
+        dist, "all_gather_object", lambda *a, **k: (gathers.append(1), real(*a, **k))[1]
+    )
+    assert _gathered({}) == [[]] * WORLD
+    assert gathers == []  # the texts are gathered only once some rank had one
