@@ -34,3 +34,13 @@ def test_no_problem_anywhere_is_one_all_reduce_and_no_object_collective(monkeypa
     )
     assert _gathered({}) == [[]] * WORLD
     assert gathers == []  # the texts are gathered only once some rank had one
+
+
+def test_every_rank_gets_each_rank_s_integers_in_rank_order():
+    def fn(rank: Rank) -> list[list[int]]:
+        return D.all_gather_ints([rank.rank, -1 if rank.rank == 1 else 10 * rank.rank])
+
+    with thread_local_world():
+        attempt = run_attempt(fn, WORLD)
+    attempt.raise_first()
+    assert attempt.values() == [[[0, 0], [1, -1], [2, 20]]] * WORLD

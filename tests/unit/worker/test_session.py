@@ -464,3 +464,28 @@ def test_the_steps_left_after_a_step_come_from_the_epochs_and_the_step_budget(tm
     budget = Job(tmp_path / "budget", max_steps=5)
     budget.train(epochs=10, steps=2)
     assert budget.session._steps_left(budget.session.step + 1) == 2
+
+
+def test_the_run_token_is_agreed_before_the_hand_over_wait(monkeypatch):
+    """A node joins: the new workers wait for the old ones' stop (``worker.handoff``); the
+    run token's all-reduce is done before that wait, not inside the group's pause."""
+    from elastic_trainer.worker import distributed as D
+    from elastic_trainer.worker import session as session_module
+
+    calls: list[str] = []
+    real_reduce, real_wait = D.all_reduce_ints, session_module.await_handoff
+
+    def reduce(values, op=None):
+        calls.append("all_reduce")
+        return real_reduce(values, op)
+
+    def wait(*args, **kwargs):
+        calls.append("hand-over wait")
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(D, "all_reduce_ints", reduce)
+    monkeypatch.setattr(session_module, "await_handoff", wait)
+    session = TrainingSession({}, context=WorkerContext(), configure_logs=False)
+    assert calls[:2] == ["all_reduce", "hand-over wait"]
+    assert session.attempt > 0
+    session.finish()
