@@ -204,11 +204,19 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 torch_compat.open_next_round(
                     ctx, members, close=lambda joined: self._closes_at_once(joined, view)
                 )
+                self._forget_mark(announced)
                 return torch_compat.OPENED
             time.sleep(self.poll_s)  # a member's key may be on its way
         else:
             self._wait_for_change(torch_compat.round_view(ctx))
         return torch_compat.POLLED
+
+    def _forget_mark(self, round_: int) -> None:
+        """The mark of a round whose members have all re-joined: nobody reads it again (the
+        store would keep one per round). Should this open lose its write, the next try needs
+        only the members' own keys."""
+        with contextlib.suppress(Exception):
+            self.store.delete_key(rejoin_mark_key(self.get_run_id(), round_))
 
     def _closes_at_once(self, joined: set[Any], view: torch_compat.RoundView) -> bool:
         """The round about to open with ``joined`` closes at once where the join hook would

@@ -199,6 +199,21 @@ def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch
     assert a.num_nodes_waiting() == 0
 
 
+def test_a_re_formed_round_s_mark_is_removed_from_the_store(nodes) -> None:
+    """Once the next round is open nobody reads the last one's re-join mark: the store kept
+    one per round for the life of the job."""
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    form(a, b)
+    round_ = shared_state(a).round
+    first = Joining(b)
+    wait_for(lambda: a.num_nodes_waiting() == 1)
+    assert a.store.check([rendezvous.rejoin_mark_key("job", round_)])
+    second = Joining(a)
+    assert (first.result(), second.result()) == (2, 2)
+    assert shared_state(a).round == round_ + 1
+    assert not a.store.check([rendezvous.rejoin_mark_key("job", round_)])
+
+
 def test_forged_re_join_keys_neither_count_as_waiting_nor_open_a_round(nodes) -> None:
     """Anyone who reaches the store can write the re-join mark and keys; unsigned ones are
     refused: no node counts as waiting, and a round is not opened for a member that did not
