@@ -21,10 +21,11 @@ for _ in sys.stdin:
 
 
 def test_the_probe_times_a_round_of_its_work() -> None:
-    assert 0 < cpu_probe_s(rounds=3) < 5.0
+    assert 0 < cpu_probe_s(window_s=0.05) < 5.0
 
 
-def test_a_cpu_quota_makes_the_probe_slower_than_the_eviction_threshold() -> None:
+def _slowdown_under_quota(cpus: float) -> float:
+    """The probe of a process under a CPU quota of ``cpus``, over its own start (best of 3)."""
     quota = CpuQuota()
     if quota.group is None:
         pytest.skip("no cgroup (v2 with the cpu controller, or v1 cpu) this user can make")
@@ -38,12 +39,24 @@ def test_a_cpu_quota_makes_the_probe_slower_than_the_eviction_threshold() -> Non
             prober.stdin.flush()
             return float(prober.stdout.readline())
 
-        before = min(probe() for _ in range(3))  # its own start: the best of three
+        before = min(probe() for _ in range(3))
         quota.add(prober.pid)
-        quota.limit(0.05)  # a twentieth of one CPU
+        quota.limit(cpus)
         after = probe()
     finally:
         prober.kill()
         prober.wait()
         quota.remove()
-    assert after / before >= 1.3, (before, after)  # --evict-stragglers' usual threshold
+    return after / before
+
+
+def test_a_cpu_quota_makes_the_probe_slower_than_the_eviction_threshold() -> None:
+    # a twentieth of one CPU; 1.3: --evict-stragglers' usual threshold
+    assert _slowdown_under_quota(0.05) >= 1.3
+
+
+def test_a_quota_whose_budget_holds_many_rounds_is_seen() -> None:
+    """Regression: the probe was the median of 7 short rounds (~17 ms of hashing in all), which
+    a quota of a fifth of a CPU (20 ms a period) let run at full speed: the node looked healthy
+    and rejoined. Its window now spans several periods: ~5x."""
+    assert _slowdown_under_quota(0.2) >= 2.0
