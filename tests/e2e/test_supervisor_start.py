@@ -25,8 +25,9 @@ from tests.e2e.workers.harness import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 NOT_HOST = FAST_RDZV + ",is_host=false"
-# "did not hang" bounds, far above what is measured (handshake timeout 5 s)
-BOUNDED_S = 40
+# "did not hang" bounds, far above what is measured (a handshake 5 s; a silent listener is
+# tried again for 10 s: 20-27 s in all)
+BOUNDED_S = 60
 
 
 @pytest.fixture

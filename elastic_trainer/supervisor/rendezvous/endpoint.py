@@ -3,7 +3,9 @@
 Three kinds of trouble, three answers:
 
 - bad input (a host name that does not resolve, a port held by something that is not a c10d
-  store): ``EndpointError``, a ``ConfigError``, exit 2 at once -- retrying cannot fix it;
+  store): ``EndpointError``, a ``ConfigError``, exit 2 at once -- retrying cannot fix it; a
+  listener that takes connections and never answers, after ``SILENT_LIMIT_S`` of that (a
+  store starved of CPU answers late, not never);
 - nothing listens yet, or the connect times out: transient. Nodes of one job boot in any
   order, so a node whose store host is not up yet waits, with backoff, up to the rendezvous
   join timeout, says so once (``store.unreachable``, ``retrying=True``), and only then gives
@@ -37,8 +39,13 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ElasticTrainError, first_line
 from elastic_trainer.listeners import bound_listener, plain_address
 
-# A c10d store answers its handshake in milliseconds; anything slower is not one.
+# One handshake attempt: a c10d store answers in milliseconds.
 HANDSHAKE_TIMEOUT_S = 5.0
+# A store starved of CPU can leave handshakes unanswered for seconds (128 agents dialling one
+# store on a loaded 2-core machine: a fifth of them had no answer within 5 s and exited 2 as if
+# misconfigured), so an unanswered handshake is tried again; a listener that answers none of
+# them for this long is not a store.
+SILENT_LIMIT_S = 10.0
 # One TCP connect attempt (a dropped SYN: the host or its firewall is not up yet).
 CONNECT_TIMEOUT_S = 3.0
 # How long torch's client keeps reconnecting on its own before it reports a failure.
@@ -67,6 +74,11 @@ class _Transient(Exception):
     """Nothing listens there (yet): worth another try."""
 
 
+class _Silent(_Transient):
+    """The listener took the connection but did not answer the handshake in time: a store too
+    busy to, or a listener that is not one (``SILENT_LIMIT_S`` tells them apart)."""
+
+
 def _resolve(host: str, port: int) -> None:
     try:
         resolve(host, port)
@@ -88,8 +100,8 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
     """A c10d client: ``TCPStore`` plus one store operation, bounded by ``HANDSHAKE_TIMEOUT_S``.
 
     Returns the connected store (its operations time out after ``read_timeout_s``). Raises
-    ``EndpointError`` when the listener there does not speak c10d, ``_Transient`` when it
-    went away meanwhile.
+    ``EndpointError`` when the listener there answers but not in c10d, ``_Silent`` when it
+    does not answer in time, ``_Transient`` when it went away meanwhile.
     """
     import torch.distributed  # noqa: F401  # here, not in the thread: an import is no handshake
 
@@ -119,11 +131,13 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
         # a store too busy to accept us within the client's own retry time (a failed-over
         # store that every survivor dials at once): not up for us yet, not bad input
         raise _Transient(_first_line(outcome["error"]))
-    if "error" in outcome and "aborted" not in outcome:
-        reason = f"its c10d handshake failed: {_first_line(outcome['error'])}"
-    else:
-        reason = f"no c10d handshake answer within {HANDSHAKE_TIMEOUT_S:g}s"
-    raise EndpointError(
+    if "error" not in outcome or "aborted" in outcome:
+        raise _Silent(f"no c10d handshake answer within {HANDSHAKE_TIMEOUT_S:g}s")
+    raise _not_a_store(host, port, f"its c10d handshake failed: {_first_line(outcome['error'])}")
+
+
+def _not_a_store(host: str, port: int, reason: str) -> EndpointError:
+    return EndpointError(
         f"--rdzv-endpoint={host}:{port} answers but is not a c10d store ({reason}): "
         "point it at the store host (elastic-train store) or free the port"
     )
@@ -244,8 +258,27 @@ def connect(host: str, port: int, *, deadline_s: float, read_timeout_s: float) -
         before_sleep=warn_once,
         reraise=True,
     )
+    silent_since: float | None = None
+
+    def attempt() -> Any:
+        nonlocal silent_since
+        try:
+            store = _attempt(host, port, read_timeout_s)
+        except _Silent as exc:
+            now = time.monotonic()
+            silent_since = now if silent_since is None else silent_since
+            if now - silent_since >= SILENT_LIMIT_S:
+                raise _not_a_store(
+                    host, port, f"no c10d handshake answer within {SILENT_LIMIT_S:g}s"
+                ) from exc
+            raise
+        except _Transient:
+            silent_since = None  # gone, not silent: a store starting or restarting
+            raise
+        return store
+
     try:
-        return retrying(_attempt, host, port, read_timeout_s)
+        return retrying(attempt)
     except _Transient as exc:
         raise StoreUnreachable(
             f"--rdzv-endpoint={host}:{port}: no store answered within {deadline_s:g}s "

@@ -29,6 +29,7 @@ def _closed_port() -> int:
 def fast(monkeypatch):
     monkeypatch.setattr(endpoint, "HANDSHAKE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(endpoint, "RETRY_MAX_WAIT_S", 0.5)
+    monkeypatch.setattr(endpoint, "SILENT_LIMIT_S", 3.0)
 
 
 @pytest.fixture
@@ -118,10 +119,31 @@ def test_the_jobs_own_store_that_does_not_answer_in_time_is_tried_again(silent_p
     handshakes after the bound, and they exited 2 ("not a c10d store"). A store a member of
     the job serves is tried again until the failover's deadline (which trusts only a store
     that proves it is the job's); a user's endpoint that does not answer stays bad input."""
-    with pytest.raises(EndpointError, match="not a c10d store"):
-        endpoint.try_once("127.0.0.1", silent_port, 5)
+    assert endpoint.try_once("127.0.0.1", silent_port, 5) is None  # one attempt proves nothing
     assert endpoint.try_job_store("127.0.0.1", silent_port, 5) is None
     assert endpoint.try_job_store("127.0.0.1", _closed_port(), 5) is None
+
+
+@pytest.mark.usefixtures("fast")
+def test_a_store_that_answers_its_handshake_late_is_waited_for_not_bad_input(
+    store_port, monkeypatch
+):
+    """Regression: 128 agents dialling one store on a loaded 2-core machine; a fifth of them
+    had no handshake answer within the bound and exited 2 ("not a c10d store"). Unanswered
+    handshakes are tried again for ``SILENT_LIMIT_S``; only a listener silent that long is
+    bad input (test_a_listener_that_is_not_a_store_is_bad_input_within_a_bound)."""
+    real, calls = endpoint.handshake, []
+
+    def late(host: str, port: int, *, read_timeout_s: float):
+        calls.append(port)
+        if len(calls) < 3:
+            raise endpoint._Silent("no c10d handshake answer within 1s")
+        return real(host, port, read_timeout_s=read_timeout_s)
+
+    monkeypatch.setattr(endpoint, "handshake", late)
+    with capture_logs():
+        store = endpoint.connect("127.0.0.1", store_port, deadline_s=30, read_timeout_s=5)
+    assert store.check(["nothing"]) is False and len(calls) == 3
 
 
 def test_hosting_on_a_taken_port_is_bad_input_only_when_asked_to_host(store_port):
