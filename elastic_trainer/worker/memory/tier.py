@@ -291,9 +291,9 @@ class MemoryTier:
         self.flush()
         mine = self.copies.newest()
         newest = storage_newest() if self.rank == 0 and storage_newest is not None else None
-        facts = all_gather_ints([_or_none(mine), _or_none(newest)])
-        held = [_none_or(f[0]) for f in facts]
-        plan = plan_restore(held, _none_or(facts[0][1]))
+        facts = all_gather_ints([_step_int(mine), _step_int(newest)])
+        held = [_int_step(f[0]) for f in facts]
+        plan = plan_restore(held, _int_step(facts[0][1]))
         if plan.source is Source.STORAGE or plan.step is None:
             return plan, None
         payload, problem = self._load(plan, mine)
@@ -397,11 +397,11 @@ class _TreeOnly(Stager):
 _NONE = -1
 
 
-def _or_none(step: int | None) -> int:
+def _step_int(step: int | None) -> int:
     return _NONE if step is None else step
 
 
-def _none_or(value: int) -> int | None:
+def _int_step(value: int) -> int | None:
     return None if value == _NONE else value
 
 
