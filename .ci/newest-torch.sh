@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fast tests on the newest torch that pip offers, when it is newer than the one the
 # README's test command installed (pyproject pins the range we test, see
-# elastic_trainer/torch_compat.py). A torch release that moves one of the private pieces we
+# elastic_trainer/supervisor/torch_compat.py). A torch release that moves one of the private pieces we
 # rely on then fails here the day it appears, instead of in a user's job.
 #
 # A machine may cap torch with a pip constraint file (pip.conf `constraint = ...`, as the CI

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     raise SystemExit("gpu_check: no CUDA device visible to torch; run this on a GPU machine")
 names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: {names}")
-from elastic_trainer.torch_compat import untested_torch
+from elastic_trainer.supervisor.torch_compat import untested_torch
 
 if untested := untested_torch(torch.__version__):
     print(f"gpu_check: {untested}")
