@@ -103,6 +103,8 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "snapshot.interval": ("step", "tier", "every", "cost_s", "step_s", "mtbf_s"),
     # a folder or file of the in-memory tier that is not ours alone: never used
     "snapshot.memory_refused": ("path", "reason"),
+    # the driver refused to page-lock a slot for the GPU (worker.memory.pinning): copies slower
+    "snapshot.memory_unpinned": ("bytes", "error"),
     # a supervisor freed the in-memory tier folders of supervisors of ours here that died
     "snapshot.memory_freed": ("folders", "bytes"),
     "train.progress": ("step", "epoch", "loss", "lr", "samples_per_s", "eta_s"),

@@ -3,12 +3,14 @@ bit for bit (dtype, shape and every byte), through the mapped slots and the file
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic_trainer.worker.memory import byte_layout
+from elastic_trainer.worker.memory import byte_layout, leaf_checksum
 from elastic_trainer.worker.memory.tier import NodeCopies
 
 
@@ -58,3 +60,55 @@ def test_cuda_state_through_the_file_path_comes_back_bit_identical(tmp_path: Pat
     data = bytearray((tmp_path / "copy.bin").read_bytes())
     byte_layout.verify(data, digest, "copy.bin")
     assert_same_bits(byte_layout.read(data)["state"], saved)
+
+
+@pytest.fixture
+def shm_path():
+    """A folder on tmpfs, where the tier's folders are (a slot on a disk cannot be locked)."""
+    folder = tempfile.mkdtemp(prefix="gpu-tier-", dir="/dev/shm")
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("piece", [byte_layout.DEVICE_PIECE_BYTES, 4096])
+def test_a_reserved_slot_is_page_locked_and_a_cuda_state_comes_back_bit_identical(
+    shm_path: Path, monkeypatch, piece: int
+) -> None:
+    """The just-in-time copy's slot is registered with the driver when it is reserved, so the
+    copy from the device runs at the link's speed; copied in pieces (each checksummed on
+    other threads while the next crosses), the state still comes back bit for bit, and a
+    slot let go of is unregistered."""
+    monkeypatch.setattr(byte_layout, "DEVICE_PIECE_BYTES", piece)
+    monkeypatch.setattr(leaf_checksum, "LEAF_BYTES", 3 * piece + 64)
+    copies = NodeCopies(str(shm_path))
+    saved = cuda_state(7)
+    payload = {"step": 7, "state": saved}
+    layout = byte_layout.plan(payload)
+    assert layout.on_device
+    copies.reserve(layout.size, pin=True)
+    (mapped,) = [m for m in copies.slots.values() if m.pinned]
+    assert mapped.tensor(layout.size).is_pinned()
+    copies.write(7, payload)
+    torch.cuda.synchronize()
+    assert_same_bits(copies.read(7)["state"], saved)
+    tensor = mapped.tensor(layout.size)
+    copies.unmap()
+    assert not mapped.pinned
+    del tensor
+
+
+def test_a_slot_the_driver_will_not_lock_is_copied_pageable_and_cuda_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A slot on a disk (not tmpfs): the driver refuses to lock it (seen on an H200 as
+    cudaErrorInvalidValue), and that refusal, left as the thread's last CUDA error, made the
+    next copy from the device fail with "invalid argument". It is cleared: the copy goes
+    through pageable memory, bit for bit, and CUDA work after it runs."""
+    copies = NodeCopies(str(tmp_path))
+    saved = cuda_state(9)
+    payload = {"step": 9, "state": saved}
+    copies.reserve(byte_layout.plan(payload).size, pin=True)
+    copies.write(9, payload)
+    torch.cuda.synchronize()
+    assert_same_bits(copies.read(9)["state"], saved)
+    assert torch.randn(1000, device="cuda").sum().isfinite()

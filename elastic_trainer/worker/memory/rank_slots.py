@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from elastic_trainer.private_files import NotOursError, open_file, private_dirs
-from elastic_trainer.worker.memory import byte_layout
+from elastic_trainer.worker.memory import byte_layout, checked_read
 from elastic_trainer.worker.memory import shard_plan as plan_
 from elastic_trainer.worker.memory.plan import SLOTS
 from elastic_trainer.worker.memory.slots import FailureStreak, MappedFile, refused
@@ -141,10 +141,7 @@ class RankSlots:
         path = self._path(copy.slot)
         if os.path.getsize(path) < copy.nbytes:  # a slot is rounded up to its mapping's
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {copy.nbytes}")
-        data = byte_layout.read_buffer(copy.nbytes)
-        with open_file(path, "rb") as f:
-            if f.readinto(data) != copy.nbytes:
-                raise ValueError(f"{copy.slot} changed while it was read")
+        data, _ = checked_read.read_file(path, copy.nbytes, what=copy.slot)
         return copy, data
 
     def keep_only(self, step: int | None) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from elastic_trainer.contract.events import emit
 from elastic_trainer.private_files import NotOursError, open_file, open_private, private_dirs
-from elastic_trainer.worker.memory import byte_layout
+from elastic_trainer.worker.memory import byte_layout, checked_read, pinning
 from elastic_trainer.worker.memory.plan import (
     SLOTS,
     Copy,
@@ -99,12 +99,19 @@ class MappedFile:
         self._mm: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self._ino: int | None = None
+        self._pin_tried = False  # this mapping was offered to the GPU (``pinning.register``)
+        self.pinned = False
 
-    def tensor(self, size: int) -> torch.Tensor:
+    def tensor(self, size: int, *, pin: bool = False) -> torch.Tensor:
         """The mapped file as a uint8 tensor of at least ``size`` bytes (the same memory as
-        the previous call when it still fits); OSError when the pages cannot be had."""
+        the previous call when it still fits); OSError when the pages cannot be had.
+        ``pin``: page-lock the mapping for the GPU, once per mapping (a state on the device
+        is copied into it at the link's speed: ``pinning``)."""
         if self._tensor is None or not self._same_file() or not fits(len(self._tensor), size):
             self._tensor = self._map(capacity(size))
+        if pin and not self._pin_tried:
+            self._pin_tried = True
+            self.pinned = pinning.register(self._tensor)
         return self._tensor
 
     def _same_file(self) -> bool:
@@ -132,7 +139,11 @@ class MappedFile:
 
     def close(self) -> None:
         """Unmap (before the file is removed: a mapping keeps a removed file's pages)."""
-        self._tensor, mm, self._mm, self._ino = None, self._mm, None, None
+        tensor, mm = self._tensor, self._mm
+        self._tensor, self._mm, self._ino = None, None, None
+        if self.pinned and tensor is not None:
+            pinning.unregister(tensor)  # while its memory is still mapped
+        self.pinned, self._pin_tried = False, False
         if mm is not None:
             # BufferError: a tensor on it is still referenced (an exception's traceback);
             # the mapping then goes with the last reference.
@@ -174,16 +185,11 @@ class NodeCopies:
         path, size = self._path(copy.slot), copy.size
         if os.path.getsize(path) < size:  # a slot is rounded up to its mapping's size
             raise ValueError(f"{copy.slot} has {os.path.getsize(path)} bytes, not {size}")
-        data = byte_layout.read_buffer(size)
-        with open_file(path, "rb") as f:
-            if f.readinto(data) != size:
-                raise ValueError(f"{copy.slot} changed while it was read")
-        view = memoryview(data)
-        for part in copy.parts:
+        ranges = [(part["start"], part["stop"]) for part in copy.parts]
+        data, digests = checked_read.read_file(path, size, ranges, what=copy.slot)
+        for part, digest in zip(copy.parts, digests, strict=True):
             what = f"{copy.slot} (bytes {part['start']}-{part['stop']})"
-            expected = part.get(byte_layout.CHECKSUM_ALGORITHM)
-            byte_layout.verify(view[part["start"] : part["stop"]], expected, what)
-        view.release()
+            byte_layout.compare(digest, part.get(byte_layout.CHECKSUM_ALGORITHM), what)
         return byte_layout.read(data)
 
     def write(
@@ -214,7 +220,7 @@ class NodeCopies:
         marker = self._path(part_marker(slot, self.part))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(marker)  # before its bytes change: a torn part is never whole
-        mapped = self.slots[slot].tensor(layout.size)
+        mapped = self.slots[slot].tensor(layout.size, pin=layout.on_device)
         copied_below = layout.split_from if defer else 0
         if defer:
             byte_layout.copy_into(layout, mapped, start, stop, copied_below)
@@ -239,12 +245,13 @@ class NodeCopies:
         finish()
         return None
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, *, pin: bool = False) -> None:
         """Map the slot the next copy goes into, with the pages of a ``size``-byte copy, now:
         that copy (a just-in-time one, in a failure's downtime) then neither allocates nor
-        maps them. OSError (ENOSPC) where tmpfs cannot hold it."""
+        maps them, nor (``pin``: a state on the GPU) page-locks them. OSError (ENOSPC) where
+        tmpfs cannot hold it."""
         private_dirs(self.directory)
-        self.slots[next_slot(self.newest_copy())].tensor(size)
+        self.slots[next_slot(self.newest_copy())].tensor(size, pin=pin)
 
     def unmap(self) -> None:
         """Let go of the slot mappings (the next copy maps its slot again)."""

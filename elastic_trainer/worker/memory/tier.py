@@ -195,14 +195,14 @@ class MemoryTier:
         ``bench/memory_copy_cost.py``), and a tmpfs too small
         for it says so now (``snapshot.memory_failed``), not at a failure. A copy that
         starts meanwhile waits for it (``flush``)."""
-        size = byte_layout.plan(self._payload(step, state)).size
+        layout = byte_layout.plan(self._payload(step, state))
         self.flush()
-        self._in_flight = self._pool.submit(self._reserve, step, size)
+        self._in_flight = self._pool.submit(self._reserve, step, layout.size, layout.on_device)
 
-    def _reserve(self, step: int, size: int) -> None:
+    def _reserve(self, step: int, size: int, pin: bool) -> None:
         try:
             with node_lock(self.copies.directory):
-                self._whole.reserve(size)
+                self._whole.reserve(size, pin=pin)
         except Exception as exc:  # training goes on; the copy at a failure tries again
             self.failed(step, exc, "reserving the just-in-time copy's memory: ")
 

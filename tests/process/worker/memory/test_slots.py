@@ -1,5 +1,5 @@
 """The in-memory tier's copy path: one copy straight into a slot file kept mapped from step to
-step (``slots``, ``byte_layout.write_into``), checksummed by xxh3_128."""
+step (``slots``, ``byte_layout.write_into``), checksummed (``byte_layout.CHECKSUM_ALGORITHM``)."""
 
 from __future__ import annotations
 
@@ -389,6 +389,33 @@ def test_a_read_copy_owns_its_memory_and_outlives_its_buffer(tmp_path):
     assert torch.equal(back, torch.full((300_000,), 1.0))
     back += 1  # writable, like any restored tensor
     assert torch.equal(copies.read(3)["w"], torch.full((300_000,), 3.0))
+
+
+def test_a_small_tensor_kept_from_a_read_does_not_keep_the_whole_copy_alive(tmp_path, monkeypatch):
+    """An optimizer keeps its CPU step counters as restored (``load_state_dict``): were they
+    views of the read buffer, the whole copy's memory would stay for the run (on a GPU, host
+    memory the size of the state, its large tensors long copied to the device)."""
+    buffers: list[weakref.ref] = []
+    real = byte_layout.read_buffer
+
+    def tracked(size: int, **kwargs: bool):
+        buffer = real(size, **kwargs)
+        buffers.append(weakref.ref(buffer))
+        return buffer
+
+    monkeypatch.setattr(byte_layout, "read_buffer", tracked)
+    copies = NodeCopies(str(tmp_path))
+    step = torch.tensor(41.0)
+    copies.write(1, {"step": 1, "state": {"w": torch.randn(300_000), "step": step}})
+    state = copies.read(1)["state"]
+    assert torch.equal(state["step"], step)
+    kept = state["step"]
+    del state
+    gc.collect()
+    (buffer,) = buffers
+    assert buffer() is None  # the 1.2 MB copy went with the large tensor
+    kept += 1  # and the counter is its own, writable
+    assert kept.item() == 42.0
 
 
 def test_the_read_buffer_is_zeroed_writable_memory_of_the_size_asked():
