@@ -162,6 +162,29 @@ def all_gather_ints(values: list[int]) -> list[list[int]]:
     return [[int(v) for v in t.tolist()] for t in out]
 
 
+def send_bytes(data: Any, to: list[int], *, tag: int = 0) -> None:
+    """Point to point: ``data`` (writable bytes-like, not empty) to each rank of ``to``, which
+    must each ``recv_bytes_into`` a buffer of the same size with the same ``tag``. No pickle
+    on either side."""
+    if not to:
+        return
+    tensor = torch.frombuffer(data, dtype=torch.uint8).to(collective_device())
+    for work in [dist.isend(tensor, dst, tag=tag) for dst in to]:
+        work.wait()
+
+
+def recv_bytes_into(buffer: Any, source: int, *, tag: int = 0) -> None:
+    """Fill ``buffer`` (writable, bytes-like) with what ``source`` sends (``send_bytes``)."""
+    host = torch.frombuffer(buffer, dtype=torch.uint8)
+    device = collective_device()
+    if device.type == "cpu":
+        dist.recv(host, source, tag=tag)
+        return
+    staged = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+    dist.recv(staged, source, tag=tag)
+    host.copy_(staged)
+
+
 def gather_problems(problem: str | None) -> list[tuple[int, str]]:
     """Collective: (rank, problem) for every rank that had one. Where none had (a restore's
     usual case) that is one all-reduce of a flag; the texts are gathered only after one did."""

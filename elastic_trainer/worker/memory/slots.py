@@ -179,6 +179,12 @@ class NodeCopies:
         return newest.step if newest is not None else None
 
     def read(self, step: int) -> dict[str, Any]:
+        """The copy of ``step``: every part checked against its checksum, then its skeleton
+        read (``weights_only``)."""
+        return byte_layout.read(self.read_bytes(step))
+
+    def read_bytes(self, step: int) -> bytearray | mmap.mmap:
+        """The bytes of the copy of ``step``, every part checked against its checksum."""
         copy = self.newest_copy()
         if copy is None or copy.step != step:
             raise FileNotFoundError(f"no whole in-memory copy of step {step}")
@@ -190,7 +196,7 @@ class NodeCopies:
         for part, digest in zip(copy.parts, digests, strict=True):
             what = f"{copy.slot} (bytes {part['start']}-{part['stop']})"
             byte_layout.compare(digest, part.get(byte_layout.CHECKSUM_ALGORITHM), what)
-        return byte_layout.read(data)
+        return data
 
     def write(
         self,

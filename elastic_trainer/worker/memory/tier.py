@@ -39,8 +39,13 @@ import torch.distributed as dist
 
 from elastic_trainer.contract.events import emit
 from elastic_trainer.private_files import NotOursError, open_file, open_private, private_dirs
-from elastic_trainer.worker.distributed import all_gather_ints, gather_problems
-from elastic_trainer.worker.memory import byte_layout
+from elastic_trainer.worker.distributed import (
+    all_gather_ints,
+    gather_problems,
+    recv_bytes_into,
+    send_bytes,
+)
+from elastic_trainer.worker.memory import byte_layout, leaf_checksum
 from elastic_trainer.worker.memory.plan import RestorePlan, Source, shares
 from elastic_trainer.worker.memory.plan import plan_restore as plan_restore
 from elastic_trainer.worker.memory.slots import FailureStreak, StaleRead, refused
@@ -289,14 +294,17 @@ class MemoryTier:
         mirror plan every rank loads, agrees on success, then restores. A copy that fails to
         load on any rank turns the plan into a storage one, on every rank, with the reason."""
         self.flush()
-        mine = self.copies.newest()
+        copy = self.copies.newest_copy()
+        mine, size = (None, 0) if copy is None else (copy.step, copy.size)
         newest = storage_newest() if self.rank == 0 and storage_newest is not None else None
-        facts = all_gather_ints([_step_int(mine), _step_int(newest)])
+        # what each node holds, storage's newest, and the size of each node's copy (a node
+        # without the newest receives its source's copy: it makes room for it, no pickle)
+        facts = all_gather_ints([_step_int(mine), _step_int(newest), size])
         held = [_int_step(f[0]) for f in facts]
         plan = plan_restore(held, _int_step(facts[0][1]))
         if plan.source is Source.STORAGE or plan.step is None:
             return plan, None
-        payload, problem = self._load(plan, mine)
+        payload, problem = self._load(plan, held, [f[2] for f in facts])
         try:  # before the agreement: then it may be gone
             streams = self._streams.read(plan.step)
         except Exception as exc:  # never raise here: the peers are in the agreement below
@@ -319,26 +327,51 @@ class MemoryTier:
         )
         return plan, MemoryRestored(step=plan.step, state=payload["state"], source=source)
 
-    def _load(self, plan: RestorePlan, mine: int | None) -> tuple[dict[str, Any], str | None]:
-        """This node's copy, or (a mirror plan) the source rank's copy over the group."""
-        payload, problem = (None, None)
-        if mine == plan.step:
-            payload, problem = self._read(plan.step)
-        if plan.source is Source.MIRROR:
-            box = [(payload, problem) if self.rank == plan.src_rank else None]
-            dist.broadcast_object_list(box, src=plan.src_rank)
-            if mine != plan.step:
-                payload, problem = box[0]
-        return cast(dict[str, Any], payload), problem
+    def _load(
+        self, plan: RestorePlan, held: list[int | None], sizes: list[int]
+    ) -> tuple[Any, str | None]:
+        """This node's copy, or (a mirror plan, a node without it) the source rank's copy,
+        sent as its bytes point to point to the ranks without it (``mirror_message``):
+        nothing received is unpickled; its skeleton is read with ``weights_only`` once its
+        checksum matches."""
+        step = cast(int, plan.step)
+        if plan.source is not Source.MIRROR or (
+            held[self.rank] == step and self.rank != plan.src_rank
+        ):
+            return self._read(step)
+        src = cast(int, plan.src_rank)
+        if self.rank == src:
+            try:
+                data = self.copies.read_bytes(step)
+                payload, problem = self._checked_payload(byte_layout.read(data), step)
+            except Exception as exc:  # the receivers must still get their bytes: see below
+                data, payload, problem = None, None, _one_line(exc)
+            lacking = [r for r, s in enumerate(held) if s != step]
+            for tag, message in enumerate(mirror_message(data, sizes[src])):
+                send_bytes(message, lacking, tag=tag)
+            return cast(dict[str, Any], payload), problem
+        received = byte_layout.read_buffer(sizes[src])
+        digest = bytearray(leaf_checksum.DIGEST_SIZE)
+        recv_bytes_into(received, src, tag=0)
+        recv_bytes_into(digest, src, tag=1)
+        try:
+            data = checked_mirror_message(received, bytes(digest), f"the copy from rank {src}")
+            return self._checked_payload(byte_layout.read(data), step)
+        except Exception as exc:
+            return cast(dict[str, Any], None), _one_line(exc)
+
+    @staticmethod
+    def _checked_payload(payload: dict[str, Any], step: int) -> tuple[Any, str | None]:
+        """``payload`` if it is the copy of ``step`` (the marker said so; the bytes must too)."""
+        if payload.get("step") != step:
+            return None, f"the copy of step {step} says step {payload.get('step')}"
+        return payload, None
 
     def _read(self, step: int) -> tuple[Any, str | None]:
         try:
-            payload = self.copies.read(step)
-            if payload.get("step") != step:
-                return None, f"the copy of step {step} says step {payload.get('step')}"
+            return self._checked_payload(self.copies.read(step), step)
         except Exception as exc:  # any failure means "use storage"; raising would strand peers
             return None, _one_line(exc)
-        return payload, None
 
     def after_restore(self, step: int | None) -> None:
         """Collective-free: the node's first rank drops copies other than the restored step's
@@ -395,6 +428,23 @@ class _TreeOnly(Stager):
 
 # A step (>= 0) or None, as an int64 of a collective.
 _NONE = -1
+
+
+def mirror_message(data: Any, size: int) -> tuple[Any, bytearray]:
+    """What the source of a mirror restore sends, in two messages: the copy's ``size`` bytes,
+    then their checksum (``leaf_checksum``, 16 bytes). Where its own read failed (``data``
+    None, or not ``size`` bytes) it sends zeros all the same, which no receiver takes (they
+    fail the checksum), so that no receiver waits for bytes that never come; the problem is
+    agreed right after."""
+    if data is None or len(data) != size:
+        return bytearray(size), bytearray(leaf_checksum.DIGEST_SIZE)
+    return data, bytearray.fromhex(leaf_checksum.checksum(data))
+
+
+def checked_mirror_message(data: Any, digest: bytes, what: str) -> Any:
+    """``data`` once it matches ``digest`` (``mirror_message``); ValueError otherwise."""
+    byte_layout.compare(leaf_checksum.checksum(data), digest.hex(), what)
+    return data
 
 
 def _step_int(step: int | None) -> int:

@@ -44,3 +44,24 @@ def test_every_rank_gets_each_rank_s_integers_in_rank_order():
         attempt = run_attempt(fn, WORLD)
     attempt.raise_first()
     assert attempt.values() == [[[0, 0], [1, -1], [2, 20]]] * WORLD
+
+
+def test_bytes_sent_point_to_point_reach_each_rank_named_as_sent():
+    """Rank 0 sends two messages (tags 0 and 1) to ranks 1 and 2; each receives both, whole
+    and in the buffer it made room in; nothing is pickled."""
+    data, digest = bytearray(range(256)) * 1000, bytearray(b"0123456789abcdef")
+
+    def fn(rank: Rank) -> tuple[bytes, bytes] | None:
+        if rank.rank == 0:
+            D.send_bytes(data, [1, 2], tag=0)
+            D.send_bytes(digest, [1, 2], tag=1)
+            return None
+        got, got_digest = bytearray(len(data)), bytearray(len(digest))
+        D.recv_bytes_into(got, 0, tag=0)
+        D.recv_bytes_into(got_digest, 0, tag=1)
+        return bytes(got), bytes(got_digest)
+
+    with thread_local_world():
+        attempt = run_attempt(fn, WORLD)
+    attempt.raise_first()
+    assert attempt.values() == [None] + [(bytes(data), bytes(digest))] * 2
