@@ -60,13 +60,16 @@ from _recovery_parse import parse_events
 SCALES = (1_024, 4_096, 16_384, 100_000)
 # Constants the validation run cannot measure (a 2-core VM, a tiny state), with their source
 PER_GB_SOURCES = {
-    "copy_s_per_gb": (0.42, "H200, the just-in-time copy into a reserved slot "
-                            "(docs/benchmarks.md, in-memory tier by size)"),
-    "memory_read_s_per_gb": (0.73, "H200, the read of the in-memory tier (same section)"),
+    "copy_s_per_gb": (0.026, "H200, the just-in-time copy of a 10.7 GB state into its "
+                             "reserved, page-locked slot (docs/benchmarks.md, in-memory "
+                             "tier by size)"),
+    "memory_read_s_per_gb": (0.284, "H200, the read of that copy and its move to the device "
+                                    "(same section)"),
     "storage_read_s_per_gb": (0.83, "2-core VM, sharded load 2->3 ranks, cold cache: 0.25 s "
                                     "for 302 MB (docs/benchmarks.md, sharded snapshots)"),
-    "memory_stall_s_per_gb": (0.42, "no GPU figure for the periodic sharded copy's stall: the "
-                                    "whole copy counted as stall (upper bound)"),
+    "memory_stall_s_per_gb": (0.026, "no GPU figure for the periodic sharded copy's stall: "
+                                     "the whole copy into a page-locked slot counted as "
+                                     "stall (upper bound; H200, same section)"),
     "storage_stall_s_per_gb": (0.022, "2-core VM, SnapshotStore overlapped: 2.0 ms for "
                                       "89.5 MB (docs/benchmarks.md, snapshot stall)"),
 }  # fmt: skip

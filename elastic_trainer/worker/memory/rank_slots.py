@@ -69,6 +69,7 @@ class RankSlots:
             layout.size,
             lambda slot: byte_layout.write_into(layout, slot),
             replicas,
+            pin=layout.on_device,  # shards on the GPU: the slot page-locked (``pinning``)
         )
 
     def slot_to_write(self) -> str:
@@ -104,11 +105,13 @@ class RankSlots:
         size: int,
         put: Callable[[torch.Tensor], str],
         replicas: tuple[int, ...] = (),
+        *,
+        pin: bool = False,
     ) -> plan_.RankCopy:
         private_dirs(self.directory)
         slot, kept = plan_.slot_to_write(self.copies())
         self._commit(kept)  # the slot about to be overwritten is no longer listed
-        digest = put(self.slots[slot].tensor(size))
+        digest = put(self.slots[slot].tensor(size, pin=pin))
         new = plan_.RankCopy(
             step=step,
             slot=slot,

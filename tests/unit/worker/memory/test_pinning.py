@@ -8,7 +8,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastic_trainer.worker.memory import pinning, slots
+from elastic_trainer.worker.memory import byte_layout, pinning, slots
+from elastic_trainer.worker.memory.rank_slots import RankSlots
 
 
 class FakeRuntime:
@@ -104,3 +105,16 @@ def test_the_runtime_library_is_found_among_the_loaded_ones_or_none():
     with open("/proc/self/maps") as maps:
         loaded = "libcudart.so" in maps.read()
     assert (found is not None) == loaded
+
+
+def test_the_slots_of_a_state_on_the_gpu_are_pinned_and_others_not(tmp_path, runtime, monkeypatch):
+    """Which copies ask for it: a whole copy (``NodeCopies.write``) and a rank's shard copy
+    (``RankSlots.write``) of tensors on the device; not of tensors on the CPU."""
+    payload = {"step": 1, "w": torch.ones(1000)}
+    slots.NodeCopies(str(tmp_path / "cpu")).write(1, payload)
+    RankSlots(str(tmp_path / "cpu-shards")).write(1, 1, payload)
+    assert runtime.calls == []
+    monkeypatch.setattr(byte_layout.Layout, "on_device", property(lambda _self: True))
+    slots.NodeCopies(str(tmp_path / "gpu")).write(1, payload)
+    RankSlots(str(tmp_path / "gpu-shards")).write(1, 1, payload)
+    assert [c[0] for c in runtime.calls] == ["register", "register"]
