@@ -53,10 +53,6 @@ OWN_MEMORY_BYTES = 1 << 16
 CHECKSUM_ALGORITHM = leaf_checksum.ALGORITHM  # the marker's key
 
 
-def hasher() -> leaf_checksum.Hasher:
-    return leaf_checksum.Hasher()
-
-
 def checksum(data: Any) -> str:
     """The hex digest of ``data`` (bytes-like) by ``CHECKSUM_ALGORITHM``."""
     return leaf_checksum.checksum(data)
@@ -123,7 +119,7 @@ def write(payload: Mapping[str, Any], f: IO[bytes]) -> str:
     """Write the copy to ``f``; returns the checksum of every byte written (the commit marker
     keeps it: a copy is checked before its skeleton is unpickled, like a storage snapshot)."""
     layout = plan(payload)
-    digest = hasher()
+    digest = leaf_checksum.Hasher()
     for data in _pieces(layout):
         f.write(data)
         digest.update(data)
