@@ -32,9 +32,14 @@ import psutil
 from elastic_trainer import proc_title
 from elastic_trainer.contract.protocol import ENV_SUPERVISOR_PID
 
-# Seconds between two scans of the supervisor's tree: a process born and orphaned within
-# one interval is still caught through its session (see ``sweep``).
-SCAN_INTERVAL_S = 0.25
+# Seconds between two scans of the supervisor's tree. The supervisor writes a byte on the
+# pipe when it starts workers (``procs.poke_node_sentinel``), which scans at once; the
+# periodic scan is for what the workers start later. A process born and orphaned between
+# two scans is still caught through its session or the supervisor's mark in its environment
+# (see ``sweep``). A scan reads every process of the machine (psutil's parent map), so
+# scanning often was what a sentinel cost: 1.1 % of a core each at 0.25 s, and with 128
+# agents on one machine (700 processes) their sentinels took most of its two cores.
+SCAN_INTERVAL_S = 2.0
 
 
 class Memory:
@@ -47,8 +52,10 @@ class Memory:
         self.sessions: set[int] = set()
         # never ours to kill: the sessions of the supervisor and of this sentinel
         self.spared_sessions = {_sid(supervisor_pid), os.getsid(0)} - {None}
+        self.scans = 0
 
     def scan(self) -> None:
+        self.scans += 1
         try:
             children = psutil.Process(self.supervisor_pid).children(recursive=True)
         except psutil.Error:
@@ -98,12 +105,20 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def watch(supervisor_pid: int, pipe_fd: int) -> int:
-    """Scan until ``pipe_fd`` reaches EOF, then sweep twice (a dying worker's last child)."""
-    memory = Memory(supervisor_pid=supervisor_pid, marker=str(supervisor_pid))
+def watch(
+    supervisor_pid: int,
+    pipe_fd: int,
+    *,
+    interval_s: float = SCAN_INTERVAL_S,
+    memory: Memory | None = None,
+) -> int:
+    """Scan every ``interval_s`` and whenever a byte arrives on ``pipe_fd``, until it reaches
+    EOF; then sweep twice (a dying worker's last child)."""
+    if memory is None:
+        memory = Memory(supervisor_pid=supervisor_pid, marker=str(supervisor_pid))
     while True:
         memory.scan()
-        readable, _, _ = select.select([pipe_fd], [], [], SCAN_INTERVAL_S)
+        readable, _, _ = select.select([pipe_fd], [], [], interval_s)
         if readable and not os.read(pipe_fd, 4096):
             break
     memory.sweep()

@@ -69,11 +69,23 @@ def _start_sentinel() -> subprocess.Popen:
 def end_node_sentinel() -> None:
     """End the sentinel of a start that ends before any worker (bad input, a stop): nothing
     of ours is left for its sweep, and a caller of ``run.main`` that goes on (a test, a
-    wrapper) would otherwise keep one sentinel per call, each scanning every 0.25 s."""
+    wrapper) would otherwise keep one sentinel per call, each scanning the machine's processes."""
     guard = node_sentinel()
     if guard is not None:
         guard.kill()
         guard.wait()
+
+
+def poke_node_sentinel() -> None:
+    """Tell the sentinel to scan the tree now (workers just started): one byte on its pipe,
+    never blocking (a full pipe already holds a poke it has not read)."""
+    guard = node_sentinel()
+    if guard is None or guard.stdin is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        fd = guard.stdin.fileno()
+        os.set_blocking(fd, False)
+        os.write(fd, b"s")
 
 
 def node_sentinel() -> subprocess.Popen | None:
@@ -168,6 +180,7 @@ class ProcessTracker:
                 self._roots[local_rank] = proc
                 self._known[local_rank] = {(popen.pid, proc.create_time()): proc}
         self.refresh()
+        poke_node_sentinel()
 
     def exit_fds(self) -> list[int]:
         """A pidfd of each worker process still running, readable once it exits: the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -178,3 +179,68 @@ def test_a_handed_over_attempt_stops_while_the_next_ones_workers_live(tmp_path):
         for worker in [*old.values(), *new.values()]:
             worker.kill()
             worker.wait()
+
+
+def test_a_poke_on_the_pipe_scans_at_once_and_eof_sweeps_what_it_saw():
+    """The periodic scan is slow (it reads every process of the machine); the supervisor
+    pokes the pipe when it starts workers, and the sentinel scans then, not a period later."""
+    import os
+    import threading
+
+    from elastic_trainer.entrypoints import sentinel
+
+    starts_a_child = (
+        "import subprocess, sys, time; sys.stdin.readline(); "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(c.pid, flush=True); time.sleep(600)"
+    )
+    sup = subprocess.Popen(
+        [sys.executable, "-c", starts_a_child], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    read_fd, write_fd = os.pipe()
+    memory = Memory(supervisor_pid=sup.pid)
+    watcher = threading.Thread(
+        target=sentinel.watch,
+        args=(sup.pid, read_fd),
+        kwargs={"interval_s": 600.0, "memory": memory},
+        daemon=True,
+    )
+    child = None
+    try:
+        watcher.start()
+        wait_for(lambda: memory.scans, 30, "the first scan")  # before the child is born
+        sup.stdin.write(b"go\n")
+        sup.stdin.flush()
+        child = psutil.Process(int(sup.stdout.readline()))
+        os.write(write_fd, b"s")
+        wait_for(lambda: child.pid in {pid for pid, _ in memory.procs}, 30, "the poked scan")
+        assert memory.scans == 2
+        os.close(write_fd)
+        watcher.join(30)
+        assert not watcher.is_alive()  # EOF: swept (a SIGKILL lands a moment later)
+        wait_for(lambda: not _pids_alive([child.pid]), 10, "the child to die")
+    finally:
+        for proc in (child, sup):
+            with contextlib.suppress(Exception):
+                proc.kill()
+        sup.wait()
+        os.close(read_fd)
+
+
+def test_starting_workers_pokes_the_node_sentinel(monkeypatch):
+    from elastic_trainer.supervisor.processes import procs
+
+    guard = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read(1))"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    worker = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        monkeypatch.setattr(procs, "_sentinel", guard)
+        procs.ProcessTracker().track({0: worker})
+        assert guard.stdout.read() == b"s"
+    finally:
+        worker.wait()
+        guard.kill()
+        guard.wait()
