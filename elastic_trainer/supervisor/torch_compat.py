@@ -190,7 +190,14 @@ def rebind_store(handler: DynamicRendezvousHandler, store: Any, backend: Any) ->
 #   removes them at once (as it does after interval x attempts) with its own bookkeeping.
 # _RendezvousContext: .node, .state (participants, wait_list, complete, round,
 #   last_heartbeats), .settings (min_nodes, max_nodes).
-JOIN_ACTIONS = ("SYNC", "KEEP_ALIVE", "MARK_RENDEZVOUS_COMPLETE", "FINISH", "ERROR_TIMEOUT")
+JOIN_ACTIONS = (
+    "SYNC",
+    "KEEP_ALIVE",
+    "MARK_RENDEZVOUS_COMPLETE",
+    "FINISH",
+    "ERROR_TIMEOUT",
+    "ADD_TO_PARTICIPANTS",
+)
 STATE_FIELDS = (
     "round",
     "complete",
@@ -227,6 +234,11 @@ LEFT, OPENED = "left", "opened"  # the exit hook's (and POLLED)
 LeaveHook = Callable[[Any], str | None]  # (torch's op context) -> answer
 JoinHook = Callable[[RoundView, bool], str | None]  # (view, may wait) -> answer
 HoldHook = Callable[[RoundView], bool]  # the last call ran out: keep the round open?
+# not in an open round that has members: POLLED (asked its opener to be let in, and waited)
+# or None (torch's own join: add itself to the state)
+LobbyHook = Callable[[RoundView], str | None]
+# in an open round, about to wait (closing: or to close it): the nodes to add to it now
+FoldHook = Callable[[RoundView, bool], list[Any]]
 
 
 def install_join_hook(
@@ -236,6 +248,8 @@ def install_join_hook(
     hold: HoldHook = lambda view: False,
     rejoining: Callable[[], bool] = lambda: False,
     leaving: LeaveHook = lambda ctx: None,
+    lobby: LobbyHook = lambda view: None,
+    fold: FoldHook = lambda view, closing: [],
 ) -> None:
     """Route every join op of ``handler`` through ``hook`` (idempotent). The hook is asked
     only where torch's own op would wait (SYNC / KEEP_ALIVE; ``may_wait`` only for SYNC, a due
@@ -249,7 +263,10 @@ def install_join_hook(
     before torch's exit op decides (the op every join starts with, and ``exit_round``): it
     answers LEFT (this node is out of the round already: the op is done), OPENED (it
     changed the state: write it), POLLED (it waited itself: resync at once) or None
-    (torch's own op)."""
+    (torch's own op). ``lobby``: asked where torch's op would add this node to an open
+    round with members; POLLED where it asked to be let in instead (``join_log``). ``fold``:
+    asked where a participant of an open round would wait or close it: nodes it adds to the
+    round in the same write (the opener letting the logged nodes in)."""
     executor = handler._op_executor
     if getattr(executor, "elastic_train_hooked", False):
         return
@@ -262,7 +279,7 @@ def install_join_hook(
 
     def hooked_run(op: Any, deadline: float, update_deadline: Any = None) -> None:
         if isinstance(op, _RendezvousJoinOp):
-            op = _hooked_join(op, hook, dead, hold, resync)
+            op = _hooked_join(op, hook, dead, hold, resync, lobby, fold)
         elif isinstance(op, _RendezvousExitOp):
             op = _hooked_exit(op, leaving, resync)
         run(op, deadline, update_deadline)
@@ -316,11 +333,30 @@ def _hooked_join(
     dead: Callable[[], set[Any]],
     hold: HoldHook,
     resync: Callable[[], None],
+    lobby: LobbyHook,
+    fold: FoldHook,
 ) -> Callable[[Any, float], Any]:
     def join(ctx: Any, deadline: float) -> Any:
         if _expire_in(ctx, dead()):
             return _Action.KEEP_ALIVE  # a write action: the executor writes the state back
         action = op(ctx, deadline)
+        state = ctx.state
+        if action == _Action.ADD_TO_PARTICIPANTS and state.participants:
+            if lobby(round_view(ctx)) == POLLED:
+                resync()
+                return _Action.SYNC
+            return action
+        closing = action == _Action.MARK_RENDEZVOUS_COMPLETE
+        waits = action in (_Action.SYNC, _Action.KEEP_ALIVE)
+        if (closing or waits) and not state.complete and ctx.node in state.participants:
+            newcomers = fold(round_view(ctx), closing)
+            if newcomers:
+                add_participants(ctx, newcomers)
+                if len(state.participants) >= ctx.settings.max_nodes:
+                    return _Action.MARK_RENDEZVOUS_COMPLETE  # as torch's add does when full
+                if closing and not hold(round_view(ctx)):
+                    return _Action.MARK_RENDEZVOUS_COMPLETE
+                return _Action.KEEP_ALIVE  # a write action: the executor writes the state
         # the op closes a round only when its last call has run out (a full round is closed
         # by the executor as the last node joins)
         if action == _Action.MARK_RENDEZVOUS_COMPLETE and hold(round_view(ctx)):
@@ -445,6 +481,29 @@ def open_next_round(ctx: Any, members: set[Any], *, close: Callable[[set[Any]], 
             state.participants[node] = rank
     elif len(joining) >= settings.min_nodes:
         state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+
+
+def add_participants(ctx: Any, nodes: list[Any]) -> None:
+    """``nodes`` into the open round of ``ctx.state``, as torch's ``_add_to_participants``
+    adds one (off the wait list, a fresh heartbeat, the last call started once the round
+    has its minimum), up to max_nodes."""
+    state, settings = ctx.state, ctx.settings
+    now = datetime.now(timezone.utc)
+    for node in nodes:
+        if len(state.participants) >= settings.max_nodes:
+            break
+        state.wait_list.discard(node)
+        state.participants[node] = 0
+        state.last_heartbeats[node] = now
+    if state.deadline is None and len(state.participants) >= settings.min_nodes:
+        state.deadline = now + settings.timeout.last_call
+
+
+def node_of(entry: list[Any]) -> Any:
+    """torch's node descriptor for a checked ``[addr, pid, local_id]`` entry."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    return _NodeDesc(entry[0], entry[1], entry[2])
 
 
 def _expire_in(ctx: Any, nodes: set[Any]) -> bool:

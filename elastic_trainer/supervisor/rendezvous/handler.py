@@ -69,7 +69,7 @@ from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import ConfigError, first_line
 from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.core import decisions
-from elastic_trainer.supervisor.rendezvous import signed_store, static_host
+from elastic_trainer.supervisor.rendezvous import join_log, signed_store, static_host
 from elastic_trainer.supervisor.rendezvous.membership import member_name, node_name
 from elastic_trainer.supervisor.rendezvous.state_backend import SignedStateBackend
 
@@ -91,6 +91,10 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _mark_checked_at = -math.inf  # when num_nodes_waiting last read the round's mark
     _mark_seen: tuple[int, int] = (-1, 0)  # ... of which round, and what it said
     _beating = False  # our heartbeat timer runs
+    _lobby_round = -1  # the round whose join log we asked to be let in by (join_log)
+    _lobby_since = -math.inf  # ... since when
+    lobby_patience_s = 6.0  # then torch's own join (handler_on: twice the heartbeat expiry)
+    _log_seen: tuple[int, int] = (-1, 0)  # the opener's last read of a join log: round, size
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
     lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
@@ -125,6 +129,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._hold_round_open,
             lambda: self._joining,
             self._leave_hook,
+            self._lobby,
+            self._fold,
         )
         self._rounds_joined += 1
         if self.state_backend is not None:  # our key exists before we are in the state
@@ -340,6 +346,68 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             return torch_compat.POLLED
         return None
 
+    def _lobby(self, view: torch_compat.RoundView) -> str | None:
+        """Not in round ``view`` yet, which is open and has members: ask its opener to let us
+        in (one append to the round's log, ``join_log``) and wait, instead of adding ourselves
+        by a compare-and-set of the whole state that every other arriving node races. Torch's
+        own join (None) where there is no store to log in, or once we have waited
+        ``lobby_patience_s`` for this round without being let in (an opener that died, or a
+        log someone filled with junk)."""
+        if self.store is None or self.state_backend is None:
+            return None
+        now = time.monotonic()
+        if self._lobby_round != view.round:
+            key = join_log.log_key(self.get_run_id(), view.round)
+            node = [view.me.addr, view.me.pid, view.me.local_id]
+            try:
+                self.store.raw.append(key, join_log.line(self.job_key, key, node))
+            except Exception:  # the store is failing: torch's own ops say how
+                return None
+            self._lobby_round, self._lobby_since = view.round, now
+        elif now - self._lobby_since > self.lobby_patience_s:
+            return None
+        self._wait_for_change(view, bound_s=self.lobby_patience_s, lobby=True)
+        return torch_compat.POLLED
+
+    def _fold(self, view: torch_compat.RoundView, closing: bool) -> list[Any]:
+        """The nodes to let into open round ``view`` now: where we open it (its first member
+        in node order) or close it, every node its log names that is not in it, not known
+        dead and alive by its own heartbeat key, in the order they asked, up to max_nodes."""
+        if self.store is None or not view.joined or view.complete:
+            return []
+        if not closing and min(view.joined) != view.me:
+            return []
+        room = view.max_nodes - len(view.joined)
+        if room <= 0:
+            return []
+        asked = self._read_join_log(view)
+        candidates = [n for n in asked if n not in view.joined and n not in self._dead]
+        alive = self._alive(set(candidates))
+        return [n for n in candidates if n in alive][:room]
+
+    def _read_join_log(self, view: torch_compat.RoundView) -> list[Any]:
+        """The nodes round ``view``'s log names, in order (none: no log, or unreadable)."""
+        key = join_log.log_key(self.get_run_id(), view.round)
+        try:  # compare-and-set against "absent": the log, or an empty one made now
+            raw = bytes(self.store.raw.compare_set(key, b"", b""))
+        except Exception:
+            return []
+        self._log_seen = (view.round, len(raw))
+        entries, refused = join_log.parse(self.job_key, key, raw, max_nodes=view.max_nodes)
+        if refused:
+            self.store.log.refused(key, "bad_tag")
+        return [torch_compat.node_of(e) for e in entries]
+
+    def _log_grew(self, view: torch_compat.RoundView) -> bool:
+        """Has round ``view``'s log grown since we last read it (the opener's wait)?"""
+        key = join_log.log_key(self.get_run_id(), view.round)
+        try:
+            raw = bytes(self.store.raw.compare_set(key, b"", b""))
+        except Exception:
+            return False
+        seen_round, seen_len = self._log_seen
+        return len(raw) > (seen_len if seen_round == view.round else 0)
+
     def _hold_round_open(self, view: torch_compat.RoundView) -> bool:
         """The last call ran out: members of the last round still on their way (alive by
         their own heartbeat key) keep the round open (``decisions.hold_round_open``)."""
@@ -372,12 +440,17 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         fresh_us = interval_s * attempts * 1e6
         return {n for n, at in beats.items() if at is not None and now_us - at < fresh_us}
 
-    def _wait_for_change(self, view: torch_compat.RoundView) -> None:
+    def _wait_for_change(
+        self, view: torch_compat.RoundView, *, bound_s: float | None = None, lobby: bool = False
+    ) -> None:
         """Until round, completion, participants or wait list change (not mere heartbeats),
-        at most half a keep-alive interval (a heartbeat is due then) and never past the
-        round's last-call deadline (torch's op closes the round then)."""
+        at most half a keep-alive interval (``bound_s``: that long) and never past the
+        round's last-call deadline (torch's op closes the round then). The round's opener
+        also wakes when its join log grows; a node in the lobby (``lobby``) only when the
+        round moves on, completes or lets it in, not at every other node let in."""
         interval_s, _ = torch_compat.keep_alive(self)
-        wait_s = interval_s / 2
+        wait_s = interval_s / 2 if bound_s is None else bound_s
+        opener = not lobby and not view.complete and min(view.joined, default=None) == view.me
         if view.last_call_ends is not None:
             left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
             wait_s = min(wait_s, max(0.0, left_s))
@@ -388,6 +461,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._raise_if_static_conflict()
             if self._newly_dead():
                 return
+            if opener and self._log_grew(view):
+                return
             try:
                 version = self.state_backend.version() if self.state_backend is not None else None
                 if version is not None and version == seen:
@@ -396,7 +471,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 state = self.state_backend.peek() if self.state_backend is not None else None
             except Exception:  # unreadable or refused now: torch's own sync deals with it
                 return
-            if state is None or torch_compat.state_view(state, view).key() != view.key():
+            if state is None:
+                return
+            now = torch_compat.state_view(state, view)
+            moved = (now.round, now.complete) != (view.round, view.complete)
+            if lobby and not moved and view.me not in now.joined:
+                continue  # another node let in: not what we wait for
+            if now.key() != view.key():
                 return
 
     def _start_heartbeats(self) -> None:
@@ -524,6 +605,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         torch_compat.rebind_store(self, store, self.state_backend)
         self.store = store
         self.endpoint = endpoint or self.endpoint
+        # a new store's rounds start again: round r's join log there is not the old one's
+        self._lobby_round, self._log_seen = -1, (-1, 0)
         if hosted:
             store.set(store_host_key(run_id), node)
             store.set(store_host_member_key(run_id), self.member_name())
@@ -663,6 +746,7 @@ def handler_on(
         keep_alive_max_attempt=keep_alive_max_attempt,
     )
     backend.beats_reuse_s = keep_alive_interval / 4  # expiry: keep_alive_max_attempt intervals
+    handler.lobby_patience_s = 2 * keep_alive_interval * keep_alive_max_attempt
     handler.store, handler.state_backend = store, backend
     return handler
 

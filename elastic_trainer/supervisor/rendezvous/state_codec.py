@@ -92,9 +92,12 @@ def _bool(body: dict[str, Any], name: str) -> bool:
 
 
 def _nodes(body: dict[str, Any], name: str, *, width: int) -> list[list[Any]]:
-    """``[addr, pid, local_id]`` entries (``width`` 4: and a number, a rank or a time), no
-    node twice."""
-    entries = body.get(name)
+    return checked_nodes(body.get(name), width=width, name=name)
+
+
+def checked_nodes(entries: Any, *, width: int, name: str = "nodes") -> list[list[Any]]:
+    """``entries`` if they are ``[addr, pid, local_id]`` entries (``width`` 4: and a number,
+    a rank or a time), no node twice; else ValueError naming ``name``."""
     if type(entries) is not list or len(entries) > MAX_NODES:
         raise ValueError(f"{name}: not a list of at most {MAX_NODES} nodes")
     seen = set()

@@ -143,28 +143,25 @@ def test_only_the_first_join_sleeps_torchs_random_jitter(nodes, monkeypatch) -> 
     assert len(jitters) == 2, jitters
 
 
-def test_a_node_waiting_in_a_round_writes_nothing_while_others_join(nodes, monkeypatch) -> None:
-    """A member that has joined and waits for the others re-reads the state when it changes
-    and writes nothing: it used to write the whole state (its heartbeat) after every other
-    node's join, N² colliding writes of O(N) bytes a round, and one whose writes kept
-    colliding kept no heartbeat and was dropped (32 nodes re-forming on one machine)."""
+def test_nodes_joining_an_open_round_write_nothing_its_opener_lets_them_in(
+    nodes, monkeypatch
+) -> None:
+    """A node that arrives while a round is open asks its opener to let it in (one append to
+    the round's log) and writes nothing; the opener adds it in one write of its own. Every
+    arriving node used to add itself by a compare-and-set of the whole state, racing every
+    other arriving node (the first round of 128 agents never closed), and every waiter
+    wrote its heartbeat into the state after each join (N² colliding writes)."""
     a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
-    writes: list[bytes] = []
-    set_state = a.state_backend.set_state
-
-    def counted(state: bytes, token: Any = None) -> Any:
-        writes.append(state)
-        return set_state(state, token)
-
-    monkeypatch.setattr(a.state_backend, "set_state", counted)
+    writes = {h: _count_writes(h, monkeypatch) for h in (a, b, c)}
     first = Joining(a)  # the round stays open until all three are in (30 s last call)
     wait_for(lambda: a.this_node in joined(b))
-    joined_with = len(writes)
     second = Joining(b)
     wait_for(lambda: b.this_node in joined(a))
     third = Joining(c)
     assert (first.result(), second.result(), third.result()) == (3, 3, 3)
-    assert joined_with == 1 and len(writes) == joined_with
+    # a: its own join, then b let in, then c let in (the round full: closed in that write)
+    assert [writes[h] for h in (a, b, c)] == [[True, True, True], [], []]
+    assert shared_state(a).complete
 
 
 def _count_writes(handler: FastRecoveryRendezvousHandler, monkeypatch: Any) -> list[bool]:
@@ -435,4 +432,63 @@ def test_a_round_whose_last_call_runs_out_waits_for_a_live_member_still_rejoinin
 
     wait_for(held_past_its_last_call)
     second = Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
+
+
+def test_the_opener_lets_in_no_node_the_job_did_not_sign_nor_one_without_a_heartbeat(
+    nodes,
+) -> None:
+    """Anyone who reaches the store can append to a round's join log: a line signed with
+    another key is refused, and a signed line of a node whose heartbeat key is not fresh
+    (it asked, then died) does not make it a member either. Both are logged before the one
+    real newcomer: let in, either would fill the round of two in its place."""
+    from elastic_trainer.supervisor.rendezvous import join_log
+
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    first = Joining(a)
+    wait_for(lambda: a.this_node in joined(b))
+    key = join_log.log_key("job", 0)
+    forged = join_log.line(JobKey.generate(), key, ["evil", 666, 0])
+    gone = join_log.line(KEY, key, ["gone", 667, 0])  # signed, but no heartbeat key
+    a.store.raw.append(key, b"junk" + forged + gone)
+    second = Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
+    assert joined(a) == {a.this_node, b.this_node}
+
+
+def test_a_node_its_opener_never_lets_in_joins_by_itself_after_its_patience(
+    nodes, monkeypatch
+) -> None:
+    """An opener that never reads the log (frozen, or the log stuffed with junk): a node
+    waiting in its lobby joins by torch's own compare-and-set once its patience runs out."""
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    monkeypatch.setattr(a, "_fold", lambda view, closing: [])
+    b.lobby_patience_s = 0.5
+    first = Joining(a)
+    wait_for(lambda: a.this_node in joined(b))
+    second = Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
+    assert b._lobby_round == 0  # it did ask first
+
+
+def test_a_node_let_in_by_the_old_store_s_log_asks_again_in_the_failed_over_one(nodes) -> None:
+    """Round numbers start again in a failed-over store: a survivor that asked to join round
+    0 of the old store asks again in the new store's round-0 log (it used to take its old
+    request for a new one and wait out its patience, unseen by the opener)."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    first = Joining(a)
+    wait_for(lambda: a.this_node in joined(b))
+    second = Joining(b)  # b asks a to let it in: round 0's log
+    wait_for(lambda: b.this_node in joined(a))
+    assert (Joining(c).result(), first.result(), second.result()) == (3, 3, 3)
+    moved = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", moved.port, is_master=False, timeout=timedelta(seconds=30))
+    for handler in (a, b):
+        handler.mark_dead({c.this_node})
+    c._stop_heartbeats()
+    a.rebind(moved, hosted=True, node="a")
+    b.rebind(client, hosted=False, node="b")
+    first = Joining(a)
+    wait_for(lambda: a.this_node in joined(b))
+    second = Joining(b)  # b finds round 0 open with a in it: its log, in this store
     assert (first.result(), second.result()) == (2, 2)
