@@ -124,8 +124,13 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
         if not done.is_set():
             outcome["aborted"] = True
             _abort(thread, host, port)
-    if "store" in outcome:
+    if "store" in outcome and "aborted" not in outcome:
         return outcome["store"]
+    if "store" in outcome:
+        # it answered while being cut off: ``_abort`` may have shut its socket down after it
+        # connected (handed back, its first operation failed with "Broken pipe": 38 of 256
+        # agents on one machine exited so, their handshakes slowed by reverse DNS lookups)
+        raise _Transient("the c10d handshake answered only as it was cut off")
     reach(host, port)  # refused now: the store went away while we talked to it (transient)
     if "error" in outcome and "aborted" not in outcome and _not_accepted(outcome["error"]):
         # a store too busy to accept us within the client's own retry time (a failed-over

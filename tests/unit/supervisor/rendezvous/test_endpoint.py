@@ -281,3 +281,31 @@ def test_the_agent_that_claims_the_port_first_hosts_and_the_later_one_is_its_cli
     # client's read on another one (CI once read None here)
     store.get(rendezvous.store_host_key("job"))
     assert rendezvous.store_host(client, "job") == "a"
+
+
+@pytest.mark.usefixtures("fast")
+def test_a_handshake_that_answers_as_it_is_cut_off_is_tried_again_not_handed_back(
+    store_port, monkeypatch
+):
+    """Regression: a handshake past its bound is cut off (its connections shut down) while
+    it may still complete; one that completed then was handed back with its socket shut, and
+    its first operation failed with "Broken pipe" (38 of 256 agents on one machine exited
+    1 so at their start, their handshakes slowed by 5 s reverse DNS lookups)."""
+    real_client, real_abort = endpoint._client, endpoint._abort
+
+    def slow(host: str, port: int, *, read_timeout_s: float):
+        time.sleep(endpoint.HANDSHAKE_TIMEOUT_S + 0.2)
+        return real_client(host, port, read_timeout_s=read_timeout_s)
+
+    def abort_after_it_answered(thread: threading.Thread, host: str, port: int) -> None:
+        thread.join()  # the worst order: it completed, then its connection is shut down
+        real_abort(thread, host, port)
+        endpoint.shut_down_connections(host, port)
+
+    monkeypatch.setattr(endpoint, "_client", slow)
+    monkeypatch.setattr(endpoint, "_abort", abort_after_it_answered)
+    with pytest.raises(endpoint._Transient, match="cut off"):
+        endpoint.handshake("127.0.0.1", store_port, read_timeout_s=5)
+    monkeypatch.setattr(endpoint, "_client", real_client)
+    store = endpoint.connect("127.0.0.1", store_port, deadline_s=30, read_timeout_s=5)
+    assert store.check(["nothing"]) is False  # the next attempt's connection works
