@@ -118,12 +118,13 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
 
     thread = threading.Thread(target=attempt, name="c10d-handshake", daemon=True)
     thread.start()
+    connected = 0
     try:
         done.wait(HANDSHAKE_TIMEOUT_S)  # a stop signal's handler raises out of this wait
     finally:
         if not done.is_set():
             outcome["aborted"] = True
-            _abort(thread, host, port)
+            connected = _abort(thread, host, port)
     if "store" in outcome and "aborted" not in outcome:
         return outcome["store"]
     if "store" in outcome:
@@ -131,7 +132,15 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
         # connected (handed back, its first operation failed with "Broken pipe": 38 of 256
         # agents on one machine exited so, their handshakes slowed by reverse DNS lookups)
         raise _Transient("the c10d handshake answered only as it was cut off")
-    reach(host, port)  # refused now: the store went away while we talked to it (transient)
+    reach(host, port)
+    if "aborted" in outcome and not connected:
+        # torch's client looks the address's name up before it connects (reverse DNS): a
+        # lookup that waits out the resolver's timeout is this machine's DNS, not a listener
+        # that does not answer (41 of 256 agents on one machine exited 2 "not a c10d store")
+        raise _Transient(
+            f"torch's c10d client had not connected within {HANDSHAKE_TIMEOUT_S:g}s "
+            "(a slow reverse DNS lookup of the address?)"
+        )  # refused now: the store went away while we talked to it (transient)
     if "error" in outcome and "aborted" not in outcome and _not_accepted(outcome["error"]):
         # a store too busy to accept us within the client's own retry time (a failed-over
         # store that every survivor dials at once): not up for us yet, not bad input
@@ -155,13 +164,16 @@ def _not_accepted(error: BaseException) -> bool:
     return isinstance(error, TimeoutError) or ("timed out" in text and "to connect" in text)
 
 
-def _abort(thread: threading.Thread, host: str, port: int) -> None:
+def _abort(thread: threading.Thread, host: str, port: int) -> int:
     """End a handshake stuck in C++: shut its socket down (the client may reconnect and block
-    again within its own timeout, so repeat until the thread is done)."""
+    again within its own timeout, so repeat until the thread is done). Returns how many
+    connections the client had open when it was cut off (0: it had not connected yet)."""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 1
+    connected = shut_down_connections(host, port)
     while thread.is_alive() and time.monotonic() < deadline:
-        shut_down_connections(host, port)
         thread.join(0.05)
+        shut_down_connections(host, port)
+    return connected
 
 
 def _client(host: str, port: int, *, read_timeout_s: float) -> Any:

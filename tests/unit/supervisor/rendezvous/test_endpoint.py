@@ -309,3 +309,55 @@ def test_a_handshake_that_answers_as_it_is_cut_off_is_tried_again_not_handed_bac
     monkeypatch.setattr(endpoint, "_client", real_client)
     store = endpoint.connect("127.0.0.1", store_port, deadline_s=30, read_timeout_s=5)
     assert store.check(["nothing"]) is False  # the next attempt's connection works
+
+
+@pytest.fixture
+def other_process_store_port():
+    """A store hosted by another process: a master ``TCPStore`` is also a client of itself,
+    a connection of this process to its port that a client of another node would not have."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, torch.distributed as d; "
+            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+            "print(s.port, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        yield int(host.stdout.readline())
+    finally:
+        host.kill()
+        host.wait()
+
+
+@pytest.mark.usefixtures("fast")
+def test_a_client_slow_to_connect_is_the_machines_dns_not_a_silent_listener(
+    other_process_store_port, monkeypatch
+):
+    """Regression: torch's client looks the store address's name up (reverse DNS) before it
+    connects; with a resolver that dropped queries those lookups took 5-10 s, and 41 of 256
+    agents on one machine exited 2 ("answers but is not a c10d store") although the store
+    answered every connection it got. A client that had not connected when its handshake
+    was cut off is a transient fault, tried again until the deadline."""
+    real, calls = endpoint._client, []
+
+    def lookup_stalls_twice(host: str, port: int, *, read_timeout_s: float):
+        calls.append(port)
+        if len(calls) <= 2:
+            time.sleep(2 * endpoint.HANDSHAKE_TIMEOUT_S + 2)  # past the cut-off: no connection
+        return real(host, port, read_timeout_s=read_timeout_s)
+
+    monkeypatch.setattr(endpoint, "_client", lookup_stalls_twice)
+    with pytest.raises(endpoint._Transient, match="had not connected") as caught:
+        endpoint.handshake("127.0.0.1", other_process_store_port, read_timeout_s=5)
+    assert not isinstance(caught.value, endpoint._Silent)
+    with capture_logs():
+        store = endpoint.connect(
+            "127.0.0.1", other_process_store_port, deadline_s=60, read_timeout_s=5
+        )
+    assert store.check(["nothing"]) is False and len(calls) == 3
