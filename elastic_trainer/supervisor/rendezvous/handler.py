@@ -95,6 +95,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _lobby_since = -math.inf  # ... since when
     lobby_patience_s = 6.0  # then torch's own join (handler_on: twice the heartbeat expiry)
     _log_seen: tuple[int, int] = (-1, 0)  # the opener's last read of a join log: round, size
+    _opened_round = -1  # the last round we let nodes into (we stay its opener: ``_opens``)
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
     lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
@@ -375,8 +376,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         dead and alive by its own heartbeat key, in the order they asked, up to max_nodes."""
         if self.store is None or not view.joined or view.complete:
             return []
-        if not closing and min(view.joined) != view.me:
+        if not closing and not self._opens(view):
             return []
+        self._opened_round = view.round
         room = view.max_nodes - len(view.joined)
         if room <= 0:
             return []
@@ -384,6 +386,15 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         candidates = [n for n in asked if n not in view.joined and n not in self._dead]
         alive = self._alive(set(candidates))
         return [n for n in candidates if n in alive][:room]
+
+    def _opens(self, view: torch_compat.RoundView) -> bool:
+        """Do we let nodes into open round ``view``: as its first member in node order, or as
+        the one that has been letting them in (a node let in may come first in that order,
+        and it waits without reading the log until the round moves on: two openers cost a
+        lost write now and then, none would leave the log unread)."""
+        if view.complete or view.me not in view.joined:
+            return False
+        return self._opened_round == view.round or min(view.joined) == view.me
 
     def _read_join_log(self, view: torch_compat.RoundView) -> list[Any]:
         """The nodes round ``view``'s log names, in order (none: no log, or unreadable)."""
@@ -448,9 +459,16 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         round's last-call deadline (torch's op closes the round then). The round's opener
         also wakes when its join log grows; a node in the lobby (``lobby``) only when the
         round moves on, completes or lets it in, not at every other node let in."""
-        interval_s, _ = torch_compat.keep_alive(self)
-        wait_s = interval_s / 2 if bound_s is None else bound_s
-        opener = not lobby and not view.complete and min(view.joined, default=None) == view.me
+        interval_s, attempts = torch_compat.keep_alive(self)
+        opener = not lobby and self._opens(view)
+        # a member of a round it cannot close by itself (no last round's members to wait
+        # for: only a full round or its last call closes it, and the opener closes a full
+        # one) waits for the round to move on or close; it re-reads the state once per
+        # heartbeat expiry, to take over from an opener that died
+        quiet = lobby or (not opener and not self._known and not view.complete)
+        if bound_s is None:
+            bound_s = interval_s * attempts if quiet else interval_s / 2
+        wait_s = bound_s
         if view.last_call_ends is not None:
             left_s = (view.last_call_ends - datetime.now(timezone.utc)).total_seconds()
             wait_s = min(wait_s, max(0.0, left_s))
@@ -468,6 +486,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 if version is not None and version == seen:
                     continue  # not written since: each waiter read N nodes' state 20 times a second
                 seen = version
+                named = SignedStateBackend.round_of(version) if version is not None else None
+                if quiet and named == (view.round, view.complete):
+                    continue  # another node let in: N waiters each read the state per join
                 state = self.state_backend.peek() if self.state_backend is not None else None
             except Exception:  # unreadable or refused now: torch's own sync deals with it
                 return
@@ -606,7 +627,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         self.store = store
         self.endpoint = endpoint or self.endpoint
         # a new store's rounds start again: round r's join log there is not the old one's
-        self._lobby_round, self._log_seen = -1, (-1, 0)
+        self._lobby_round, self._log_seen, self._opened_round = -1, (-1, 0), -1
         if hosted:
             store.set(store_host_key(run_id), node)
             store.set(store_host_member_key(run_id), self.member_name())

@@ -88,7 +88,9 @@ class SignedStateBackend(RendezvousBackend):
         raw = bytes(self._call("compare_set", self._key, expected, value))
         if raw == value:  # ours is stored: it is the holder's own state, nothing to decode
             self._last_good, self._last_raw, self._last_plain = state, raw, plain
-            self._store.set(self._version_key, hashlib.blake2b(raw, digest_size=8).hexdigest())
+            digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+            mark = f"{plain['round']}.{int(plain['complete'])}.{digest}"
+            self._store.set(self._version_key, mark)
             return state, raw, True
         found = self._state_of(raw)
         self._back_off()
@@ -118,6 +120,16 @@ class SignedStateBackend(RendezvousBackend):
             return self._store.get(self._version_key).decode("ascii", errors="replace")
         except TamperedValue:
             return None
+
+    @staticmethod
+    def round_of(version: str) -> tuple[int, bool] | None:
+        """The round and completion a ``version`` mark names (``round.complete.digest``):
+        a waiter that waits only for the round to move on or close reads these, not the
+        state, at each write (another node let in); None for a mark that names none."""
+        round_, complete, _ = [*version.split("."), "", ""][:3]
+        if not round_.isdigit() or len(round_) > 19 or complete not in ("0", "1"):
+            return None
+        return int(round_), complete == "1"
 
     def beat(self, node: Any, at_us: int) -> None:
         """``node``'s heartbeat at ``at_us`` (microseconds since the epoch): its own key."""

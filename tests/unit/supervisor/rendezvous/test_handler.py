@@ -492,3 +492,34 @@ def test_a_node_let_in_by_the_old_store_s_log_asks_again_in_the_failed_over_one(
     wait_for(lambda: a.this_node in joined(b))
     second = Joining(b)  # b finds round 0 open with a in it: its log, in this store
     assert (first.result(), second.result()) == (2, 2)
+
+
+def test_a_node_waiting_in_a_first_round_reads_the_state_when_it_closes_not_per_join(
+    nodes, monkeypatch
+) -> None:
+    """Members of a first round that they cannot close themselves (only the opener closes a
+    full one) wait for the round to move on or close: the state's write mark names its round
+    and completion, and they read the whole state only when those change. Each used to read
+    it after every other node let in: N waiters, N joins, O(N) bytes each."""
+    a, b, c, d = (nodes(max_nodes=4) for _ in range(4))
+    first = Joining(a)
+    wait_for(lambda: a.this_node in joined(b))
+    second = Joining(b)
+    wait_for(lambda: b.this_node in joined(a))
+    peeks: list[int] = []
+    peek = b.state_backend.peek
+    monkeypatch.setattr(b.state_backend, "peek", lambda: peeks.append(1) or peek())
+    third = Joining(c)
+    wait_for(lambda: c.this_node in joined(a))
+    assert peeks == []  # c let in: not b's business
+    assert (Joining(d).result(), first.result(), second.result(), third.result()) == (4,) * 4
+    assert len(peeks) == 1  # the round closed
+
+
+def test_the_state_s_write_mark_names_its_round_and_completion() -> None:
+    from elastic_trainer.supervisor.rendezvous.state_backend import SignedStateBackend
+
+    assert SignedStateBackend.round_of("12.1.00ff") == (12, True)
+    assert SignedStateBackend.round_of("0.0.abc") == (0, False)
+    for other in ("00ff00ff", "x.1.a", "1.2.a", "", "1", "9" * 20 + ".0.a"):
+        assert SignedStateBackend.round_of(other) is None
