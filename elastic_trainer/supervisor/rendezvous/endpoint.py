@@ -26,6 +26,7 @@ import contextlib
 import ipaddress
 import os
 import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -118,13 +119,13 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
 
     thread = threading.Thread(target=attempt, name="c10d-handshake", daemon=True)
     thread.start()
-    connected = 0
+    spoke = 0
     try:
         done.wait(HANDSHAKE_TIMEOUT_S)  # a stop signal's handler raises out of this wait
     finally:
         if not done.is_set():
             outcome["aborted"] = True
-            connected = _abort(thread, host, port)
+            spoke = _abort(thread, host, port)
     if "store" in outcome and "aborted" not in outcome:
         return outcome["store"]
     if "store" in outcome:
@@ -133,12 +134,13 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
         # agents on one machine exited so, their handshakes slowed by reverse DNS lookups)
         raise _Transient("the c10d handshake answered only as it was cut off")
     reach(host, port)
-    if "aborted" in outcome and not connected:
-        # torch's client looks the address's name up before it connects (reverse DNS): a
-        # lookup that waits out the resolver's timeout is this machine's DNS, not a listener
-        # that does not answer (41 of 256 agents on one machine exited 2 "not a c10d store")
+    if "aborted" in outcome and not spoke:
+        # torch's client looks the address's name up (reverse DNS) before it connects and
+        # again before its first message: a lookup that waits out the resolver's timeout is
+        # this machine's DNS, not a listener that does not answer (93 of 256 agents on one
+        # machine exited 2 "not a c10d store" so, in two tries)
         raise _Transient(
-            f"torch's c10d client had not connected within {HANDSHAKE_TIMEOUT_S:g}s "
+            f"torch's c10d client had not sent its handshake within {HANDSHAKE_TIMEOUT_S:g}s "
             "(a slow reverse DNS lookup of the address?)"
         )  # refused now: the store went away while we talked to it (transient)
     if "error" in outcome and "aborted" not in outcome and _not_accepted(outcome["error"]):
@@ -166,14 +168,15 @@ def _not_accepted(error: BaseException) -> bool:
 
 def _abort(thread: threading.Thread, host: str, port: int) -> int:
     """End a handshake stuck in C++: shut its socket down (the client may reconnect and block
-    again within its own timeout, so repeat until the thread is done). Returns how many
-    connections the client had open when it was cut off (0: it had not connected yet)."""
+    again within its own timeout, so repeat until the thread is done). Returns how many of
+    its connections had sent the listener anything when it was cut off (0: it had not
+    connected yet, or connected and not written: stuck in itself, not waiting for an answer)."""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 1
-    connected = shut_down_connections(host, port)
+    spoke = shut_down_connections(host, port, spoken_only=True)
     while thread.is_alive() and time.monotonic() < deadline:
         thread.join(0.05)
         shut_down_connections(host, port)
-    return connected
+    return spoke
 
 
 def _client(host: str, port: int, *, read_timeout_s: float) -> Any:
@@ -193,8 +196,9 @@ def _client(host: str, port: int, *, read_timeout_s: float) -> Any:
     return store
 
 
-def shut_down_connections(host: str, port: int) -> int:
-    """Shut down this process's TCP connections to ``host:port``; how many."""
+def shut_down_connections(host: str, port: int, *, spoken_only: bool = False) -> int:
+    """Shut down this process's TCP connections to ``host:port``; how many (``spoken_only``:
+    how many of them had sent anything, ``_has_sent``)."""
     targets = _addresses(host, port)
     count = 0
     for conn in psutil.Process().net_connections(kind="tcp"):
@@ -206,9 +210,26 @@ def shut_down_connections(host: str, port: int) -> int:
             with contextlib.suppress(OSError):
                 # a duplicate of the fd: shutting it down shuts down the one socket behind both
                 with socket.socket(fileno=os.dup(conn.fd)) as sock:
+                    sent = _has_sent(sock)
                     sock.shutdown(socket.SHUT_RDWR)
-                count += 1
+                count += 1 if sent or not spoken_only else 0
     return count
+
+
+# struct tcp_info (linux/tcp.h): 8 bytes of u8 fields and 24 u32 fields, then u64
+# pacing_rate, max_pacing_rate and bytes_acked (the handshake's SYN counts as one byte).
+_TCP_INFO_BYTES_ACKED = 120
+_TCP_INFO_LEN = 232
+
+
+def _has_sent(sock: socket.socket) -> bool:
+    """Has this connection sent anything the peer acknowledged (True where the kernel does
+    not say)?"""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        return bool(struct.unpack_from("=Q", info, _TCP_INFO_BYTES_ACKED)[0] > 1)
+    except (AttributeError, OSError, struct.error):
+        return True
 
 
 def bound_silent_connections(host: str, port: int, *, timeout_s: float) -> int:

@@ -353,9 +353,19 @@ def test_a_client_slow_to_connect_is_the_machines_dns_not_a_silent_listener(
         return real(host, port, read_timeout_s=read_timeout_s)
 
     monkeypatch.setattr(endpoint, "_client", lookup_stalls_twice)
-    with pytest.raises(endpoint._Transient, match="had not connected") as caught:
+    with pytest.raises(endpoint._Transient, match="had not sent") as caught:
         endpoint.handshake("127.0.0.1", other_process_store_port, read_timeout_s=5)
     assert not isinstance(caught.value, endpoint._Silent)
+
+    def connects_then_stalls(host: str, port: int, *, read_timeout_s: float):
+        with socket.create_connection((host, port)):  # connected, nothing sent yet
+            time.sleep(2 * endpoint.HANDSHAKE_TIMEOUT_S + 2)
+
+    monkeypatch.setattr(endpoint, "_client", connects_then_stalls)
+    with pytest.raises(endpoint._Transient, match="had not sent") as caught:
+        endpoint.handshake("127.0.0.1", other_process_store_port, read_timeout_s=5)
+    assert not isinstance(caught.value, endpoint._Silent)
+    monkeypatch.setattr(endpoint, "_client", lookup_stalls_twice)
     with capture_logs():
         store = endpoint.connect(
             "127.0.0.1", other_process_store_port, deadline_s=60, read_timeout_s=5
