@@ -159,6 +159,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if self.endpoint:  # ... and where it is now (snapshots' owner record: run_liveness)
             os.environ[protocol.ENV_RDZV_ENDPOINT] = self.endpoint
         self._known, self._dead = frozenset(self.participants()), frozenset()
+        self._forget_join_log()
         if self._static_rank is not None and self.store is not None:
             self._check_static_ranks(info.world_size)
         return with_group_rank(info, self._static_rank, local_addr=self.this_node.addr)
@@ -224,6 +225,14 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         only the members' own keys."""
         with contextlib.suppress(Exception):
             self.store.delete_key(rejoin_mark_key(self.get_run_id(), round_))
+
+    def _forget_join_log(self) -> None:
+        """The join log of the round that just closed, where we opened it: nobody reads it
+        again (the store would keep one per round). A node that asks late only recreates it."""
+        round_ = self.round
+        if self._opened_round == round_ and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(join_log.log_key(self.get_run_id(), round_))
 
     def _closes_at_once(self, joined: set[Any], view: torch_compat.RoundView) -> bool:
         """The round about to open with ``joined`` closes at once where the join hook would

@@ -162,6 +162,9 @@ def test_nodes_joining_an_open_round_write_nothing_its_opener_lets_them_in(
     # a: its own join, then b let in, then c let in (the round full: closed in that write)
     assert [writes[h] for h in (a, b, c)] == [[True, True, True], [], []]
     assert shared_state(a).complete
+    from elastic_trainer.supervisor.rendezvous import join_log
+
+    assert not a.store.check([join_log.log_key("job", 0)])  # its opener removed the log
 
 
 def _count_writes(handler: FastRecoveryRendezvousHandler, monkeypatch: Any) -> list[bool]:
