@@ -96,6 +96,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     lobby_patience_s = 6.0  # then torch's own join (handler_on: twice the heartbeat expiry)
     _log_seen: tuple[int, int] = (-1, 0)  # the opener's last read of a join log: round, size
     _opened_round = -1  # the last round we let nodes into (we stay its opener: ``_opens``)
+    _log_spoiled = -1  # a round whose join log was found oversized: not read again
     heartbeat_failures = 0  # consecutive failed keep-alive heartbeats (0 after a success)
     heartbeat_error = ""  # the first line of the streak's first failure
     lineage = ""  # this store's lineage token (share_lineage); "" for a bare handler
@@ -406,13 +407,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         return self._opened_round == view.round or min(view.joined) == view.me
 
     def _read_join_log(self, view: torch_compat.RoundView) -> list[Any]:
-        """The nodes round ``view``'s log names, in order (none: no log, or unreadable)."""
-        key = join_log.log_key(self.get_run_id(), view.round)
-        try:  # compare-and-set against "absent": the log, or an empty one made now
-            raw = bytes(self.store.raw.compare_set(key, b"", b""))
-        except Exception:
+        """The nodes round ``view``'s log names, in order (none: no log, unreadable, or
+        longer than a round could hold)."""
+        raw = self._join_log_bytes(view)
+        if raw is None:
             return []
         self._log_seen = (view.round, len(raw))
+        key = join_log.log_key(self.get_run_id(), view.round)
         entries, refused = join_log.parse(self.job_key, key, raw, max_nodes=view.max_nodes)
         if refused:
             self.store.log.refused(key, "bad_tag")
@@ -420,13 +421,29 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     def _log_grew(self, view: torch_compat.RoundView) -> bool:
         """Has round ``view``'s log grown since we last read it (the opener's wait)?"""
+        raw = self._join_log_bytes(view)
+        if raw is None:
+            return False
+        seen_round, seen_len = self._log_seen
+        return len(raw) > (seen_len if seen_round == view.round else 0)
+
+    def _join_log_bytes(self, view: torch_compat.RoundView) -> bytes | None:
+        """Round ``view``'s log as stored (compare-and-set against "absent": the log, or an
+        empty one made now); None where it is unreadable or was found longer than a round
+        could hold: not read again this round (someone filled it to make every read costly;
+        the nodes in it join by torch's own compare-and-set after their patience)."""
+        if self._log_spoiled == view.round:
+            return None
         key = join_log.log_key(self.get_run_id(), view.round)
         try:
             raw = bytes(self.store.raw.compare_set(key, b"", b""))
         except Exception:
-            return False
-        seen_round, seen_len = self._log_seen
-        return len(raw) > (seen_len if seen_round == view.round else 0)
+            return None
+        if len(raw) > join_log.max_log_bytes(view.max_nodes):
+            self._log_spoiled = view.round
+            self.store.log.refused(key, "oversized")
+            return None
+        return raw
 
     def _hold_round_open(self, view: torch_compat.RoundView) -> bool:
         """The last call ran out: members of the last round still on their way (alive by
@@ -637,6 +654,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         self.endpoint = endpoint or self.endpoint
         # a new store's rounds start again: round r's join log there is not the old one's
         self._lobby_round, self._log_seen, self._opened_round = -1, (-1, 0), -1
+        self._log_spoiled = -1
         if hosted:
             store.set(store_host_key(run_id), node)
             store.set(store_host_member_key(run_id), self.member_name())

@@ -526,3 +526,39 @@ def test_the_state_s_write_mark_names_its_round_and_completion() -> None:
     assert SignedStateBackend.round_of("0.0.abc") == (0, False)
     for other in ("00ff00ff", "x.1.a", "1.2.a", "", "1", "9" * 20 + ".0.a"):
         assert SignedStateBackend.round_of(other) is None
+
+
+def test_a_join_log_filled_with_junk_is_read_once_and_its_nodes_join_by_themselves(
+    nodes, monkeypatch
+) -> None:
+    """Anyone who reaches the store can append megabytes to a round's join log, which the
+    opener polls: it reads an oversized log once, never again that round, and says so; the
+    node waiting in it joins by torch's own compare-and-set after its patience."""
+    from elastic_trainer.supervisor.rendezvous import join_log
+
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    b.lobby_patience_s = 0.5
+    first = Joining(a)
+    wait_for(lambda: a.this_node in joined(b))
+    key = join_log.log_key("job", 0)
+    a.store.raw.append(key, b"x" * (join_log.max_log_bytes(2) + 1))
+    reads: list[str] = []
+
+    class Counted:  # a's connection to the store, counting its reads of the log
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def compare_set(self, k: str, expected: Any, desired: Any) -> Any:
+            if k == key:
+                reads.append(k)
+            return self.inner.compare_set(k, expected, desired)
+
+    monkeypatch.setattr(a.store, "raw", Counted(a.store.raw))
+    with capture_logs() as logs:
+        second = Joining(b)
+        assert (first.result(), second.result()) == (2, 2)
+    assert len(reads) == 1
+    assert [e["reason"] for e in logs if e["event"] == "store.tampered"] == ["oversized"]
