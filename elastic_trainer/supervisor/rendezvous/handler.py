@@ -381,9 +381,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         return torch_compat.POLLED
 
     def _fold(self, view: torch_compat.RoundView, closing: bool) -> list[Any]:
-        """The nodes to let into open round ``view`` now: where we open it (its first member
-        in node order) or close it, every node its log names that is not in it, not known
-        dead and alive by its own heartbeat key, in the order they asked, up to max_nodes."""
+        """The nodes to let into open round ``view`` now: where we open it (``_opens``) or
+        close it, every node its log names that is not in it, not known dead and alive by
+        its own heartbeat key, in the order they asked, up to max_nodes."""
         if self.store is None or not view.joined or view.complete:
             return []
         if not closing and not self._opens(view):
@@ -483,8 +483,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         """Until round, completion, participants or wait list change (not mere heartbeats),
         at most half a keep-alive interval (``bound_s``: that long) and never past the
         round's last-call deadline (torch's op closes the round then). The round's opener
-        also wakes when its join log grows; a node in the lobby (``lobby``) only when the
-        round moves on, completes or lets it in, not at every other node let in."""
+        also wakes when its join log grows; a node in the lobby (``lobby``) or a member that
+        cannot close the round wakes only when the round moves on or closes, not at every
+        node let in, and waits up to a heartbeat expiry."""
         interval_s, attempts = torch_compat.keep_alive(self)
         opener = not lobby and self._opens(view)
         # a member of a round it cannot close by itself (no last round's members to wait

@@ -7,14 +7,16 @@ wins makes every other attempt lose, each loser reads the winner's state and tri
 every waiter re-reads the state after each win. At 128 agents on one machine the first round
 never closed. Here a node that finds a round already open appends one signed line to that
 round's log (``store.append``: the store serialises appends, nothing is lost, nobody
-retries), and the round's opener (its first participant in node order) adds every logged
-node to the state in one write (``torch_compat.add_participants``).
+retries), and the round's opener (its first participant in node order, or the one that has
+been letting nodes in: ``handler``) adds every logged node to the state in one write
+(``torch_compat.add_participants``).
 
 A line is ``\\n`` + the node ``[addr, pid, local_id]`` signed under the log's key + ``\\n``:
 bytes someone else appended (the store has no authentication) break at most their own line,
 and a line that does not verify, or a node entry that is not one, is skipped. A log longer
-than a round could hold is not read at all; the nodes in it fall back to torch's own join
-(``handler``: a node not let in within its patience adds itself).
+than a round could hold yields no node (and the opener reads it no more that round); the
+nodes in it fall back to torch's own join (``handler``: a node not let in within its
+patience adds itself).
 """
 
 from __future__ import annotations
