@@ -135,10 +135,9 @@ def handshake(host: str, port: int, *, read_timeout_s: float) -> Any:
         raise _Transient("the c10d handshake answered only as it was cut off")
     reach(host, port)
     if "aborted" in outcome and not spoke:
-        # torch's client looks the address's name up (reverse DNS) before it connects and
-        # again before its first message: a lookup that waits out the resolver's timeout is
-        # this machine's DNS, not a listener that does not answer (93 of 256 agents on one
-        # machine exited 2 "not a c10d store" so, in two tries)
+        # torch's client looks the address's name up (reverse DNS) before it connects: a
+        # lookup that waits out the resolver's timeout (5 s) is this machine's DNS, not a
+        # listener that does not answer, and must not end in "not a c10d store" (exit 2)
         raise _Transient(
             f"torch's c10d client had not sent its handshake within {HANDSHAKE_TIMEOUT_S:g}s "
             "(a slow reverse DNS lookup of the address?)"
