@@ -46,6 +46,13 @@ def secret(tmp_path: Path) -> tuple[auth.JobKey, str]:
     return auth.JobKey(path.read_bytes()), str(path)
 
 
+def _put(server: TCPStore, value: bytes) -> None:
+    """Store ``value`` at the state's key before the status tool reads it: c10d's set has no
+    reply, and a 2 MB value was still on its way when the tool's own connection looked."""
+    server.set(KEY_NAME, value)
+    assert server.check([KEY_NAME])  # answered after the set: it is in the store
+
+
 def _status(port: int, secret_file: str, *extra: str) -> int:
     argv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--job-id", "job-1"]
     return main([*argv, "--rdzv-secret-file", secret_file, *extra])
@@ -118,7 +125,7 @@ def test_a_planted_pickle_runs_nothing_and_is_one_line(store, secret, tmp_path, 
     ``touch`` in whoever read it."""
     server, port = store
     ran = tmp_path / "ran"
-    server.set(KEY_NAME, pickle.dumps(_RunsCode(ran)))
+    _put(server, pickle.dumps(_RunsCode(ran)))
     assert _status(port, secret[1]) == 2
     assert "not signed with the job's secret" in _one_line_error(capsys)
     assert not ran.exists()
@@ -127,7 +134,7 @@ def test_a_planted_pickle_runs_nothing_and_is_one_line(store, secret, tmp_path, 
 def test_a_state_signed_with_another_secret_is_refused(store, secret, capsys) -> None:
     server, port = store
     forged = state_codec.encode(None, fingerprint="x")
-    server.set(KEY_NAME, auth.sign_value(auth.JobKey.generate(), KEY_NAME, forged))
+    _put(server, auth.sign_value(auth.JobKey.generate(), KEY_NAME, forged))
     assert _status(port, secret[1]) == 2
     assert f"(key {secret[0].fingerprint})" in _one_line_error(capsys)
 
@@ -157,7 +164,7 @@ def _sign(key: auth.JobKey, payload: bytes) -> bytes:
 def test_a_well_formed_signed_state_is_shown(store, secret, capsys) -> None:
     server, port = store
     key, path = secret
-    server.set(KEY_NAME, _sign(key, state_codec.encode(_plain(), fingerprint=key.fingerprint)))
+    _put(server, _sign(key, state_codec.encode(_plain(), fingerprint=key.fingerprint)))
     assert _status(port, path, "--json") == 0
     shown = json.loads(capsys.readouterr().out)
     (node,) = shown["nodes"]
@@ -194,7 +201,7 @@ def test_a_signed_value_of_another_shape_is_one_line(store, secret, capsys, payl
     """Even signed (a bug or another version of ours), only the state's schema gets through."""
     server, port = store
     key, path = secret
-    server.set(KEY_NAME, _sign(key, payload))
+    _put(server, _sign(key, payload))
     assert _status(port, path) == 2
     assert named in _one_line_error(capsys)
 
