@@ -173,6 +173,7 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
             presence.bind_host(cfg.local_addr, cfg.rdzv_host), self._job_key
         )
         wg.spec.rdzv_handler.dead_now = self._membership.lost_peers
+        wg.spec.rdzv_handler.connected_now = self._membership.connected_peers
         self._time_node_probe()
         self._initialize_workers(wg)
         while True:

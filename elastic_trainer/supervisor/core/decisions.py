@@ -220,6 +220,26 @@ def hold_round_open(
     return bool(missing & set(alive))
 
 
+def alive_members(
+    beats: Mapping[Any, int | None], connected: Set[object], *, now_us: int, expiry_us: float
+) -> set[Any]:
+    """Which of the members in ``beats`` (their own heartbeat key in this store: µs since the
+    epoch, None where there is none) are alive, for ``hold_round_open``?
+
+    A member whose heartbeat is fresher than the expiry. Also one with no heartbeat in this
+    store at all whose presence connection is open (``connected``): after a store failover
+    the survivors reach the new store seconds apart (each notices, elects and dials on its
+    own), and one not there yet has never beaten in it; closed short of it, the round starts
+    a group every latecomer then restarts by joining (64 agents: five rounds of 4, 9, 18,
+    58 and 63 nodes for one lost store host). A member frozen where it stood has a stale
+    beat in the store it shared with us and is not waited for; one frozen as the store moved
+    keeps its connection open and holds the round up to ``MAX_HOLD_S``.
+    """
+    fresh = {n for n, at in beats.items() if at is not None and now_us - at < expiry_us}
+    on_their_way = {n for n, at in beats.items() if at is None and n in connected}
+    return fresh | on_their_way
+
+
 def join_after_warm_pool(*, first_join: bool, round_running: bool, pool_ready: bool) -> bool:
     """Should this node wait for its warm pool before it joins the rendezvous?
 

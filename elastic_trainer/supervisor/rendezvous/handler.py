@@ -103,6 +103,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     # members found gone while we wait in a round (the agent's presence watch: a node's
     # worker can fail ours a moment before its agent's connection closes)
     dead_now: Callable[[], set[Any]] | None = None
+    # members whose presence connection is open (the agent's watch): alive though not yet in
+    # a failed-over store (``decisions.alive_members``)
+    connected_now: Callable[[], set[Any]] | None = None
     presence_address = ""  # ours, as published (again into a failed-over store)
     state_backend: SignedStateBackend | None = None  # where the state is (create_handler)
     endpoint = ""  # the store's HOST:PORT now (after a failover, the new one)
@@ -464,8 +467,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         )
 
     def _alive(self, nodes: set[Any]) -> set[Any]:
-        """Those of ``nodes`` whose own heartbeat key is fresher than the keep-alive expiry
-        (none readable: none alive, so a round is never held on a guess)."""
+        """Those of ``nodes`` alive by their own heartbeat key, or on their way to this store
+        (``decisions.alive_members``); none when the store cannot be read, so that a round
+        is never held on a guess."""
         if not nodes or self.state_backend is None:
             return set()
         interval_s, attempts = torch_compat.keep_alive(self)
@@ -473,9 +477,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             beats = self.state_backend.beats(list(nodes))
         except Exception:
             return set()
-        now_us = (datetime.now(timezone.utc) - _EPOCH) // timedelta(microseconds=1)
-        fresh_us = interval_s * attempts * 1e6
-        return {n for n, at in beats.items() if at is not None and now_us - at < fresh_us}
+        connected = set(self.connected_now()) if self.connected_now is not None else set()
+        return decisions.alive_members(
+            beats,
+            connected,
+            now_us=(datetime.now(timezone.utc) - _EPOCH) // timedelta(microseconds=1),
+            expiry_us=interval_s * attempts * 1e6,
+        )
 
     def _wait_for_change(
         self, view: torch_compat.RoundView, *, bound_s: float | None = None, lobby: bool = False

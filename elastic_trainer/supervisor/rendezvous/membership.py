@@ -165,6 +165,14 @@ class MembershipWatch:
         """Members whose agent process is gone (its connection closed without a goodbye)."""
         return self.peers.lost() & self.members if self.peers is not None else set()
 
+    def connected_peers(self) -> set[Any]:
+        """Members whose presence connection is open: their agent process is there, however
+        slow (a frozen one too: the heartbeat expiry tells those apart)."""
+        if self.peers is None:
+            return set()
+        self.lost_peers()  # reads the connections: a closed one is no longer watched
+        return self.peers.watching() & self.members
+
     def before_rejoin(self) -> None:
         """Tell the rendezvous which members are certainly gone (lost, confirmed silent, or
         left on purpose), so the next round neither waits for them to rejoin nor for their

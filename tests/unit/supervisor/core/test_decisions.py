@@ -352,6 +352,33 @@ def test_a_round_whose_last_call_ran_out_is_held_for_live_members_still_rejoinin
     assert hold(**kw) is holds, case
 
 
+EXPIRY_US = 3_000_000
+NOW_US = 100 * EXPIRY_US
+
+
+@pytest.mark.parametrize(
+    ("case", "beat_us", "connected", "alive"),
+    [
+        ("its heartbeat is fresh", NOW_US - EXPIRY_US // 2, True, True),
+        ("fresh though its connection is gone (the watch decides that)",
+         NOW_US - EXPIRY_US // 2, False, True),
+        ("its heartbeat is stale: frozen where it stood", NOW_US - 2 * EXPIRY_US, True, False),
+        ("no heartbeat in this store, connected: on its way to a moved store", None, True, True),
+        ("no heartbeat in this store and no connection", None, False, False),
+    ],
+)  # fmt: skip
+def test_a_member_is_alive_by_its_heartbeat_or_on_its_way_to_a_moved_store(
+    case, beat_us, connected, alive
+) -> None:
+    found = decisions.alive_members(
+        {"b": beat_us},
+        {"b"} if connected else set(),
+        now_us=NOW_US,
+        expiry_us=EXPIRY_US,
+    )
+    assert (found == {"b"}) is alive, case
+
+
 def test_a_full_round_is_never_held() -> None:
     assert not decisions.hold_round_open(
         complete=False,

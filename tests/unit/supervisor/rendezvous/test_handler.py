@@ -387,6 +387,49 @@ def test_survivors_rebound_to_a_new_store_form_their_next_round_there_at_once(no
     }
 
 
+def test_a_survivor_still_moving_to_a_failed_over_store_is_waited_for(nodes) -> None:
+    """Survivors of a store host's loss reach the new store seconds apart (64 agents here:
+    over 13 s). One not there yet has no heartbeat in it, but its presence connection is
+    open: the first round there is held past its last call until it joins, instead of
+    closing short of it (a group it would restart at once by joining)."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form_with_last_call_of(a, b, c)
+    moved = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", moved.port, is_master=False, timeout=timedelta(seconds=30))
+    for survivor in (a, b):
+        survivor.mark_dead({c.this_node})  # c hosted the old store and is gone
+        survivor.tune(first_last_call_s=3.0, later_last_call_s=0.2)
+    c._stop_heartbeats()
+    a.connected_now = lambda: {b.this_node, c.this_node}
+    a.rebind(moved, hosted=True, node="a")
+    first = Joining(a)
+
+    def held_past_its_last_call() -> bool:
+        state = shared_state(a)  # None until a's first write to the new store
+        if state is None:
+            return False
+        ran_out = state.deadline is not None and state.deadline < datetime.now(timezone.utc)
+        return set(state.participants) == {a.this_node} and ran_out and not state.complete
+
+    wait_for(held_past_its_last_call)
+    b.rebind(client, hosted=False, node="b")
+    second = Joining(b)
+    assert (first.result(), second.result()) == (2, 2)
+
+
+def test_a_member_neither_in_a_failed_over_store_nor_connected_is_not_waited_for(nodes) -> None:
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form_with_last_call_of(a, b, c)
+    moved = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    a.mark_dead({c.this_node})
+    a.tune(first_last_call_s=3.0, later_last_call_s=0.2)
+    a.connected_now = set  # b's connection is gone too (it is lost, not yet marked dead)
+    a.rebind(moved, hosted=True, node="a")
+    began = time.monotonic()
+    assert Joining(a).result() == 1
+    assert time.monotonic() - began < HANG_S
+
+
 def form_with_last_call_of(*handlers: FastRecoveryRendezvousHandler) -> None:
     for handler in handlers:
         handler.tune(first_last_call_s=3.0, later_last_call_s=30.0)
