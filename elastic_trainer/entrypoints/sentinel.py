@@ -29,7 +29,7 @@ import sys
 
 import psutil
 
-from elastic_trainer import proc_title
+from elastic_trainer import proc_title, proc_tree
 from elastic_trainer.contract.protocol import ENV_SUPERVISOR_PID
 
 # Seconds between two scans of the supervisor's tree. The supervisor writes a byte on the
@@ -57,7 +57,7 @@ class Memory:
     def scan(self) -> None:
         self.scans += 1
         try:
-            children = psutil.Process(self.supervisor_pid).children(recursive=True)
+            children = proc_tree.children(self.supervisor_pid, recursive=True)
         except psutil.Error:
             return
         for child in children:

@@ -41,6 +41,7 @@ BASE = (
     "elastic_trainer.listeners",
     "elastic_trainer.private_files",
     "elastic_trainer.proc_title",
+    "elastic_trainer.proc_tree",
 )
 # (the layer, what it may import besides its own modules); anything not named is the top
 LAYERS = (

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from elastic_trainer import proc_tree
 from elastic_trainer.contract import protocol
 
 # the node sentinel's program: run with ``python -m`` (it imports nothing of ours but psutil)
@@ -247,7 +248,7 @@ class ProcessTracker:
         """Remember descendants that appeared since the last call."""
         for local_rank, root in self._roots.items():
             try:
-                children = root.children(recursive=True)
+                children = proc_tree.children(root.pid, recursive=True)
             except psutil.Error:
                 continue
             known = self._known[local_rank]
@@ -334,7 +335,7 @@ def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
 def reap_strays(*, keep: set[int]) -> list[int]:
     """Kill and reap our children that are not ``keep`` (orphans re-parented to us)."""
     reaped: list[int] = []
-    for child in psutil.Process().children(recursive=False):
+    for child in proc_tree.children(os.getpid(), recursive=False):
         if child.pid in keep:
             continue
         with contextlib.suppress(psutil.Error):
