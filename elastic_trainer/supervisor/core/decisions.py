@@ -240,6 +240,24 @@ def alive_members(
     return fresh | on_their_way
 
 
+def peers_to_watch(me: Any, members: Set[Any], watchers: int) -> set[Any]:
+    """The members whose heartbeats ``me`` checks for silence: the next ``watchers`` after
+    it in node order, round the ring (every other one in a round that small).
+
+    Each member is checked by ``watchers`` others; one that finds it silent re-forms, and
+    its re-join mark brings every other member along (a member still checked by nobody
+    would need every one of its watchers silent too, and they are checked in turn). Every
+    member used to read every member's heartbeat each second: N² reads through the store
+    (at 128 agents most of its 4 MB/s while nothing happened); now N x ``watchers``.
+    """
+    ordered = sorted(members)
+    if me not in members:
+        return set(ordered)
+    at = ordered.index(me)
+    count = min(watchers, len(ordered) - 1)
+    return {ordered[(at + step) % len(ordered)] for step in range(1, count + 1)}
+
+
 def join_after_warm_pool(*, first_join: bool, round_running: bool, pool_ready: bool) -> bool:
     """Should this node wait for its warm pool before it joins the rendezvous?
 

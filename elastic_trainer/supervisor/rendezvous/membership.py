@@ -24,9 +24,11 @@ from elastic_trainer.contract.auth import JobKey
 from elastic_trainer.contract.endpoint import format_endpoint, split_address
 from elastic_trainer.contract.events import emit
 from elastic_trainer.errors import first_line
+from elastic_trainer.supervisor.core import decisions
 from elastic_trainer.supervisor.rendezvous import presence
 
 CONFIRMATIONS = 2  # consecutive checks that must see the same peers silent
+WATCHERS = 2  # members that check each member's heartbeats (``decisions.peers_to_watch``)
 
 
 class MembershipWatch:
@@ -191,18 +193,22 @@ class MembershipWatch:
             return 0
 
     def silent_peers(self) -> set[Any]:
-        """Members whose heartbeats stopped, confirmed on consecutive checks (rate-limited
-        to one store read per keep-alive interval). A member that said goodbye is leaving,
-        not silent, for ``leaving_grace_s`` (its grace period): it stops its heartbeats at
-        once, while its workers may still take a step to stop with their final snapshot,
-        which our workers take part in. Past that it is silent like any other (our workers
-        never noticed it go: they were frozen, or blocked in a collective)."""
+        """Of the members this node watches (``decisions.peers_to_watch``: the next two in
+        node order), those whose heartbeats stopped, confirmed on consecutive checks
+        (rate-limited to one store read per keep-alive interval). A member that said
+        goodbye is leaving, not silent, for ``leaving_grace_s`` (its grace period): it stops
+        its heartbeats at once, while its workers may still take a step to stop with their
+        final snapshot, which our workers take part in. Past that it is silent like any
+        other (our workers never noticed it go: they were frozen, or blocked in a
+        collective)."""
         now = self._clock()
         if len(self.members) < 2 or now < self._next_check:
             return set()
         self._next_check = now + self._every
         try:
-            stale = set(self._handler.stale_peers(self.members)) - self._still_leaving(now)
+            me = self._handler.this_node
+            watched = decisions.peers_to_watch(me, self.members, WATCHERS)
+            stale = set(self._handler.stale_peers(watched)) - self._still_leaving(now)
         except Exception as exc:
             self._report_store_lost(exc)
             return set()

@@ -88,8 +88,7 @@ class SignedStateBackend(RendezvousBackend):
         raw = bytes(self._call("compare_set", self._key, expected, value))
         if raw == value:  # ours is stored: it is the holder's own state, nothing to decode
             self._last_good, self._last_raw, self._last_plain = state, raw, plain
-            digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
-            mark = f"{plain['round']}.{int(plain['complete'])}.{digest}"
+            mark = f"{plain['round']}.{int(plain['complete'])}.{_digest(raw)}"
             self._store.set(self._version_key, mark)
             return state, raw, True
         found = self._state_of(raw)
@@ -120,6 +119,17 @@ class SignedStateBackend(RendezvousBackend):
             return self._store.get(self._version_key).decode("ascii", errors="replace")
         except TamperedValue:
             return None
+
+    def unchanged(self) -> bool:
+        """Is the stored state still the value this backend last read or wrote? Two small
+        reads (the version mark names the digest of the value its writer stored), not the
+        whole state. False when unsure (none read yet, no mark, a mark not ours). A mark is
+        set just after its state, so a write may show here a moment late; a writer that died
+        between the two leaves a change shown only by the next write or a full read."""
+        if self._last_plain is None or not self._last_raw:
+            return False
+        mark = self.version()
+        return mark is not None and mark.rpartition(".")[2] == _digest(self._last_raw)
 
     @staticmethod
     def round_of(version: str) -> tuple[int, bool] | None:
@@ -246,6 +256,11 @@ class SignedStateBackend(RendezvousBackend):
             raise RendezvousConnectionError(
                 "The connection to the C10d store has failed. See inner exception for details."
             ) from exc
+
+
+def _digest(raw: bytes) -> str:
+    """What a version mark says of the stored value it marks."""
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
 _EMPTY_PLAIN: dict[str, Any] = {

@@ -659,6 +659,8 @@ def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     stale = [{"node1"}, set(), {"node1"}, {"node1"}]
 
     class Handler:
+        this_node = "node0"
+
         def participants(self):
             return {"node0", "node1"}
 
@@ -676,6 +678,40 @@ def test_one_late_heartbeat_is_not_a_lost_node(tmp_path) -> None:
     assert seen == [set(), set(), set(), {"node1"}]
 
 
+def test_a_member_checks_the_heartbeats_of_the_two_next_members_only(tmp_path) -> None:
+    """Every member read every member's heartbeat each second: N² reads through the store.
+    Each checks the next two in node order; each member is checked by two others."""
+    from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+
+    now = [10.0]
+    asked: list[set[str]] = []
+
+    class Handler:
+        this_node = "node1"
+
+        def participants(self):
+            return {f"node{i}" for i in range(6)}
+
+        def stale_peers(self, members):
+            asked.append(set(members))
+            return {"node5"} & set(members)
+
+    watch = MembershipWatch(
+        Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0, clock=lambda: now[0]
+    )
+    watch.round_formed()
+    for _ in range(2):
+        now[0] += 3.0
+        assert watch.silent_peers() == set()  # node5 is not ours to check
+    assert asked == [{"node2", "node3"}] * 2
+    Handler.this_node = "node4"
+    watch.round_formed()
+    for _ in range(2):
+        now[0] += 3.0
+        found = watch.silent_peers()
+    assert asked[-1] == {"node5", "node0"} and found == {"node5"}
+
+
 def test_a_peer_that_said_goodbye_is_leaving_not_silent_for_its_grace_period(tmp_path) -> None:
     """Regression: Ctrl-C of a TrainingSession node stopped its heartbeats at once, and after
     dead_after_s its peers re-formed without it (peer.silent, node_lost) while its workers
@@ -687,6 +723,8 @@ def test_a_peer_that_said_goodbye_is_leaving_not_silent_for_its_grace_period(tmp
     now = [10.0]
 
     class Handler:
+        this_node = "node0"
+
         def participants(self):
             return {"node0", "node1"}
 

@@ -379,6 +379,22 @@ def test_a_member_is_alive_by_its_heartbeat_or_on_its_way_to_a_moved_store(
     assert (found == {"b"}) is alive, case
 
 
+@pytest.mark.parametrize("size", [2, 3, 4, 7, 64])
+def test_every_member_s_heartbeats_are_checked_by_two_others(size: int) -> None:
+    members = {f"n{i:02d}" for i in range(size)}
+    watched = {m: decisions.peers_to_watch(m, members, 2) for m in members}
+    assert all(m not in peers and len(peers) == min(2, size - 1) for m, peers in watched.items())
+    watchers = {m: {w for w, peers in watched.items() if m in peers} for m in members}
+    assert all(len(by) == min(2, size - 1) for by in watchers.values())
+
+
+def test_the_watched_are_the_next_in_node_order_round_the_ring() -> None:
+    members = {"a", "b", "c", "d", "e"}
+    assert decisions.peers_to_watch("a", members, 2) == {"b", "c"}
+    assert decisions.peers_to_watch("e", members, 2) == {"a", "b"}
+    assert decisions.peers_to_watch("z", members, 2) == members  # not a member: all
+
+
 def test_a_full_round_is_never_held() -> None:
     assert not decisions.hold_round_open(
         complete=False,

@@ -19,7 +19,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTi
 
 from elastic_trainer.contract import protocol
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.supervisor import torch_compat
 from elastic_trainer.supervisor.rendezvous import handler as rendezvous
+from elastic_trainer.supervisor.rendezvous import state_backend
 from elastic_trainer.supervisor.rendezvous.handler import (
     FastRecoveryRendezvousHandler,
     share_lineage,
@@ -179,6 +181,74 @@ def _count_writes(handler: FastRecoveryRendezvousHandler, monkeypatch: Any) -> l
 
     monkeypatch.setattr(handler.state_backend, "set_state", counted)
     return writes
+
+
+def _count_state_reads(handler: FastRecoveryRendezvousHandler, monkeypatch: Any) -> list[str]:
+    """The store keys ``handler``'s state backend reads whole from now on (the state, the
+    heartbeats); small reads (``check``, a mark) are not counted."""
+    reads: list[str] = []
+    call = handler.state_backend._call
+
+    def counted(op: str, *args: Any) -> Any:
+        if op == "compare_set":
+            reads.append("state")
+        elif op == "multi_get":
+            reads.extend(args[0])
+        return call(op, *args)
+
+    monkeypatch.setattr(handler.state_backend, "_call", counted)
+    return reads
+
+
+def test_a_running_member_reads_the_state_only_when_it_moved(nodes, monkeypatch) -> None:
+    """At 128 agents every member read the whole state and every node's heartbeat once a
+    second, 4 MB/s through the store while nothing happened. A running member asks the
+    state's version mark; it reads the state when a node changed it."""
+    monkeypatch.setattr(rendezvous, "STATE_CHECK_S", 0.0, raising=False)
+    a, b = nodes(max_nodes=3), nodes(max_nodes=3)
+    form_with_last_call(a, b)
+    # torch's holder keeps a read for 1 s: the checks below stand for checks seconds apart
+    monkeypatch.setattr(a._state_holder, "_cache_duration", 0)
+    assert a.num_nodes_waiting() == 0  # a read of the state it has not read since its join
+    reads = _count_state_reads(a, monkeypatch)
+    for _ in range(5):
+        assert a.num_nodes_waiting() == 0
+        assert a.stale_peers({b.this_node}) == set()
+    assert "state" not in reads
+    newcomer = nodes(max_nodes=3)
+    Joining(newcomer)  # a third node: the round is complete, it joins the wait list
+    wait_for(lambda: a.num_nodes_waiting() == 1)
+    assert "state" in reads
+
+
+def test_a_member_reads_the_heartbeats_of_the_peers_it_watches_only(nodes, monkeypatch) -> None:
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form(a, b, c)
+    a.num_nodes_waiting()
+    reads = _count_state_reads(a, monkeypatch)
+    assert a.stale_peers({b.this_node}) == set()
+    beat_keys = [k for k in reads if "/heartbeat/" in k]
+    assert beat_keys == [state_backend.beat_key("job", state_backend.node_entry(b.this_node))]
+    a.state_backend.beat(b.this_node, 1_000_000)  # b's last heartbeat: long ago
+    assert a.stale_peers({b.this_node, c.this_node}) == set()  # b's in the state is newer
+    assert a.stale_peers({b.this_node}) == set()
+
+
+def test_a_re_form_waits_for_no_missing_member_whose_heartbeat_ran_out(nodes) -> None:
+    """Members watch only two others for silence; the round's opener may not be one of a
+    silent member's watchers. Opening the next round, it does not wait for a missing
+    member whose own heartbeat ran out, and waits for one whose heartbeat is fresh."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form(a, b, c)
+    view = torch_compat.RoundView(
+        me=a.this_node, round=1, complete=False, joined=frozenset(), waiting=frozenset(),
+        min_nodes=1, max_nodes=3,
+    )  # fmt: skip
+    joined = {a.this_node, b.this_node}
+    assert not a._closes_at_once(joined, view)  # c beats: it is on its way
+    c._stop_heartbeats()
+    a.state_backend.beat(c.this_node, 1_000_000)  # its last, long ago
+    assert a._closes_at_once(joined, view)
 
 
 def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch) -> None:
@@ -345,7 +415,6 @@ def test_every_node_of_one_store_shares_one_lineage() -> None:
 
 
 def test_the_workers_read_the_lineage_the_supervisor_exports() -> None:
-    from elastic_trainer.supervisor.rendezvous import handler as rendezvous
     from elastic_trainer.worker import snapshotting
 
     assert snapshotting.ENV_RDZV_LINEAGE == rendezvous.ENV_RDZV_LINEAGE == protocol.ENV_RDZV_LINEAGE
