@@ -15,12 +15,15 @@ import math
 class Phase:
     round_closed: float | None = None  # seconds from the fault to the last node's round
     workers_started: float | None = None  # ... to the last node's workers started
+    first_closed: float | None = None  # ... to the first node's round (it is closed by then)
 
 
 @dataclasses.dataclass(frozen=True)
 class RoundTraffic:
     ops: int = 0  # store operations of all agents during the re-form
     bytes: int = 0  # their keys and values, both ways
+    agent_cpu_ms: float | None = None  # an agent's own CPU time in it (median; workers apart)
+    cpu_s: float | None = None  # all agents' together: / cores, the floor on one machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,7 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("first formation: round closed (s)", "formation.round_closed", 2),
     ("first formation: workers started (s)", "formation.workers_started", 2),
     ("node loss: round closed (s)", "node_loss.round_closed", 2),
+    ("node loss: round closed, first node to know (s)", "node_loss.first_closed", 2),
     ("node loss: workers started (s)", "node_loss.workers_started", 2),
     ("join: round closed (s)", "join.round_closed", 2),
     ("join: workers started (s)", "join.workers_started", 2),
@@ -102,6 +106,8 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("store-host loss: workers started (s)", "store_loss.workers_started", 2),
     ("store ops, node-loss re-form (all agents)", "round.ops", 0),
     ("store kB, node-loss re-form (all agents)", "round.kb", 1),
+    ("agent CPU, node-loss re-form (ms, median)", "round.agent_cpu_ms", 0),
+    ("CPU of all agents, node-loss re-form (s)", "round.cpu_s", 2),
     ("store ops/s, idle (all agents)", "idle.ops_per_s", 0),
     ("store kB/s, idle (all agents)", "idle.kb_per_s", 1),
     ("TCP connections per agent (median)", "idle.conns", 0),

@@ -135,7 +135,16 @@ class Job:
         return Phase(
             round_closed=max(formed) - since if ok and all(formed) else None,
             workers_started=max(started) - since if ok and all(started) else None,
+            first_closed=min(formed) - since if ok and all(formed) else None,
         )
+
+    def cpu_s(self) -> dict[str, float]:
+        """Each live agent's own CPU time so far (user + system; its workers apart)."""
+        out: dict[str, float] = {}
+        for node, pid in self.pids.items():
+            with contextlib.suppress(psutil.Error):
+                out[node] = sum(psutil.Process(pid).cpu_times()[:2])
+        return out
 
     def traffic(self) -> tuple[int, int]:
         """(operations, bytes both ways) of every agent's store client so far."""
@@ -197,11 +206,17 @@ def run_job(n: int, *, idle_s: float, timeout: float, keep_logs: str = "") -> di
             out["idle"] = job.idle(idle_s)
             if n < 3:
                 return out
-            before = job.traffic()
+            before, cpu_before = job.traffic(), job.cpu_s()
             fault = job.kill(f"n{n - 1}")
             out["node_loss"] = job.phase(fault, n - 1, timeout)
-            after = job.traffic()
-            out["round"] = RoundTraffic(ops=after[0] - before[0], bytes=after[1] - before[1])
+            after, cpu_after = job.traffic(), job.cpu_s()
+            spent = [cpu_after[a] - cpu_before[a] for a in cpu_after if a in cpu_before]
+            out["round"] = RoundTraffic(
+                ops=after[0] - before[0],
+                bytes=after[1] - before[1],
+                agent_cpu_ms=1000 * _median(spent),
+                cpu_s=sum(spent),
+            )
             time.sleep(1.0)
             joined = job.start(f"n{n}")
             out["join"] = job.phase(joined, n, timeout)

@@ -77,6 +77,10 @@ def test_the_harness_runs_three_real_agents_through_every_phase() -> None:
         "join: round closed (s)",
         "store-host loss: workers started (s)",
         "store ops, node-loss re-form (all agents)",
+        "node loss: round closed, first node to know (s)",
+        "CPU of all agents, node-loss re-form (s)",
     ):
         assert math.isfinite(float(rows[label])) and float(rows[label]) > 0, label
+    first = float(rows["node loss: round closed, first node to know (s)"])
+    assert first <= float(rows["node loss: round closed (s)"])
     assert float(rows["TCP connections per agent (median)"]) >= 2  # the store, a peer at least

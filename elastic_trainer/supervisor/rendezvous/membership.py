@@ -62,6 +62,7 @@ class MembershipWatch:
         self.addresses: dict[str, str] = {}  # member name -> its presence address
         self.store_host: str | None = None  # the member hosting the store (None: standalone)
         self._labels: dict[Any, str] = {}  # member -> its --node name (events name it so)
+        self._presence: dict[Any, str] = {}  # member -> its presence address, as published
 
     def open_presence(self, bind_host: str, key: JobKey) -> None:
         """Listen for peers and publish where (before the first join, so every member of a
@@ -115,16 +116,23 @@ class MembershipWatch:
         self.members = set(self._handler.participants())
         self._suspects, self._seen, self._confirmed_silent = set(), 0, set()
         self._next_check = self._clock() + self._dead_after  # their first beats are due
+        # A node's name and presence address never change (a node is one agent process):
+        # only new members' are read (every member read every member's after each round,
+        # N² reads per re-form).
+        self._labels = {n: a for n, a in self._labels.items() if n in self.members}
         with contextlib.suppress(Exception):  # names only: events fall back to ADDR:PID
-            self._labels = self._handler.node_labels(set(self.members))
+            if unnamed := self.members - self._labels.keys():
+                self._labels.update(self._handler.node_labels(unnamed))
         if self.peers is not None:
             others = self.members - {self._handler.this_node}
+            found = {n: a for n, a in self._presence.items() if n in others}
             try:
-                found = self._handler.presence_addresses(others)
+                if new := others - found.keys():
+                    found.update(self._handler.presence_addresses(new))
                 self.store_host = self._handler.store_host_member()
             except Exception as exc:
                 self._report_store_lost(exc)
-                found = {}
+            self._presence = found
             self.peers.watch({n: split_address(a) for n, a in found.items()})
             self.addresses = {member_name(n): a for n, a in found.items()}
             self.addresses[member_name(self._handler.this_node)] = self._address

@@ -712,6 +712,56 @@ def test_a_member_checks_the_heartbeats_of_the_two_next_members_only(tmp_path) -
     assert asked[-1] == {"node5", "node0"} and found == {"node5"}
 
 
+def test_a_new_round_reads_the_names_and_addresses_of_its_new_members_only(tmp_path) -> None:
+    """Every member read every member's name and presence address after each round: N²
+    reads per re-form. A node's never change: only a new member's are read."""
+    from elastic_trainer.contract.auth import JobKey
+    from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+
+    asked: list[tuple[str, set[str]]] = []
+    members = [{"node0", "node1", "node2"}]
+
+    class Handler:
+        this_node = "node0"
+        job_key = JobKey.generate()
+
+        def participants(self):
+            return set(members[0])
+
+        def node_labels(self, nodes):
+            asked.append(("labels", set(nodes)))
+            return {n: n.upper() for n in nodes}
+
+        def presence_addresses(self, nodes):
+            asked.append(("presence", set(nodes)))
+            return {n: "127.0.0.1:1" for n in nodes}  # nothing listens: lost, not read again
+
+        def publish_presence(self, address):
+            pass
+
+        def store_host_member(self):
+            return None
+
+    watch = MembershipWatch(Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0)
+    watch.open_presence("127.0.0.1", Handler.job_key)
+    try:
+        watch.round_formed()
+        members[0] = {"node0", "node1", "node2", "node3"}
+        watch.round_formed()
+        members[0] = {"node0", "node2", "node3"}
+        watch.round_formed()
+    finally:
+        watch.close()
+    assert asked == [
+        ("labels", {"node0", "node1", "node2"}),
+        ("presence", {"node1", "node2"}),
+        ("labels", {"node3"}),
+        ("presence", {"node3"}),
+    ]
+    assert watch.label("node3") == "NODE3"
+    assert len(watch.addresses) == 3  # the two others' and ours
+
+
 def test_a_peer_that_said_goodbye_is_leaving_not_silent_for_its_grace_period(tmp_path) -> None:
     """Regression: Ctrl-C of a TrainingSession node stopped its heartbeats at once, and after
     dead_after_s its peers re-formed without it (peer.silent, node_lost) while its workers

@@ -4,6 +4,7 @@ only members (who hold the job's secret) are held, however many others connect."
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import socket
@@ -220,6 +221,60 @@ def test_a_member_with_the_key_is_held(server) -> None:
     assert (server.refused, server.timed_out) == (0, 0)
     assert watch.watching() == {"b"} and watch.lost() == set()
     watch.close()
+
+
+def _local_ports(watch: PeerWatch) -> set[int]:
+    """The local ports of ``watch``'s connections: a new connection has a new one."""
+    ports = set()
+    for fd in watch.fds():
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            ports.add(sock.getsockname()[1])
+    return ports
+
+
+def test_a_member_of_the_next_round_too_keeps_its_connection(server) -> None:
+    """Every member connecting to every other after each round: N² connections and
+    handshakes per re-form. A peer watched again at the same address keeps its own."""
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", server.port)})
+    held(watch, lambda: server.held)
+    before = _local_ports(watch)
+    watch.watch({"b": ("127.0.0.1", server.port)})
+    assert _local_ports(watch) == before and server.held == 1
+    other = PresenceServer("127.0.0.1", KEY)
+    watch.watch({"b": ("127.0.0.1", other.port)})  # another address: another connection
+    held(watch, lambda: other.held)
+    assert _local_ports(watch).isdisjoint(before)
+    watch.watch({})
+    assert watch.watching() == set()
+    wait_until(lambda: server.held == 0 and other.held == 0, 10, "both closed")
+    other.close()
+    watch.close()
+
+
+def test_a_goodbye_from_the_last_round_is_not_carried_into_the_next(server) -> None:
+    """A straggler said goodbye and is a member of the next round again (it rejoined after
+    its cool-down) before our watch read the goodbye: it is watched, not gone."""
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", server.port)})
+    held(watch, lambda: server.held)
+    server.say_goodbye(presence.BYE_STRAGGLER)
+    assert select.select(watch.fds(), [], [], 10)[0], "the goodbye arrived"
+    watch.watch({"b": ("127.0.0.1", server.port)})
+    assert watch.watching() == {"b"}
+    held(watch, lambda: server.held)  # the new connection, answered
+    assert watch.lost() == set() and watch.left() == set() and watch.watching() == {"b"}
+    watch.close()
+
+
+def test_a_peer_gone_between_two_rounds_is_lost_in_the_next(peer) -> None:
+    watch = member()
+    watch.watch({"b": ("127.0.0.1", peer.port)})
+    held(watch, lambda: peer.figures()["held"])
+    peer.proc.send_signal(signal.SIGKILL)
+    peer.proc.wait(10)
+    watch.watch({"b": ("127.0.0.1", peer.port)})  # the round formed before it was seen gone
+    assert lost_within(watch, 10.0) == {"b"}
 
 
 def test_a_wrong_key_is_refused_and_its_peer_is_unknown(server) -> None:
