@@ -22,10 +22,21 @@ class StoreFailover:
         self._cfg = cfg
         self._membership = membership
         self._job_key = job_key  # a moved store holds the job's values, signed as before
+        self._host_of: tuple[Any, str] | None = None  # (a store, the node hosting it)
 
     def store_host(self, handler: Any) -> str | None:
+        """The node hosting the handler's store (None: standalone, or the store gone), read
+        once per store: it only changes when the store moves, to another store. Read after
+        every round, it was two more round trips for every agent before its workers start."""
         store = getattr(handler, "store", None)
-        return rendezvous.store_host(store, self._cfg.job_id) if store is not None else None
+        if store is None:
+            return None
+        if self._host_of is not None and self._host_of[0] is store:
+            return self._host_of[1]
+        host = rendezvous.store_host(store, self._cfg.job_id)
+        if host is not None:
+            self._host_of = (store, host)
+        return host
 
     def host_silent(self, host: str) -> None:
         """The member hosting the store stopped answering: gone (its closed connection) moves

@@ -165,6 +165,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if self.endpoint:  # ... and where it is now (snapshots' owner record: run_liveness)
             os.environ[protocol.ENV_RDZV_ENDPOINT] = self.endpoint
         self._known, self._dead = frozenset(self.participants()), frozenset()
+        # the join read the state whole: the first monitor pass after it need not again
+        self._state_read_at = self._state_checked_at = time.monotonic()
         self._forget_join_log()
         if self._static_rank is not None and self.store is not None:
             self._check_static_ranks(info.world_size)
