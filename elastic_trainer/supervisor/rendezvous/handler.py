@@ -51,8 +51,9 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
+from types import MappingProxyType
 from typing import Any
 
 from torch.distributed import PrefixStore
@@ -91,6 +92,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _mark_checked_at = -math.inf  # when num_nodes_waiting last read the round's mark
     _state_checked_at = -math.inf  # when a running member last asked if the state moved
     _state_read_at = -math.inf  # ... and last read it whole (``_running_state``)
+    _beats_seen: Mapping[Any, int | None] = MappingProxyType({})  # stale_peers' last read
+    _beats_seen_at_us = -math.inf  # ... and when (µs since the epoch)
     _mark_seen: tuple[int, int] = (-1, 0)  # ... of which round, and what it said
     _beating = False  # our heartbeat timer runs
     _lobby_round = -1  # the round whose join log we asked to be let in by (join_log)
@@ -620,19 +623,27 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
     def stale_peers(self, members: set[Any]) -> set[Any]:
         """Those of ``members`` (of our last round) that left it or stopped sending
-        heartbeats: their own heartbeat keys are read, not everyone's."""
+        heartbeats: their own heartbeat keys are read, not everyone's. A heartbeat that
+        changed since our last read, within the expiry, is a live node's however old its
+        time: on a machine starved of CPU (128 agents on two cores) beats were stamped,
+        then sent or served seconds late, and live nodes were reported silent. A frozen or
+        cut-off node's beat does not change."""
         state = self._running_state()
         others = members - {self.this_node}
         interval_s, attempts = torch_compat.keep_alive(self)
         expiry_us = interval_s * attempts * 1e6
         now_us = (datetime.now(timezone.utc) - _EPOCH) // timedelta(microseconds=1)
         beats = self.state_backend.beats(list(others)) if self.state_backend is not None else {}
+        seen = self._beats_seen if now_us - self._beats_seen_at_us < expiry_us else {}
+        self._beats_seen, self._beats_seen_at_us = dict(beats), now_us
         gone = set()
         for node in others:
             in_state = state.last_heartbeats.get(node)
             times = [(in_state - _EPOCH) // timedelta(microseconds=1)] if in_state else []
             times += [at] if (at := beats.get(node)) is not None else []
-            if node not in state.participants or not times or now_us - max(times) >= expiry_us:
+            moved = at is not None and seen.get(node, at) != at
+            expired = not times or now_us - max(times) >= expiry_us
+            if node not in state.participants or (expired and not moved):
                 gone.add(node)
         return gone
 

@@ -233,6 +233,21 @@ def test_a_member_reads_the_heartbeats_of_the_peers_it_watches_only(nodes, monke
     assert a.stale_peers({b.this_node}) == set()
 
 
+def test_a_heartbeat_that_moved_since_the_last_check_is_a_live_node_s(nodes, monkeypatch) -> None:
+    """On a machine starved of CPU, beats are stamped, then sent or served seconds late: a
+    live node's newest beat can be older than the expiry. One that changed since our last
+    read is alive; one that did not change is silent (frozen, cut off)."""
+    a, b = nodes(max_nodes=2), nodes(max_nodes=2)
+    form(a, b)
+    b._stop_heartbeats()
+    monkeypatch.setattr(rendezvous.torch_compat, "keep_alive", lambda handler: (0.5, 2))
+    wait_for(lambda: a.stale_peers({b.this_node}) == {b.this_node})  # its join: > 1 s ago
+    assert a.stale_peers({b.this_node}) == {b.this_node}  # nothing since: silent
+    a.state_backend.beat(b.this_node, 1_000_000)  # a beat arrives, stamped long ago
+    assert a.stale_peers({b.this_node}) == set()  # it moved: b lives
+    assert a.stale_peers({b.this_node}) == {b.this_node}  # and then nothing more
+
+
 def test_a_re_form_waits_for_no_missing_member_whose_heartbeat_ran_out(nodes) -> None:
     """Members watch only two others for silence; the round's opener may not be one of a
     silent member's watchers. Opening the next round, it does not wait for a missing
