@@ -483,18 +483,19 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         is never held on a guess."""
         if not nodes or self.state_backend is None:
             return set()
-        interval_s, attempts = torch_compat.keep_alive(self)
         try:
             beats = self.state_backend.beats(list(nodes))
         except Exception:
             return set()
         connected = set(self.connected_now()) if self.connected_now is not None else set()
         return decisions.alive_members(
-            beats,
-            connected,
-            now_us=(datetime.now(timezone.utc) - _EPOCH) // timedelta(microseconds=1),
-            expiry_us=interval_s * attempts * 1e6,
+            beats, connected, now_us=_us(datetime.now(timezone.utc)), expiry_us=self._expiry_us()
         )
+
+    def _expiry_us(self) -> float:
+        """How long a node's heartbeat stays fresh: keep-alive interval x attempts, in µs."""
+        interval_s, attempts = torch_compat.keep_alive(self)
+        return interval_s * attempts * 1e6
 
     def _wait_for_change(
         self, view: torch_compat.RoundView, *, bound_s: float | None = None, lobby: bool = False
@@ -567,8 +568,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         raised on the timer thread would end the heartbeats for good."""
         try:
             if self.state_backend is not None:
-                now = datetime.now(timezone.utc) - _EPOCH
-                self.state_backend.beat(self.this_node, now // timedelta(microseconds=1))
+                self.state_backend.beat(self.this_node, _us(datetime.now(timezone.utc)))
             else:
                 torch_compat.send_heartbeat(self)
         except Exception as exc:
@@ -630,16 +630,14 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         cut-off node's beat does not change."""
         state = self._running_state()
         others = members - {self.this_node}
-        interval_s, attempts = torch_compat.keep_alive(self)
-        expiry_us = interval_s * attempts * 1e6
-        now_us = (datetime.now(timezone.utc) - _EPOCH) // timedelta(microseconds=1)
+        expiry_us, now_us = self._expiry_us(), _us(datetime.now(timezone.utc))
         beats = self.state_backend.beats(list(others)) if self.state_backend is not None else {}
         seen = self._beats_seen if now_us - self._beats_seen_at_us < expiry_us else {}
         self._beats_seen, self._beats_seen_at_us = dict(beats), now_us
         gone = set()
         for node in others:
             in_state = state.last_heartbeats.get(node)
-            times = [(in_state - _EPOCH) // timedelta(microseconds=1)] if in_state else []
+            times = [_us(in_state)] if in_state else []
             times += [at] if (at := beats.get(node)) is not None else []
             moved = at is not None and seen.get(node, at) != at
             expired = not times or now_us - max(times) >= expiry_us
@@ -740,6 +738,13 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _us(at: datetime) -> int:
+    """``at`` in microseconds since the epoch (how heartbeat keys hold a time)."""
+    return (at - _EPOCH) // timedelta(microseconds=1)
+
+
 CHECKED_WAIT_S = 10.0  # how long a node waits for the others to see a --node-rank conflict
 
 # Under the round's own store prefix, apart from the keys torch's rank 0 already wrote.
