@@ -11,18 +11,23 @@ on rank 0), so the verdict looks at the last ``window`` steps: each rank's typic
 (the window's low median: more than half its steps at least this slow) over the others'
 typical compute. A slowdown is *detected* once that ratio reaches ``threshold`` (and the
 excess ``min_excess_s``, so the jitter of tiny steps never counts) for ``confirm`` steps in a
-row and for ``sustain_s`` of the group's steps (or ``sustain_steps`` of them, however short),
-and *recovered* once it falls below ``recover_below`` (hysteresis: a rank hovering at
+row, the slowdown has lasted ``sustain_s`` of the group's steps (or ``sustain_steps`` of them,
+however short) since it began, and most of its last ``confirm`` steps are still slow; it is
+*recovered* once the ratio falls below ``recover_below`` (hysteresis: a rank hovering at
 the threshold does not flap). On a noisy machine both bars rise: the ratio must also stand
 ``noise_z`` standard deviations of a window's median above 1, from the step-to-step noise
 the ranks show (measured over ``noise_steps``, at least two windows before any verdict).
 
 With a window of 14 a slowdown that starts at step s makes the window say slow at step s + 7
-(8 slow steps make the majority); it is reported 3 steps and 0.7 s later, or 14 steps later
-where steps are shorter than 50 ms: at step s + 9 to s + 20 on a quiet machine, within the
-20 steps the issue asks for (later only where the noise raises the bar). A single spike, or
-seven in fourteen, never makes the majority; a co-tenant that takes a shared core for under
-0.7 s (or 14 steps) is not reported.
+(8 slow steps make the majority); it is reported at s + 9 where 0.7 s has passed by then
+(steps of 70 ms or more) and at s + 15 at the latest where steps are shorter: within the 20
+steps the issue asks for on a quiet machine (later only where the noise raises the bar). A
+slowdown that comes and goes (a rank stopped on a duty cycle is slow in about two steps of
+three) makes the window's majority steps later, but its time is counted from where it began:
+its first slow step not behind three healthy ones in a row. A single spike, or seven in
+fourteen, never makes the majority; a co-tenant that takes a shared core for under 0.7 s (or
+16 steps) is not reported, nor is a burst that ended before then (the window says slow for
+half a window after it).
 
 Every rank runs this after every step, so its cost is per step and per rank of the group: the
 figures are kept as tensors (a window of steps by ranks) and each step is a fixed number of
@@ -48,10 +53,10 @@ class StragglerPolicy:
     # a moment makes a real 1.5-2x straggler for that moment, not one worth a report (0.7 s:
     # the shortest floor that left no report in 30-minute healthy runs, docs/benchmarks.md)
     sustain_s: float = 0.7
-    # ... or for this many steps, however short: a slowdown is reported within 20 steps of its
-    # onset (the window says slow from its 8th slow step, onset + 7, to onset + 20); fewer let
-    # co-tenants' bursts through at steps of ~60 ms (docs/benchmarks.md#stragglers)
-    sustain_steps: int = 14
+    # ... or for this many steps, however short (both counted from where the slowdown began): it
+    # is reported within 20 steps of its onset; fewer let co-tenants' bursts through at steps of
+    # ~60 ms (docs/benchmarks.md#stragglers)
+    sustain_steps: int = 16
     min_excess_s: float = 0.002  # a smaller median excess over the others is jitter
     warmup_steps: int = 5  # an attempt's first steps (lazy start-up, DDP's bucket rebuild)
     # a slowdown must also stand this many standard deviations of a window's median above the
@@ -108,8 +113,10 @@ class Watch:
     steps: tuple[int, ...] = ()  # the step of each row
     flagged: Mapping[int, Straggler] = field(default_factory=dict)
     slow_streak: torch.Tensor = field(default=_EMPTY)  # (ranks,): steps the window said slow
-    slow_s: torch.Tensor = field(default=_EMPTY)  # (ranks,): ... and those steps' time
     onset: torch.Tensor = field(default=_EMPTY)  # (ranks,): its slow run's first step, or -1
+    # (ranks,): where the slowdown began, its intermittent steps counted too, or -1 ...
+    began: torch.Tensor = field(default=_EMPTY)
+    slow_s: torch.Tensor = field(default=_EMPTY)  # ... and the group's time since then
     # each step's noise: the median over ranks of a rank's change since its previous step
     # (|c_t / c_t-1 - 1|: a steady straggler adds none, and at two ranks it still tells)
     noise: torch.Tensor = field(default=_EMPTY)
@@ -141,25 +148,35 @@ def observe(
     }
     noise = torch.cat([watch.noise, _change(watch.compute, now)])[-policy.noise_steps :]
     limit = slow_limit(noise, policy)
-    typical, excess = _window_ratios(compute)
     full = len(steps) >= policy.window and len(noise) >= 2 * policy.window
+    typical, excess = _window_ratios(compute)
     slow = (typical >= limit) & (excess >= policy.min_excess_s) & full
     before = watch.slow_streak if watch.slow_streak.numel() else torch.zeros_like(now)
     streak = torch.where(slow, before + 1, 0.0)
-    # a step's time, the same on every rank: its slowest compute (the step waits for it)
-    before_s = watch.slow_s if watch.slow_s.numel() else torch.zeros_like(now)
-    slow_s = torch.where(slow, before_s + ordered[-1], 0.0)
-    lasted = (slow_s >= policy.sustain_s) | (streak >= policy.sustain_steps)
-    sustained = (streak >= policy.confirm) & lasted
-    # a slow run's onset, found as the window first says slow (it may have moved past it by
-    # the time the run has lasted ``sustain_s``), among the steps that made its majority: the
-    # healthy steps before them are where a busy machine's blips would pass for the start
+    # a slow run's onset, found as the window first says slow, among the steps that made its
+    # majority: the healthy steps before them are where a busy machine's blips would pass for
+    # the start
     kept_onset = watch.onset if watch.onset.numel() else torch.full_like(now, -1, dtype=torch.long)
     onset = torch.where(streak > 0, kept_onset, -1)
+    # ... and where the slowdown began, over the whole window: a rank stopped on a duty cycle is
+    # slow in about two steps of three, so its window's majority comes steps after the start
+    kept_began = watch.began if watch.began.numel() else torch.full_like(now, -1, dtype=torch.long)
+    began = torch.where(streak > 0, kept_began, -1)
+    # ... and the group's time since then (each step's slowest compute: the step waits for it)
+    before_s = watch.slow_s if watch.slow_s.numel() else torch.zeros_like(now)
+    slow_s = torch.where(slow, before_s + ordered[-1], 0.0)
     if (new := torch.nonzero(streak == 1).flatten()).numel():
         majority = policy.window // 2 + 1
-        found = _onsets(steps[-majority:], ratios[-majority:, new], limit)
-        onset[new] = found  # a new tensor: torch.where made it
+        onset[new] = _onsets(steps[-majority:], ratios[-majority:, new], limit)
+        began[new] = _onsets(steps, ratios[:, new], limit, gap=3)
+        since = torch.tensor(steps)[:, None] >= began[new][None, :]
+        slow_s[new] = (compute.amax(1)[:, None] * since).sum(0)
+    # reported once it has lasted ``sustain_s`` (or ``sustain_steps``) since it began and is
+    # still there: most of the last ``confirm`` steps slow (after a burst ends the window says
+    # slow for half a window more)
+    lasted = (slow_s >= policy.sustain_s) | (step - began + 1 >= policy.sustain_steps)
+    still = torch.median(ratios[-policy.confirm :], dim=0).values >= limit
+    sustained = (streak >= policy.confirm) & lasted & still
     judged = set(flagged) | set(torch.nonzero(sustained).flatten().tolist())
     verdicts: list[Verdict] = []
     for rank in sorted(judged):
@@ -174,7 +191,7 @@ def observe(
             del flagged[rank]
     out = Watch(
         compute=compute, ratio=ratios, steps=steps, flagged=flagged, slow_streak=streak,
-        slow_s=slow_s, onset=onset, noise=noise, steps_seen=seen, waited_s=waited,
+        slow_s=slow_s, onset=onset, began=began, noise=noise, steps_seen=seen, waited_s=waited,
     )  # fmt: skip
     return out, verdicts
 
@@ -261,18 +278,22 @@ def _judge(
     return Verdict(DETECTED, Straggler(rank, onset, step, round(ratio, 3)), step)
 
 
-def _onsets(steps: tuple[int, ...], ratios: torch.Tensor, threshold: float) -> torch.Tensor:
+def _onsets(
+    steps: tuple[int, ...], ratios: torch.Tensor, threshold: float, gap: int = 2
+) -> torch.Tensor:
     """Each rank's first step of the slow run that ends the window (``ratios``: steps x ranks):
-    back from the newest step until two healthy steps in a row (one healthy step inside a
+    back from the newest step until ``gap`` healthy steps in a row (one healthy step inside a
     slowdown is noise, an earlier slow blip apart from it is not its onset); the newest step
     where the run has no slow step. Tensor operations over all ranks at once."""
     n = len(steps)
     slow = ratios >= threshold
-    rows = torch.arange(n)[:, None]
-    healthy_pair = ~slow[:-1] & ~slow[1:]  # row j: steps j and j + 1 both healthy
-    last_pair = torch.where(healthy_pair, rows[:-1], -1).amax(0) if n > 1 else None
     start = torch.zeros(ratios.shape[1], dtype=torch.long)
-    if last_pair is not None:
-        start = torch.where(last_pair >= 0, last_pair + 2, 0)
+    if n >= gap:
+        # row j: steps j to j + gap - 1 all healthy
+        healthy_run = (~slow).to(torch.long).unfold(0, gap, 1).sum(-1) == gap
+        rows = torch.arange(n - gap + 1)[:, None]
+        last_run = torch.where(healthy_run, rows, -1).amax(0)
+        start = torch.where(last_run >= 0, last_run + gap, 0)
+    rows = torch.arange(n)[:, None]
     first = torch.where(slow & (rows >= start), rows, n).amin(0)
     return torch.tensor(steps)[first.clamp(max=n - 1)]

@@ -53,40 +53,62 @@ def test_a_slowdown_from_the_first_step_is_detected_once_the_window_is_full():
     _, verdicts = run([[BASE, BASE, BASE * 2]] * 40)
     (detected,) = verdicts
     assert detected.straggler.rank == 2
-    # the noise is measured over two windows first; then the window says slow for
-    # ``confirm`` steps and ``sustain_s`` seconds (steps of 2 x BASE: the group waits for it)
-    said_slow = max(POLICY.confirm, math.ceil(POLICY.sustain_s / (2 * BASE)))
-    assert detected.step == POLICY.warmup_steps + 2 * POLICY.window + said_slow
+    # the noise is measured over two windows first; the whole window is slow by then (far more
+    # than ``sustain_s``), so the window saying slow for ``confirm`` steps is all it takes
+    assert detected.step == POLICY.warmup_steps + 2 * POLICY.window + POLICY.confirm
 
 
 def test_a_short_burst_at_short_steps_is_not_reported():
-    # a co-tenant takes one rank's shared core for 0.7 s: 1.6x for 9 steps of 50 ms
-    steps = [[0.05] * 3] * LEAD + [[0.05, 0.08, 0.05]] * 9 + [[0.05] * 3] * 30
+    # a co-tenant takes one rank's shared core for 0.58 s: 1.6x for 12 steps of 30 ms
+    steps = [[0.03] * 3] * LEAD + [[0.03, 0.048, 0.03]] * 12 + [[0.03] * 3] * 30
     assert run(steps)[1] == []
-    # the same burst, counted in steps alone, would be
-    _, verdicts = run(steps, StragglerPolicy(sustain_s=0))
+    # the same burst, with no time or step count to last, would be
+    _, verdicts = run(steps, StragglerPolicy(sustain_s=0, sustain_steps=POLICY.confirm))
     assert [(v.kind, v.straggler.rank) for v in verdicts] == [(DETECTED, 1), (RECOVERED, 1)]
 
 
+@pytest.mark.parametrize("burst", [POLICY.sustain_steps - 2, POLICY.sustain_steps + 1])
+def test_a_burst_that_ended_before_it_lasted_is_not_reported(burst):
+    # the window says slow for half a window after a burst ends: by the time the run has lasted
+    # ``sustain_steps`` a burst two steps shorter is over, one a step longer is not
+    steps = [[0.03] * 3] * LEAD + [[0.03, 0.036, 0.03]] * burst + [[0.03] * 3] * 30
+    _, verdicts = run(steps)
+    reported = [(v.kind, v.straggler.rank) for v in verdicts]
+    assert reported == ([] if burst < POLICY.sustain_steps else [(DETECTED, 1), (RECOVERED, 1)])
+
+
 @pytest.mark.parametrize(
-    ("healthy_s", "slow_s", "said_slow"),
+    ("healthy_s", "slow_s", "lasted"),
     [
         (0.1, 0.15, 5),  # 0.7 s of slow steps: 5 of 150 ms
-        (0.03, 0.036, POLICY.sustain_steps),  # 0.7 s would be 20 steps: 14 bound the delay
+        (0.03, 0.036, POLICY.sustain_steps),  # 0.7 s would be 20 steps: 16 bound the delay
     ],
 )
-def test_a_lasting_slowdown_is_reported_after_sustain_s_or_sustain_steps(
-    healthy_s, slow_s, said_slow
-):
+def test_a_lasting_slowdown_is_reported_after_sustain_s_or_sustain_steps(healthy_s, slow_s, lasted):
     onset = LEAD + 1
     steps = [[healthy_s] * 3] * LEAD + [[healthy_s, slow_s, healthy_s]] * 40
     (detected,) = run(steps)[1]
     assert detected.straggler.rank == 1
-    assert said_slow == min(POLICY.sustain_steps, math.ceil(POLICY.sustain_s / slow_s))
-    # the window says slow from the 8th slow step (onset + 7) on
-    assert detected.step == onset + 7 + said_slow - 1 <= onset + 20
+    assert lasted == min(POLICY.sustain_steps, math.ceil(POLICY.sustain_s / slow_s))
+    # counted from the onset; the window says slow from the 8th slow step (onset + 7) on, and
+    # then for ``confirm`` steps
+    said_slow = onset + 7 + POLICY.confirm - 1
+    assert detected.step == max(said_slow, onset + lasted - 1) <= onset + 20
     # the onset, though the window may have moved past it by then
     assert detected.straggler.since_step == onset
+
+
+# a rank stopped and continued on a duty cycle (a hypervisor's steal, a swapping neighbour):
+# slow in about two steps of three, never for long in a row (one recorded in the e2e test)
+DUTY_CYCLE = "XXXXX.X..XX.XX.XXX.XXX.XXXXX.XX.XXX..XXX.XX.X"
+
+
+def test_a_duty_cycled_slowdown_of_short_steps_is_named_within_20_steps():
+    onset = LEAD + 1
+    slowed = [[0.015, 0.06 if at == "X" else 0.015, 0.015] for at in DUTY_CYCLE]
+    (detected,) = run([[0.015] * 3] * LEAD + slowed)[1]
+    assert detected.straggler.rank == 1
+    assert 0 <= detected.step - onset <= 20
 
 
 def test_recovery_is_reported_once_the_median_ratio_falls_below_recover_below():
@@ -175,21 +197,22 @@ def test_a_policy_that_cannot_work_is_refused(kwargs):
         StragglerPolicy(**kwargs)
 
 
-def _onset_step_by_step(steps, ratios, threshold):
-    """The onset by its definition: back from the newest step until two healthy steps in a
-    row; the earliest slow step passed on the way (the newest step if none)."""
+def _onset_step_by_step(steps, ratios, threshold, gap):
+    """The onset by its definition: back from the newest step until ``gap`` healthy steps in
+    a row; the earliest slow step passed on the way (the newest step if none)."""
     onset, healthy = steps[-1], 0
     for at, ratio in zip(reversed(steps), reversed(ratios), strict=True):
         if ratio >= threshold:
             onset, healthy = at, 0
         else:
             healthy += 1
-            if healthy == 2:
+            if healthy == gap:
                 break
     return onset
 
 
-def test_the_onsets_of_all_ranks_at_once_are_each_ranks_onset_by_its_definition():
+@pytest.mark.parametrize("gap", [2, 3])
+def test_the_onsets_of_all_ranks_at_once_are_each_ranks_onset_by_its_definition(gap):
     rng = random.Random(3)
     for _ in range(200):
         n, ranks = rng.randint(1, 14), rng.randint(1, 6)
@@ -198,8 +221,8 @@ def test_the_onsets_of_all_ranks_at_once_are_each_ranks_onset_by_its_definition(
             [[rng.choice([1.0, 1.0, 1.5]) for _ in range(ranks)] for _ in range(n)],
             dtype=torch.float64,
         )
-        got = stragglers._onsets(steps, ratios, 1.1).tolist()
-        want = [_onset_step_by_step(steps, ratios[:, r].tolist(), 1.1) for r in range(ranks)]
+        got = stragglers._onsets(steps, ratios, 1.1, gap).tolist()
+        want = [_onset_step_by_step(steps, ratios[:, r].tolist(), 1.1, gap) for r in range(ranks)]
         assert got == want, (ratios, got, want)
 
 
