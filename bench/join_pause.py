@@ -1,17 +1,17 @@
 """A node joins a running job: how long the running group pauses, on its own step clock.
 
 A job of bench/_session_worker.py (a gloo all-reduce per 0.1 s step, ``TrainingSession`` at its
-defaults) trains on two nodes (two launchers on 127.0.0.1, one worker each, ``--max-nodes
-3``); a third node starts; the run ends once the job has trained a while at world size 3.
-From the workers' audit rows (each step's first completion): the longest gap between two
-consecutive steps within 10 steps of the first step at world size 3, the median step at world
-size 2, and **pause** = gap - step. Beside it what the running nodes' supervisors reported
-(``group.handed_over``: ``stop_s``, and ``pause_s`` where the version has it), and where the
-gap went: from the old group's last step to the supervisor's hand-over event and to the new
-workers' ``restored`` marker (their ``TrainingSession`` built: restore included), then the
-first step. Medians over ``--repeats`` runs, each a fresh job.
+defaults) trains on ``--running`` nodes (2 by default: launchers on 127.0.0.1, one worker each,
+``--max-nodes`` one more); one more node starts; the run ends once the job has trained a while
+at the larger world size. From the workers' audit rows (each step's first completion): the
+longest gap between two consecutive steps within 10 steps of the first step at the new size,
+the median step at the old one, and **pause** = gap - step. Beside it what the running
+nodes' supervisors reported (``group.handed_over``: ``stop_s``, and ``pause_s`` where the
+version has it), and where the gap went: from the old group's last step to the supervisor's
+hand-over event and to the new workers' ``restored`` marker (their ``TrainingSession`` built:
+restore included), then the first step. Medians over ``--repeats`` runs, each a fresh job.
 
-    python bench/join_pause.py [--repeats 5] [--keep-logs DIR] [--json PATH]
+    python bench/join_pause.py [--repeats 5] [--running 2] [--keep-logs DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ STEPS_AFTER = 20  # steps at world size 3 before the run ends
 TIMEOUT_S = 240.0
 
 
-def cmd(port: int, node: str, tmp: Path) -> list[str]:
-    return [sys.executable, "-m", "elastic_trainer", "--min-nodes", "1", "--max-nodes", "3",
+def cmd(port: int, node: str, tmp: Path, max_nodes: int) -> list[str]:
+    return [sys.executable, "-m", "elastic_trainer", "--min-nodes", "1",
+            "--max-nodes", str(max_nodes),
             "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--job-id", "join", "--snapshot-dir", str(tmp / "snap"), "--log-format", "json",
             "--log-file", str(tmp / f"{node}.jsonl"), "--node", node, WORKERS["session"],
@@ -49,12 +50,13 @@ def cmd(port: int, node: str, tmp: Path) -> list[str]:
             "--markers", str(tmp / "markers")]  # fmt: skip
 
 
-def start(port: int, node: str, tmp: Path) -> subprocess.Popen:
+def start(port: int, node: str, tmp: Path, max_nodes: int) -> subprocess.Popen:
     (tmp / "snap").mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOGLEVEL="INFO")  # as users run: no OMP tuning
     env.pop("OMP_NUM_THREADS", None)
     log = open(tmp / f"{node}.out", "wb")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(cmd(port, node, tmp), env=env, stdout=log, stderr=subprocess.STDOUT)
+    argv = cmd(port, node, tmp, max_nodes)
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _text(path: Path) -> str:
@@ -63,41 +65,48 @@ def _text(path: Path) -> str:
     return ""
 
 
-def one_run(keep_logs: str) -> dict:
+def node_names(running: int) -> list[str]:
+    """The running nodes' names, then the joining node's."""
+    return [f"n{i}" for i in range(running + 1)]
+
+
+def one_run(keep_logs: str, running: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-join-") as tmpdir:
         tmp = Path(tmpdir)
         audit = tmp / "audit"
         port = free_port()
-        procs = [start(port, "a", tmp)]
+        *first, joiner = node_names(running)
+        procs = [start(port, first[0], tmp, running + 1)]
         try:
             if not wait_until(lambda: listening(port), 60):
                 raise RuntimeError("the first node never hosted the store")
-            procs.append(start(port, "b", tmp))
+            procs += [start(port, node, tmp, running + 1) for node in first[1:]]
             rows = lambda: parse_audit(_text(audit))  # noqa: E731
-            if not wait_until(lambda: any(r[2] == 2 and r[0] >= JOIN_AFTER_STEP
+            if not wait_until(lambda: any(r[2] == running and r[0] >= JOIN_AFTER_STEP
                                           for r in rows()), TIMEOUT_S):  # fmt: skip
-                raise RuntimeError("never trained at world size 2")
+                raise RuntimeError(f"never trained at world size {running}")
             joined = time.time()
-            procs.append(start(port, "c", tmp))
+            procs.append(start(port, joiner, tmp, running + 1))
 
             def grown() -> bool:
-                at3 = [r[0] for r in rows() if r[2] == 3]
-                return bool(at3) and max(at3) - min(at3) >= STEPS_AFTER
+                after = [r[0] for r in rows() if r[2] == running + 1]
+                return bool(after) and max(after) - min(after) >= STEPS_AFTER
 
             if not wait_until(grown, TIMEOUT_S):
-                raise RuntimeError("never trained at world size 3")
-            return measure(tmp, joined)
+                raise RuntimeError(f"never trained at world size {running + 1}")
+            return measure(tmp, joined, first)
         finally:
             stop_all(procs)
             if keep_logs:
                 shutil.copytree(tmp, Path(keep_logs) / f"join-{int(time.time())}")
 
 
-def measure(tmp: Path, joined: float) -> dict:
-    p = join_pause(parse_audit(_text(tmp / "audit")), 2, 3)
+def measure(tmp: Path, joined: float, running_nodes: list[str]) -> dict:
+    n = len(running_nodes)
+    p = join_pause(parse_audit(_text(tmp / "audit")), n, n + 1)
     if p is None:
         raise RuntimeError("no join in the audit rows")
-    events = [e for node in ("a", "b") for e in parse_events(_text(tmp / f"{node}.jsonl"))]
+    events = [e for node in running_nodes for e in parse_events(_text(tmp / f"{node}.jsonl"))]
     handed = [e for e in events if e["event"] == "group.handed_over" and e["_t"] > joined]
     restored = [t for n, t in parse_markers(_text(tmp / "markers"))
                 if n == "restored" and t > p.last_old_t]  # fmt: skip
@@ -132,22 +141,26 @@ def table(runs: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--running", type=int, default=2, help="nodes training before the join")
     ap.add_argument("--keep-logs", default="")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.running < 1:
+        ap.error("--running must be >= 1")
     runs = []
     for i in range(args.repeats):
         try:
-            runs.append(one_run(args.keep_logs))
+            runs.append(one_run(args.keep_logs, args.running))
         except RuntimeError as exc:
             print(f"  run {i + 1}: {exc}", file=sys.stderr)
             continue
         print(f"  run {i + 1}: " + " ".join(f"{k}={v}" for k, v in runs[-1].items()),
               file=sys.stderr)  # fmt: skip
     print(
-        f"\nJoin pause: 2 -> 3 nodes, {STEP_TIME_S} s steps; seconds; the group's own step "
+        f"\nJoin pause: {args.running} -> {args.running + 1} nodes, {STEP_TIME_S} s steps; "
+        "seconds; the group's own step "
         "clock (audit rows); reported: group.handed_over on the running nodes\n"
     )
     print(table(runs))

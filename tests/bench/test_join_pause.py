@@ -39,3 +39,9 @@ def test_a_slow_step_just_before_the_join_is_part_of_its_pause() -> None:
 def test_a_step_is_timed_by_its_first_rank_and_no_join_is_none() -> None:
     assert step_clock(group(1, 2, 2, start=1.0)) == [(1, 2, 1.0), (2, 2, pytest.approx(1.1))]
     assert join_pause(group(1, 40, 2, start=10.0), 2, 3) is None
+
+
+def test_the_running_nodes_are_named_before_the_joining_one() -> None:
+    from join_pause import node_names
+
+    assert node_names(4) == ["n0", "n1", "n2", "n3", "n4"]
