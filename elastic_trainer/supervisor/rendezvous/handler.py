@@ -625,9 +625,10 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         """Those of ``members`` (of our last round) that left it or stopped sending
         heartbeats: their own heartbeat keys are read, not everyone's. A heartbeat that
         changed since our last read, within the expiry, is a live node's however old its
-        time: on a machine starved of CPU (128 agents on two cores) beats were stamped,
-        then sent or served seconds late, and live nodes were reported silent. A frozen or
-        cut-off node's beat does not change."""
+        time: a beat stamped, then delivered late (a busy store, a loaded client) still
+        moves the key. A frozen or cut-off node's beat does not change; nor does a live
+        node's whose heartbeat thread gets no CPU for the expiry (docs/benchmarks.md: 128
+        agents on two cores)."""
         state = self._running_state()
         others = members - {self.this_node}
         expiry_us, now_us = self._expiry_us(), _us(datetime.now(timezone.utc))
