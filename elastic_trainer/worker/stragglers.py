@@ -181,6 +181,7 @@ def observe(
     verdicts: list[Verdict] = []
     for rank in sorted(judged):
         verdict = _judge(rank, int(onset[rank]), flagged.get(rank), float(typical[rank]),
+                         _slowdown_since(steps, ratios[:, rank], int(onset[rank])),
                          bool(sustained[rank]), step, limit, policy)  # fmt: skip
         if verdict is None:
             continue
@@ -262,11 +263,13 @@ def _judge(
     onset: int,
     flagged: Straggler | None,
     ratio: float,
+    slowdown: float,
     sustained: bool,
     step: int,
     limit: float,
     policy: StragglerPolicy,
 ) -> Verdict | None:
+    """``ratio``: the window's (what recovery is judged by); ``slowdown``: since the onset."""
     if flagged is not None:
         # on a noisy machine the bar to recover rises with the bar to detect
         recover = max(policy.recover_below, 1 + (limit - 1) * 0.5)
@@ -275,7 +278,16 @@ def _judge(
         return None
     if not sustained:
         return None
-    return Verdict(DETECTED, Straggler(rank, onset, step, round(ratio, 3)), step)
+    return Verdict(DETECTED, Straggler(rank, onset, step, round(slowdown, 3)), step)
+
+
+def _slowdown_since(steps: tuple[int, ...], ratios: torch.Tensor, onset: int) -> float:
+    """The median of one rank's step ratios from ``onset`` on: how much slower it is. Not the
+    window's median: a window turns slow with just over half its steps slow, and its median is
+    then the rank's slowest step *before* the onset over the others' (a 4x straggler named
+    beside a busy neighbour read 1.23, under an eviction threshold of 1.3)."""
+    since = torch.tensor(steps) >= onset
+    return float(torch.median(ratios[since])) if bool(since.any()) else float(ratios[-1])
 
 
 def _onsets(
