@@ -7,7 +7,30 @@ import os
 import pytest
 import torch.distributed as dist
 
+from tests import machine_share
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, before it starts a worker: where the workers' machine locks are."""
+    if not hasattr(node.config, "machine_share_dir"):
+        node.config.machine_share_dir = machine_share.make_folder()
+    node.workerinput[machine_share.WORKER_INPUT_KEY] = node.config.machine_share_dir
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "machine_share_dir"):
+        machine_share.remove_folder(config.machine_share_dir)
+
+
+# outside pytest-timeout's hook: the wait for the machine is not the test's time
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    folder = getattr(item.config, "workerinput", {}).get(machine_share.WORKER_INPUT_KEY)
+    with machine_share.turn(folder, alone=item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 
 from tests.dist import spawning, straggler_fsdp_workers
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(120)]
 
 WORLD = 3
 SLOW_RANK = 1

@@ -26,7 +26,7 @@ from tests.e2e.workers.harness import (
     wait_new,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(300)]
 
 WORKER = str(HERE / "straggler_worker.py")
 STEPS, ONSET = 240, 40

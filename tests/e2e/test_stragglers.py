@@ -18,7 +18,7 @@ import pytest
 from tests.e2e.workers.harness import HERE, env_with, free_port, listening, start_agent, wait_for
 from tests.e2e.workers.slowness import CpuQuota, duty_cycle
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(300)]
 
 WORKER = str(HERE / "straggler_worker.py")
 NODES = ("a", "b", "c")
