@@ -149,6 +149,9 @@ class EventFeed(logging.Handler):
 # that does not send its request in time is dropped. Prometheus scrapes one at a time.
 MAX_CONNECTIONS = 16
 REQUEST_TIMEOUT_S = 5.0
+# the longest a new connection waits for an evicted reader's thread to end (the accept loop
+# waits with it; a thread whose socket was shut ends as soon as it is scheduled)
+EVICTED_EXIT_S = 1.0
 
 _log = logging.getLogger(__name__)
 
@@ -221,6 +224,12 @@ class _Server(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._state:
             self.accepted += 1
+            self._state.notify_all()
+            # at twice the cap the rest are evicted readers on their way out (their sockets
+            # shut): a moment for one to end, so that a scrape in a flood is answered
+            self._state.wait_for(
+                lambda: len(self._live) < 2 * self.max_connections, timeout=EVICTED_EXIT_S
+            )
             admitted = self._admit(request)
             self._state.notify_all()
         if not admitted:

@@ -155,6 +155,39 @@ def test_a_flood_of_half_requests_is_bounded_and_a_scrape_still_answers(capfd) -
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_scrape_while_evicted_readers_are_still_on_their_way_out_is_answered() -> None:
+    """At twice the cap every connection beyond it is an evicted reader whose thread has not
+    ended yet (on a busy machine it may take a moment to be scheduled). A scrape then waits for
+    one to end instead of being closed unanswered (CI: a scrape in a flood got no answer)."""
+    server = S.serve(S.SupervisorMetrics(), "127.0.0.1", 0, max_connections=2)
+    port = server.server_address[1]
+    # the cap's two readers still sending their requests, and two evicted threads not yet gone
+    pairs = [socket.socketpair() for _ in range(2)]
+    readers = [ours for ours, _ in pairs]
+    leaving = [object() for _ in range(2)]
+    try:
+        with server._state:
+            server._live.update([*readers, *leaving])
+            server._reading.update(dict.fromkeys(readers))
+        replies: list = []
+        scrape = threading.Thread(target=lambda: replies.append(_get(port, "/metrics")))
+        scrape.start()
+        assert server.wait_for(lambda: server.accepted == 1, timeout=10)
+        server._release(leaving[0])  # one of them ends: room for the scrape
+        scrape.join(20)
+        assert replies and replies[0][0] == 200
+        assert server.rejected == 0
+        assert server.evicted == 1  # the oldest reader made room, as in any flood
+    finally:
+        for gone in [*readers, *leaving]:
+            server._release(gone)
+        for pair in pairs:
+            for end in pair:
+                end.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_request_not_sent_in_time_is_dropped_and_counted(capfd) -> None:
     server = S.serve(S.SupervisorMetrics(), "127.0.0.1", 0, request_timeout_s=0.2)
     try:
