@@ -23,6 +23,7 @@ import dataclasses
 import hmac
 import ipaddress
 import os
+import select
 import selectors
 import socket
 import threading
@@ -79,6 +80,7 @@ MAX_PENDING = 128  # a member's answer waits at most for its next connect (2 s, 
 MAX_CONNECTIONS = 512  # members; with the pending ones, well below the common 1,024 files
 ACCEPT_BACKOFF_S = 0.1  # no file left for an accept: try again after this
 _PREFIX = VERSION + b" "
+_PEEK = socket.MSG_DONTWAIT | socket.MSG_PEEK  # how lost() reads a connection's first byte
 
 
 def challenge(nonce: bytes) -> bytes:
@@ -311,6 +313,10 @@ class PeerWatch:
     def __init__(self, key: JobKey, member: str) -> None:
         self._key, self._member = key, member  # what we answer challenges with, as whom
         self._links: dict[Any, _Link] = {}
+        # every link's socket, for ``lost()``: the kernel says which turned readable (a
+        # goodbye, EOF or reset), so a check of N open links is one call, not N reads
+        self._poller = select.poll()
+        self._node_of: dict[int, Any] = {}  # fd -> node
         self._lost: set[Any] = set()
         self._left: set[Any] = set()
         self._stragglers: set[Any] = set()  # of ``_left``: left as stragglers
@@ -341,6 +347,8 @@ class PeerWatch:
                 continue  # unreachable or slow: unknown, the heartbeat expiry decides
             sock.setblocking(False)  # from here on, only what has arrived is read
             self._links[node] = _Link(sock, tuple(address))  # type: ignore[arg-type]
+            self._poller.register(sock, select.POLLIN)
+            self._node_of[sock.fileno()] = node
         self._answer_all(ANSWER_WAIT_S)
 
     def _answer_all(self, wait_s: float) -> None:
@@ -391,7 +399,10 @@ class PeerWatch:
 
     def _end(self, node: Any, into: set[Any] | None) -> None:
         """Stop watching ``node``; ``into``: lost or left, None when unknown."""
-        self._links.pop(node).sock.close()
+        sock = self._links.pop(node).sock
+        self._poller.unregister(sock)
+        del self._node_of[sock.fileno()]
+        sock.close()
         if into is not None:
             into.add(node)
 
@@ -404,15 +415,20 @@ class PeerWatch:
 
     def lost(self) -> set[Any]:
         """Peers whose connection was closed or reset (read without blocking); one their port
-        turned away is no longer watched, and not lost."""
-        for node, link in list(self._links.items()):
+        turned away is no longer watched, and not lost. Only connections with something to
+        read are read: an open, quiet one is a live peer."""
+        for fd, _ in self._poller.poll(0):
+            node = self._node_of.get(fd)
+            if node is None:  # ended by an earlier entry of this list
+                continue
+            link = self._links[node]
             if not link.answered:
                 self._greet(node)
                 continue
             try:
-                data: bytes | None = link.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+                data: bytes | None = link.sock.recv(1, _PEEK)
             except (BlockingIOError, InterruptedError, TimeoutError):
-                continue  # open, nothing to read: alive
+                continue  # woken, nothing to read after all: alive
             except OSError:
                 data = None  # reset
             if data in GOODBYES:
@@ -443,9 +459,8 @@ class PeerWatch:
         return set(self._links)
 
     def close(self) -> None:
-        for link in self._links.values():
-            link.sock.close()
-        self._links.clear()
+        for node in list(self._links):
+            self._end(node, None)
         self._lost.clear()
         self._left.clear()
         self._stragglers.clear()

@@ -171,6 +171,39 @@ def test_a_straggler_s_goodbye_says_why_it_leaves() -> None:
         slow.say_goodbye(b"x")
 
 
+def test_peers_ending_in_one_check_are_told_apart_and_a_new_watch_sees_its_own() -> None:
+    """``lost()`` reads only the connections the kernel reports readable: a loss and a
+    goodbye that arrive together are each named, the quiet peers are left alone, and a
+    peer watched later (whose connection may take a freed descriptor) is seen in turn."""
+    quiet, leaving = PresenceServer("127.0.0.1", KEY), PresenceServer("127.0.0.1", KEY)
+    first, second = Peer(), Peer()
+    try:
+        watch = member()
+        watch.watch(
+            {
+                "quiet": ("127.0.0.1", quiet.port),
+                "leaving": ("127.0.0.1", leaving.port),
+                "killed": ("127.0.0.1", first.port),
+            }
+        )
+        held(watch, lambda: quiet.held + leaving.held + first.figures()["held"], count=3)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        leaving.close()  # says goodbye
+        wait_until(lambda: watch.lost() and watch.watching() == {"quiet"}, 10, "both ended")
+        assert watch.lost() == {"killed"} and watch.left() == {"leaving"}
+        watch.watch({"quiet": ("127.0.0.1", quiet.port), "new": ("127.0.0.1", second.port)})
+        assert watch.watching() == {"quiet", "new"} and watch.lost() == set()
+        second.proc.send_signal(signal.SIGKILL)
+        assert lost_within(watch, 10.0) == {"new"}
+        assert watch.watching() == {"quiet"} and quiet.held == 1
+    finally:
+        for peer in (first, second):
+            peer.proc.kill()
+            peer.proc.wait(10)
+        quiet.close()
+
+
 def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
     with socket.socket() as s:  # a closed loopback port: bound, never listening
         s.bind(("127.0.0.1", 0))
