@@ -17,7 +17,7 @@ Two parts, one command:
    (``seconds[,kind]`` lines) at ``--trace-gpus`` instead of drawing failures.
 
     python bench/ettr.py [--duration 150] [--failure-every 20] [--from-json F --from-logs D]
-                         [--step-time 6] [--state-gb-per-gpu 0.35] [--reform-per-node 0.041]
+                         [--step-time 6] [--state-gb-per-gpu 0.35] [--reform-per-node 0.0225]
                          [--trace CSV --trace-gpus N] [--skip-validation] [--json OUT]
 """
 
@@ -74,8 +74,8 @@ PER_GB_SOURCES = {
                                       "89.5 MB (docs/benchmarks.md, snapshot stall)"),
 }  # fmt: skip
 # bench/scale.py, 8-128 agents on one 2-core box: the node-loss round closed at the last
-# node, linear fit 0.041 s per node (docs/benchmarks.md, the fourth round)
-REFORM_PER_NODE_S = 0.041
+# node, linear fit 0.0225 s per node (docs/benchmarks.md, the fifth round)
+REFORM_PER_NODE_S = 0.0225
 REFORM_TARGET_S = 0.005  # issue 38's target 2: <= 5 ms per extra node
 REPLACE_S = 600.0  # assumed: a spare node joins 10 min after a loss (the job runs one short)
 PUBLISHED = (  # reference, its scale (GPUs), what it published, what of ours it is set beside
