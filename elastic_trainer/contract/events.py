@@ -49,6 +49,7 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     "presence.unavailable": ("error", "consequence"),
     # an accept found no file descriptor left (once per streak; the limit is the soft one)
     "resources.fd_exhausted": ("where", "limit", "consequence"),
+    "resources.fd_limit_low": ("limit", "needed", "max_nodes", "consequence"),
     "rendezvous.expire_failed": ("nodes", "error", "consequence"),
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),

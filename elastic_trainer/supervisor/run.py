@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
         )
         _check_entrypoint(cfg)  # a typo in the script's name: one line at once, no pool
+        fd_limit.check_for_nodes(cfg.max_nodes)  # a warning: the limit was raised at start
         if (done := _already_finished(cfg)) is not None:  # the end of a job is final
             return _nothing_to_run(cfg, done, previous)
         pool = prepare_node(cfg)

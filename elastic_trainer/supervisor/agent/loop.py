@@ -170,7 +170,9 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
         with contextlib.suppress(Exception):  # unnamed: events say its address and pid
             wg.spec.rdzv_handler.publish_node_label(cfg.node)
         self._membership.open_presence(
-            presence.bind_host(cfg.local_addr, cfg.rdzv_host), self._job_key
+            presence.bind_host(cfg.local_addr, cfg.rdzv_host),
+            self._job_key,
+            max_nodes=cfg.max_nodes,
         )
         wg.spec.rdzv_handler.dead_now = self._membership.lost_peers
         wg.spec.rdzv_handler.connected_now = self._membership.connected_peers

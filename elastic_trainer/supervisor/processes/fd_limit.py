@@ -51,6 +51,42 @@ def raise_soft_limit() -> tuple[int, int]:
     return soft, wanted
 
 
+# Besides its peers' connections an agent holds files of its own: its workers' pipes, pidfds
+# and log files, /proc reads, the metrics port's clients, torch's own.
+FILES_BESIDE_PEERS = 1_024
+
+
+def files_needed(max_nodes: int) -> int:
+    """Open files an agent may need in a job of up to ``max_nodes`` nodes: a presence
+    connection to each peer and one from each (``presence.member_cap`` holds up to twice the
+    nodes, for a restarted peer's old connection not read yet), one store connection per
+    node where this agent hosts the store (any agent may come to, by failover), and
+    ``FILES_BESIDE_PEERS``."""
+    return 4 * max_nodes + FILES_BESIDE_PEERS
+
+
+def check_for_nodes(max_nodes: int) -> bool:
+    """Say ``resources.fd_limit_low`` (once, at start) where this process's open-file limit,
+    already raised to the hard one, is below what a job of ``max_nodes`` nodes may need;
+    whether it is enough. Not an error: a job that never grows that large never needs it."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    needed = files_needed(max_nodes)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return True
+    emit(
+        "resources.fd_limit_low",
+        level="warning",
+        limit=soft,
+        needed=needed,
+        max_nodes=max_nodes,
+        consequence="at that size this node runs out of files: peers it cannot hold a "
+        "presence connection to are found gone by heartbeat expiry only, and the store's "
+        "host's death cannot be proven (no failover); raise the hard open-file limit "
+        f"(ulimit -Hn, LimitNOFILE=) to {needed} or more",
+    )
+    return False
+
+
 def is_exhausted(exc: BaseException) -> bool:
     """``exc`` says no file descriptor is left (this process's limit or the system's)."""
     return isinstance(exc, OSError) and exc.errno in EXHAUSTED

@@ -64,12 +64,15 @@ class MembershipWatch:
         self._labels: dict[Any, str] = {}  # member -> its --node name (events name it so)
         self._presence: dict[Any, str] = {}  # member -> its presence address, as published
 
-    def open_presence(self, bind_host: str, key: JobKey) -> None:
+    def open_presence(self, bind_host: str, key: JobKey, *, max_nodes: int) -> None:
         """Listen for peers and publish where (before the first join, so every member of a
         round finds every other's address). Without it we fall back to heartbeats alone.
-        ``key``: the job's secret, which every member's presence handshake proves."""
+        ``key``: the job's secret, which every member's presence handshake proves;
+        ``max_nodes``: the job's bound, so that every member finds a place."""
         try:
-            server = presence.PresenceServer(bind_host, key)
+            server = presence.PresenceServer(
+                bind_host, key, max_connections=presence.member_cap(max_nodes)
+            )
             host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
             address = format_endpoint(host, server.port)
             self._handler.publish_presence(address)

@@ -77,10 +77,20 @@ MAX_HELLO = len(VERSION) + 1 + MAX_MEMBER + 1 + 2 * 32 + 1  # ... member, space,
 HANDSHAKE_TIMEOUT_S = 5.0
 ANSWER_WAIT_S = 1.0  # watch() waits this long for every peer's challenge, all together
 MAX_PENDING = 128  # a member's answer waits at most for its next connect (2 s, unreachable)
-MAX_CONNECTIONS = 512  # members; with the pending ones, well below the common 1,024 files
+MAX_CONNECTIONS = 512  # members, at least (``member_cap``: a larger job's nodes, twice over)
 ACCEPT_BACKOFF_S = 0.1  # no file left for an accept: try again after this
 _PREFIX = VERSION + b" "
 _PEEK = socket.MSG_DONTWAIT | socket.MSG_PEEK  # how lost() reads a connection's first byte
+
+
+def member_cap(max_nodes: int) -> int:
+    """How many members' connections a port holds in a job of up to ``max_nodes`` nodes:
+    every peer's, and as many again for a restarted peer's old connection, which is dropped
+    only once read as closed; at least ``MAX_CONNECTIONS``. A member over the cap is turned
+    away, and its watcher can then prove neither its death nor, were it the store's host,
+    that the store died with it (``failover``): a fixed 512 turned away members of every
+    job of more than 513 nodes. Only a peer that proves the job's key takes a place."""
+    return max(MAX_CONNECTIONS, 2 * max_nodes)
 
 
 def challenge(nonce: bytes) -> bytes:
@@ -153,7 +163,9 @@ class PresenceServer:
             "presence", "new peers wait until a file is free; the job goes on"
         )
         self._paused_until: float | None = None  # accepts paused: no file was left
-        self._sock = socket.create_server((host, 0), backlog=128)
+        # every peer dials us at once after a round: a full accept queue drops their SYNs,
+        # and a dial that times out leaves that peer unwatched (the kernel caps it: somaxconn)
+        self._sock = socket.create_server((host, 0), backlog=max_connections + max_pending)
         self._sock.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ)

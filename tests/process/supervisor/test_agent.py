@@ -204,7 +204,7 @@ class ScriptedMembership(MembershipWatch):
         super().__init__(handler, **kwargs)
         self.scripted_peers = peers
 
-    def open_presence(self, bind_host: str, key: JobKey) -> None:
+    def open_presence(self, bind_host: str, key: JobKey, *, max_nodes: int) -> None:
         self.peers = self.scripted_peers
 
 
@@ -743,7 +743,7 @@ def test_a_new_round_reads_the_names_and_addresses_of_its_new_members_only(tmp_p
             return None
 
     watch = MembershipWatch(Handler(), endpoint="x", check_every_s=1.0, dead_after_s=3.0)
-    watch.open_presence("127.0.0.1", Handler.job_key)
+    watch.open_presence("127.0.0.1", Handler.job_key, max_nodes=4)
     try:
         watch.round_formed()
         members[0] = {"node0", "node1", "node2", "node3"}

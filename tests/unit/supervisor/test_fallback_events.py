@@ -44,7 +44,7 @@ def test_presence_that_cannot_publish_says_lost_nodes_wait_for_heartbeats() -> N
         HandlerWithoutStore(), endpoint="127.0.0.1:1", check_every_s=1.0, dead_after_s=3.0
     )
     with capture_logs() as logs:
-        watch.open_presence("127.0.0.1", JobKey.generate())
+        watch.open_presence("127.0.0.1", JobKey.generate(), max_nodes=2)
     (event,) = named(logs, "presence.unavailable")
     assert event["log_level"] == "warning"
     assert event["error"] == "Connection reset by peer"

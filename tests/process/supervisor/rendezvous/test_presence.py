@@ -17,9 +17,13 @@ from typing import Any
 
 import psutil
 import pytest
+from structlog.testing import capture_logs
 
 from elastic_trainer.contract.auth import JobKey
+from elastic_trainer.contract.endpoint import split_address
+from elastic_trainer.supervisor.processes import fd_limit
 from elastic_trainer.supervisor.rendezvous import presence
+from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
 from elastic_trainer.supervisor.rendezvous.presence import PeerWatch, PresenceServer
 from tests.local_users import as_user
 
@@ -202,6 +206,56 @@ def test_peers_ending_in_one_check_are_told_apart_and_a_new_watch_sees_its_own()
             peer.proc.kill()
             peer.proc.wait(10)
         quiet.close()
+
+
+class Publishing:
+    """The rendezvous handler as ``MembershipWatch.open_presence`` uses it: it publishes."""
+
+    this_node = type("Node", (), {"addr": "127.0.0.1", "pid": 1, "local_id": 0})()
+    address = ""
+
+    def publish_presence(self, address: str) -> None:
+        self.address = address
+
+
+def test_a_port_holds_every_member_of_a_job_larger_than_512_nodes() -> None:
+    """A port held at most 512 members whatever the job's size: in a job of more than 513
+    nodes every agent turned some peers away, which then could prove neither that agent's
+    death nor, were it the store's host, the store's (no failover)."""
+    fd_limit.raise_soft_limit()  # 2 x 599 connections in this process
+    nodes = 600
+    handler = Publishing()
+    membership = MembershipWatch(
+        handler, endpoint="127.0.0.1:1", check_every_s=1.0, dead_after_s=3.0
+    )
+    membership.open_presence("127.0.0.1", KEY, max_nodes=nodes)
+    peers = member()
+    try:
+        address = split_address(handler.address)
+        peers.watch({f"n{i}": address for i in range(nodes - 1)})
+        server = membership._server  # what the port holds; no public view of its own
+        held(peers, lambda: server.held, count=nodes - 1)
+        assert server.refused == 0 and len(peers.watching()) == nodes - 1
+    finally:
+        peers.close()
+        membership.close()
+
+
+@pytest.mark.parametrize(("max_nodes", "cap"), [(1, 512), (256, 512), (600, 1200), (2048, 4096)])
+def test_the_member_cap_grows_with_the_job(max_nodes, cap) -> None:
+    assert presence.member_cap(max_nodes) == cap
+
+
+def test_a_file_limit_below_what_the_job_may_need_is_said_once_with_the_fix(monkeypatch) -> None:
+    limits = {"now": (2_000, 2_000)}
+    monkeypatch.setattr(fd_limit.resource, "getrlimit", lambda _: limits["now"])
+    with capture_logs() as logs:
+        assert fd_limit.check_for_nodes(4)  # 4 x 4 + 1,024 files
+        assert not fd_limit.check_for_nodes(2048)
+    (event,) = [e for e in logs if e["event"] == "resources.fd_limit_low"]
+    assert event["log_level"] == "warning"
+    assert (event["limit"], event["needed"], event["max_nodes"]) == (2_000, 9_216, 2048)
+    assert "ulimit -Hn" in event["consequence"] and "9216" in event["consequence"]
 
 
 def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
