@@ -59,10 +59,10 @@ FILES_BESIDE_PEERS = 1_024
 def files_needed(max_nodes: int) -> int:
     """Open files an agent may need in a job of up to ``max_nodes`` nodes: a presence
     connection to each peer and one from each (``presence.member_cap`` holds up to twice the
-    nodes, for a restarted peer's old connection not read yet), one store connection per
-    node where this agent hosts the store (any agent may come to, by failover), and
-    ``FILES_BESIDE_PEERS``."""
-    return 4 * max_nodes + FILES_BESIDE_PEERS
+    nodes, for a restarted peer's old connection not read yet, and ``pending_cap`` one per
+    node still owing its handshake), one store connection per node where this agent hosts
+    the store (any agent may come to, by failover), and ``FILES_BESIDE_PEERS``."""
+    return 5 * max_nodes + FILES_BESIDE_PEERS
 
 
 def check_for_nodes(max_nodes: int) -> bool:

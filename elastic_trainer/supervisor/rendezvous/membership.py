@@ -71,7 +71,10 @@ class MembershipWatch:
         ``max_nodes``: the job's bound, so that every member finds a place."""
         try:
             server = presence.PresenceServer(
-                bind_host, key, max_connections=presence.member_cap(max_nodes)
+                bind_host,
+                key,
+                max_pending=presence.pending_cap(max_nodes),
+                max_connections=presence.member_cap(max_nodes),
             )
             host = self._handler.this_node.addr if bind_host == "0.0.0.0" else bind_host
             address = format_endpoint(host, server.port)

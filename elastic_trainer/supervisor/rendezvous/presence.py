@@ -76,7 +76,7 @@ MAX_MEMBER = 256  # bytes of a member's name (an address and a pid: tens)
 MAX_HELLO = len(VERSION) + 1 + MAX_MEMBER + 1 + 2 * 32 + 1  # ... member, space, tag, \n
 HANDSHAKE_TIMEOUT_S = 5.0
 ANSWER_WAIT_S = 1.0  # watch() waits this long for every peer's challenge, all together
-MAX_PENDING = 128  # a member's answer waits at most for its next connect (2 s, unreachable)
+MAX_PENDING = 128  # at least (``pending_cap``); a member's answer waits for its next connect
 MAX_CONNECTIONS = 512  # members, at least (``member_cap``: a larger job's nodes, twice over)
 ACCEPT_BACKOFF_S = 0.1  # no file left for an accept: try again after this
 _PREFIX = VERSION + b" "
@@ -91,6 +91,15 @@ def member_cap(max_nodes: int) -> int:
     that the store died with it (``failover``): a fixed 512 turned away members of every
     job of more than 513 nodes. Only a peer that proves the job's key takes a place."""
     return max(MAX_CONNECTIONS, 2 * max_nodes)
+
+
+def pending_cap(max_nodes: int) -> int:
+    """How many connections a port keeps while they owe their HELLO, in a job of up to
+    ``max_nodes`` nodes: one per node, at least ``MAX_PENDING``. After a round every peer
+    dials every other at once, each answering a challenge only between two of its own dials:
+    with a fixed 128, a burst of more peers pushed out ones that had not answered yet, and
+    they went unwatched."""
+    return max(MAX_PENDING, max_nodes)
 
 
 def challenge(nonce: bytes) -> bytes:

@@ -241,6 +241,36 @@ def test_a_port_holds_every_member_of_a_job_larger_than_512_nodes() -> None:
         membership.close()
 
 
+def test_a_burst_of_more_members_than_128_dialing_at_once_is_held() -> None:
+    """After a round every peer dials every other at once and answers a challenge only
+    between its own dials: with a fixed 128 pending places the 129th dial pushed out a
+    member that had not answered yet, which then went unwatched."""
+    nodes = 300
+    handler = Publishing()
+    membership = MembershipWatch(
+        handler, endpoint="127.0.0.1:1", check_every_s=1.0, dead_after_s=3.0
+    )
+    membership.open_presence("127.0.0.1", KEY, max_nodes=nodes)
+    server = membership._server  # what the port holds; no public view of its own
+    dials = [socket.create_connection(split_address(handler.address)) for _ in range(nodes)]
+    try:
+        wait_until(lambda: server.accepted == nodes, 10, "every dial accepted")
+        for i, sock in enumerate(dials):  # every one answers only now
+            nonce = presence.read_challenge(sock.recv(presence.CHALLENGE_LEN, socket.MSG_WAITALL))
+            sock.sendall(presence.hello(KEY, nonce, f"127.0.0.1:{i}"))
+        wait_until(lambda: server.held == nodes, 10, f"{nodes} held")
+        assert server.evicted == 0 and server.refused == 0
+    finally:
+        for sock in dials:
+            sock.close()
+        membership.close()
+
+
+@pytest.mark.parametrize(("max_nodes", "pending"), [(1, 128), (128, 128), (300, 300)])
+def test_the_pending_cap_grows_with_the_job(max_nodes, pending) -> None:
+    assert presence.pending_cap(max_nodes) == pending
+
+
 @pytest.mark.parametrize(("max_nodes", "cap"), [(1, 512), (256, 512), (600, 1200), (2048, 4096)])
 def test_the_member_cap_grows_with_the_job(max_nodes, cap) -> None:
     assert presence.member_cap(max_nodes) == cap
@@ -250,12 +280,12 @@ def test_a_file_limit_below_what_the_job_may_need_is_said_once_with_the_fix(monk
     limits = {"now": (2_000, 2_000)}
     monkeypatch.setattr(fd_limit.resource, "getrlimit", lambda _: limits["now"])
     with capture_logs() as logs:
-        assert fd_limit.check_for_nodes(4)  # 4 x 4 + 1,024 files
+        assert fd_limit.check_for_nodes(4)  # 5 x 4 + 1,024 files
         assert not fd_limit.check_for_nodes(2048)
     (event,) = [e for e in logs if e["event"] == "resources.fd_limit_low"]
     assert event["log_level"] == "warning"
-    assert (event["limit"], event["needed"], event["max_nodes"]) == (2_000, 9_216, 2048)
-    assert "ulimit -Hn" in event["consequence"] and "9216" in event["consequence"]
+    assert (event["limit"], event["needed"], event["max_nodes"]) == (2_000, 11_264, 2048)
+    assert "ulimit -Hn" in event["consequence"] and "11264" in event["consequence"]
 
 
 def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
