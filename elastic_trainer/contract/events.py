@@ -50,6 +50,9 @@ CATALOGUE: Mapping[str, tuple[str, ...]] = {
     # an accept found no file descriptor left (once per streak; the limit is the soft one)
     "resources.fd_exhausted": ("where", "limit", "consequence"),
     "resources.fd_limit_low": ("limit", "needed", "max_nodes", "consequence"),
+    # a node whose workers succeeded waits for the others to finish (never for a gone one)
+    "exit_barrier.waiting": ("nodes", "timeout_s"),
+    "exit_barrier.timed_out": ("nodes", "waited_s", "consequence"),
     "rendezvous.expire_failed": ("nodes", "error", "consequence"),
     "rendezvous.leave_failed": ("error", "consequence"),
     "group.restarting": ("reason", "restart_count", "restarts_left", "backoff_s"),

@@ -30,6 +30,7 @@ from elastic_trainer.contract import protocol
 from elastic_trainer.contract.config import DEFAULT_SHUTDOWN_TIMEOUT_S, RunConfig
 from elastic_trainer.contract.events import FailureCause, MembershipReason, emit
 from elastic_trainer.supervisor import torch_compat
+from elastic_trainer.supervisor.agent import exit_barrier
 from elastic_trainer.supervisor.agent.control_files import await_copies, mark_restarting
 from elastic_trainer.supervisor.agent.failure_reports import FailureReports, PeerLeaving
 from elastic_trainer.supervisor.agent.handover import HandOver
@@ -52,7 +53,7 @@ from elastic_trainer.supervisor.processes.procs import ProcessTracker, oom_kill_
 from elastic_trainer.supervisor.processes.signals import StopRequest, StopRequested
 from elastic_trainer.supervisor.processes.workerenv import new_control_dir, set_worker_env
 from elastic_trainer.supervisor.rendezvous import presence
-from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch
+from elastic_trainer.supervisor.rendezvous.membership import MembershipWatch, member_name
 from elastic_trainer.supervisor.warm import client as warm_workers
 from elastic_trainer.supervisor.warm.launcher import READY_TIMEOUT_S, WarmPool
 
@@ -556,6 +557,26 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
         )
 
     # ---- preemption ----------------------------------------------------------------------
+    def _exit_barrier(self) -> None:
+        """torch's hook at the end of a job: ours waits for the round's members that are
+        neither finished nor gone (``exit_barrier``); torch's waited its whole timeout for a
+        member that had left or died, then logged its traceback at error level."""
+        handler = self._worker_group.spec.rdzv_handler
+        if getattr(handler, "store", None) is None:  # not our rendezvous: torch's barrier
+            super()._exit_barrier()
+            return
+        watch = self._membership
+        exit_barrier.wait_for_peers(
+            store=handler.store,
+            run_id=handler.get_run_id(),
+            round_=handler.round,
+            me=handler.member_name(),
+            members={member_name(n): watch.label(n) for n in watch.members},
+            gone=watch.gone,
+            wait=lambda s: self._stop.wait_for_change(s, watch.watched_fds()),
+            timeout_s=self._cfg.exit_barrier_timeout,
+        )
+
     def _preempt(self) -> tuple[str, int]:
         stop = self._stop
         grace = self._cfg.worker.grace_period_s

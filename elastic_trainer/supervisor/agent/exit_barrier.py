@@ -1,0 +1,96 @@
+"""A node whose workers succeeded waits for the round's other members to finish, except for
+members that are gone.
+
+torch's exit barrier (``SimpleElasticAgent._exit_barrier``) counts arrivals up to the
+round's size. A member that left on purpose (preempted: its goodbye heard on its presence
+connection) or died never arrives, so every node that had finished waited the barrier's
+whole timeout (60 s by default) and then logged torch's traceback at error level, for a job
+whose workers all succeeded. Here each member that finishes sets its own signed key
+(``finished_key``), and a node waits until every member of the round has one or is gone
+(``still_running``), up to the timeout.
+
+Why wait at all: the node that hosts the rendezvous store must not take it away while the
+others still end their own workers (they read the store until then).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Set
+from typing import Any
+
+from elastic_trainer.contract.events import emit
+
+POLL_S = 0.05  # between two reads of the members' keys (a goodbye or a close wakes at once)
+
+
+def finished_key(run_id: str, round_: int, member: str) -> str:
+    """Where ``member`` says its workers of round ``round_`` succeeded."""
+    return f"elastic-train/{run_id}/finished/{round_}/{member}"
+
+
+def still_running(members: Set[str], finished: Set[str], gone: Set[str]) -> set[str]:
+    """The members the barrier still waits for: neither finished nor gone."""
+    return set(members) - set(finished) - set(gone)
+
+
+def wait_for_peers(
+    *,
+    store: Any,
+    run_id: str,
+    round_: int,
+    me: str,
+    members: Mapping[str, str],
+    gone: Callable[[], Set[str]],
+    wait: Callable[[float], bool],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> set[str]:
+    """Say this node finished, then wait until every other member of ``members`` (member
+    name -> its label for events) has too or is ``gone()``; ``wait(s)`` sleeps up to ``s``
+    and says whether this node was told to stop meanwhile (then it waits no longer). The
+    members still running when it stopped waiting (none: all done).
+
+    A store that fails meanwhile ends the wait: its host ended (it hosts nothing more to
+    wait for) or died (the others find that out themselves)."""
+    started = clock()
+    finished = {me}
+    try:
+        store.set(finished_key(run_id, round_, me), "1")
+        waiting = still_running(members.keys(), finished, gone())
+        if waiting:
+            emit("exit_barrier.waiting", nodes=_labels(waiting, members), timeout_s=timeout_s)
+        while waiting:
+            finished |= _finished(store, run_id, round_, waiting)
+            waiting = still_running(members.keys(), finished, gone())
+            if not waiting:
+                break
+            if clock() - started >= timeout_s:
+                emit(
+                    "exit_barrier.timed_out",
+                    level="warning",
+                    nodes=_labels(waiting, members),
+                    waited_s=round(clock() - started, 3),
+                    consequence="this node ends now; those nodes' workers may still be "
+                    "running, and lose the rendezvous store if this node hosted it",
+                )
+                break
+            if wait(POLL_S):
+                break
+    except Exception:  # the store is gone: see above
+        return still_running(members.keys(), finished, set())
+    return waiting
+
+
+def _finished(store: Any, run_id: str, round_: int, members: Set[str]) -> set[str]:
+    """Those of ``members`` whose signed key says they finished (one forged hides itself)."""
+    keys = {m: finished_key(run_id, round_, m) for m in members}
+    present = [m for m, k in keys.items() if store.check([k])]
+    if not present:
+        return set()
+    values = store.get_each([keys[m] for m in present])
+    return {m for m, v in zip(present, values, strict=True) if v == b"1"}
+
+
+def _labels(names: Set[str], members: Mapping[str, str]) -> list[str]:
+    return sorted(members.get(n, n) for n in names)
