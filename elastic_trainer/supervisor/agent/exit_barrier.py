@@ -78,7 +78,7 @@ def wait_for_peers(
             if wait(POLL_S):
                 break
     except Exception:  # the store is gone: see above
-        return still_running(members.keys(), finished, set())
+        return still_running(members.keys(), finished, gone())
     return waiting
 
 
