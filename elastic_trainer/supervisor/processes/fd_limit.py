@@ -52,8 +52,10 @@ def raise_soft_limit() -> tuple[int, int]:
 
 
 # Besides its peers' connections an agent holds files of its own: its workers' pipes, pidfds
-# and log files, /proc reads, the metrics port's clients, torch's own.
-FILES_BESIDE_PEERS = 1_024
+# and log files, /proc reads, the metrics port's clients (at most 32), torch's own; about a
+# hundred with 8 workers. Not 1,024: a small job on a node whose hard limit is 1,024 needs
+# no warning.
+FILES_BESIDE_PEERS = 256
 
 
 def files_needed(max_nodes: int) -> int:

@@ -280,12 +280,12 @@ def test_a_file_limit_below_what_the_job_may_need_is_said_once_with_the_fix(monk
     limits = {"now": (2_000, 2_000)}
     monkeypatch.setattr(fd_limit.resource, "getrlimit", lambda _: limits["now"])
     with capture_logs() as logs:
-        assert fd_limit.check_for_nodes(4)  # 5 x 4 + 1,024 files
+        assert fd_limit.check_for_nodes(4)  # 5 x 4 + 256 files
         assert not fd_limit.check_for_nodes(2048)
     (event,) = [e for e in logs if e["event"] == "resources.fd_limit_low"]
     assert event["log_level"] == "warning"
-    assert (event["limit"], event["needed"], event["max_nodes"]) == (2_000, 11_264, 2048)
-    assert "ulimit -Hn" in event["consequence"] and "11264" in event["consequence"]
+    assert (event["limit"], event["needed"], event["max_nodes"]) == (2_000, 10_496, 2048)
+    assert "ulimit -Hn" in event["consequence"] and "10496" in event["consequence"]
 
 
 def test_nothing_listening_is_lost_and_an_unknown_peer_is_not() -> None:
