@@ -49,7 +49,8 @@ def wait_for_peers(
     """Say this node finished, then wait until every other member of ``members`` (member
     name -> its label for events) has too or is ``gone()``; ``wait(s)`` sleeps up to ``s``
     and says whether this node was told to stop meanwhile (then it waits no longer). The
-    members still running when it stopped waiting (none: all done).
+    members not known to have finished when it stopped waiting (none: all done; the keys
+    are read together, so before all are there none is known).
 
     A store that fails meanwhile ends the wait: its host ended (it hosts nothing more to
     wait for) or died (the others find that out themselves)."""
@@ -62,10 +63,11 @@ def wait_for_peers(
             emit("exit_barrier.waiting", nodes=_labels(waiting, members), timeout_s=timeout_s)
         while waiting:
             finished |= _finished(store, run_id, round_, waiting)
-            waiting = still_running(members.keys(), finished, gone())
+            waiting -= finished
             if not waiting:
                 break
             if clock() - started >= timeout_s:
+                waiting -= _each_finished(store, run_id, round_, waiting)  # whom to name
                 emit(
                     "exit_barrier.timed_out",
                     level="warning",
@@ -77,19 +79,27 @@ def wait_for_peers(
                 break
             if wait(POLL_S):
                 break
+            waiting = still_running(members.keys(), finished, gone())
     except Exception:  # the store is gone: see above
         return still_running(members.keys(), finished, gone())
     return waiting
 
 
 def _finished(store: Any, run_id: str, round_: int, members: Set[str]) -> set[str]:
-    """Those of ``members`` whose signed key says they finished (one forged hides itself)."""
-    keys = {m: finished_key(run_id, round_, m) for m in members}
-    present = [m for m, k in keys.items() if store.check([k])]
-    if not present:
+    """Those of ``members`` whose signed key says they finished (one forged hides itself):
+    one check of all their keys, and one read once all are there. Until then none is read
+    alone: at the end of a job every node waits for every other, and a check per key and
+    poll was N² store round trips a poll."""
+    keys = {m: finished_key(run_id, round_, m) for m in sorted(members)}
+    if not store.check(list(keys.values())):
         return set()
-    values = store.get_each([keys[m] for m in present])
-    return {m for m, v in zip(present, values, strict=True) if v == b"1"}
+    values = store.get_each(list(keys.values()))
+    return {m for m, v in zip(keys, values, strict=True) if v == b"1"}
+
+
+def _each_finished(store: Any, run_id: str, round_: int, members: Set[str]) -> set[str]:
+    """``_finished`` one key at a time: those that finished while others did not."""
+    return {m for m in members if _finished(store, run_id, round_, {m})}
 
 
 def _labels(names: Set[str], members: Mapping[str, str]) -> list[str]:
