@@ -478,6 +478,26 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
             self._procs.kill(grace_s=1.0)  # torch would SIGTERM them and wait up to 30 s
         return self._collect(worker_group)
 
+    def _exit_barrier(self) -> None:
+        """torch's hook at the end of a job: ours waits for the round's members that are
+        neither finished nor gone (``exit_barrier``); torch's waited its whole timeout for a
+        member that had left or died, then logged its traceback at error level."""
+        handler = self._worker_group.spec.rdzv_handler
+        if getattr(handler, "store", None) is None:  # not our rendezvous: torch's barrier
+            super()._exit_barrier()
+            return
+        watch = self._membership
+        exit_barrier.wait_for_peers(
+            store=handler.store,
+            run_id=handler.get_run_id(),
+            round_=handler.round,
+            me=handler.member_name(),
+            members={member_name(n): watch.label(n) for n in watch.members},
+            gone=watch.gone,
+            wait=lambda s: self._stop.wait_for_change(s, watch.watched_fds()),
+            timeout_s=self._cfg.exit_barrier_timeout,
+        )
+
     # ---- I/O seams (scripted in tests/process/supervisor/test_agent.py) ---------------------
     def _warm_up_before_joining(self, handler: Any) -> None:
         """A node joining a running job lets its warm pool finish first (see
@@ -557,26 +577,6 @@ class ElasticTrainAgent(HandOver, StragglerExit, LocalElasticAgent):
         )
 
     # ---- preemption ----------------------------------------------------------------------
-    def _exit_barrier(self) -> None:
-        """torch's hook at the end of a job: ours waits for the round's members that are
-        neither finished nor gone (``exit_barrier``); torch's waited its whole timeout for a
-        member that had left or died, then logged its traceback at error level."""
-        handler = self._worker_group.spec.rdzv_handler
-        if getattr(handler, "store", None) is None:  # not our rendezvous: torch's barrier
-            super()._exit_barrier()
-            return
-        watch = self._membership
-        exit_barrier.wait_for_peers(
-            store=handler.store,
-            run_id=handler.get_run_id(),
-            round_=handler.round,
-            me=handler.member_name(),
-            members={member_name(n): watch.label(n) for n in watch.members},
-            gone=watch.gone,
-            wait=lambda s: self._stop.wait_for_change(s, watch.watched_fds()),
-            timeout_s=self._cfg.exit_barrier_timeout,
-        )
-
     def _preempt(self) -> tuple[str, int]:
         stop = self._stop
         grace = self._cfg.worker.grace_period_s
