@@ -91,9 +91,9 @@ def _finished(store: Any, run_id: str, round_: int, members: Set[str]) -> set[st
     alone: at the end of a job every node waits for every other, and a check per key and
     poll was N² store round trips a poll."""
     keys = {m: finished_key(run_id, round_, m) for m in sorted(members)}
-    if not store.check(list(keys.values())):
+    values = store.get_each_if_all(list(keys.values()))
+    if values is None:
         return set()
-    values = store.get_each(list(keys.values()))
     return {m for m, v in zip(keys, values, strict=True) if v == b"1"}
 
 

@@ -146,7 +146,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if self.state_backend is not None:  # our key exists before we are in the state
             self._keep_alive()
             self._start_heartbeats()  # ... and stays fresh through the join (_stop_heartbeats)
-        if self._dead - self._dead_while_joining():
+        closed = self._dead_while_joining()  # adds those found now to _dead: read it after
+        if self._dead - closed:  # the join's first write expires the closed ones itself
             self._expire_dead()
         if self._static_rank is not None and self.store is not None:
             self._publish("node-rank", str(self._static_rank))  # before joining: see check
@@ -269,7 +270,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         check for all, then one verified read."""
         keys = [rejoin_key(self.get_run_id(), round_, n) for n in sorted(members)]
         try:
-            return self.store.check(keys) and None not in self.store.get_each(keys)
+            found = self.store.get_each_if_all(keys)
+            return found is not None and None not in found
         except Exception:
             return False
 

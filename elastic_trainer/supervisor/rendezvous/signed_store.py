@@ -114,6 +114,11 @@ class SignedStore(dist.Store):
                 found.append(None)
         return found
 
+    def get_each_if_all(self, keys: list[str]) -> list[bytes | None] | None:
+        """``get_each`` once every key exists (one check, one read); None while any is
+        missing (a get of a missing key would wait for it)."""
+        return self.get_each(keys) if self.check(keys) else None
+
     def add(self, key: str, amount: int) -> int:
         return int(self.raw.add(key, amount))
 
