@@ -13,7 +13,7 @@ from elastic_trainer.supervisor.agent import exit_barrier
 from elastic_trainer.supervisor.rendezvous.signed_store import SignedStore
 
 KEY = JobKey.generate()
-MEMBERS = {"10.0.0.1:11": "a", "10.0.0.2:22": "b", "10.0.0.3:33": "c"}
+MEMBERS = {"127.0.0.1:11": "a", "127.0.0.2:22": "b", "127.0.0.3:33": "c"}
 A, B, C = MEMBERS
 
 
