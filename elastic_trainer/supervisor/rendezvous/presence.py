@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import hmac
 import ipaddress
 import os
@@ -28,13 +29,17 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_trainer.contract.auth import JobKey, handshake_tag
 from elastic_trainer.supervisor.processes import fd_limit
 
 CONNECT_TIMEOUT_S = 2.0
+# a peer not held (its connect failed or timed out, its port turned us away) is dialed again
+# after this, then twice as long each time up to RETRY_MAX_S (``PeerWatch``)
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
 BYE = b"b"  # sent by an agent that exits on purpose (done, preempted): not a lost node
 # sent instead by an agent that leaves the group as a straggler (it rejoins after a cool-down);
 # an agent that does not know it reads a lost node, the outcome before goodbyes had reasons
@@ -324,18 +329,36 @@ def _turn_away(sock: socket.socket) -> None:
 class _Link:
     sock: socket.socket
     address: tuple[str, int]  # the peer's port, as published
+    dialed_at: float  # monotonic; a connect still under way after CONNECT_TIMEOUT_S ends
+    connected: bool = False
     got: bytes = b""  # of the server's challenge
     answered: bool = False
 
 
 class PeerWatch:
-    """One connection to each watched peer's presence port; ``lost()`` never blocks."""
+    """One connection to each watched peer's presence port; ``lost()`` never blocks.
 
-    def __init__(self, key: JobKey, member: str) -> None:
+    A peer we hold no answered connection to (its connect timed out or failed, its port
+    turned us away, its challenge was not one) is dialed again, from ``lost()``, after
+    ``RETRY_FIRST_S`` and then twice as long each time, up to ``RETRY_MAX_S``: a peer left
+    unwatched until the next round could prove neither its own death nor, were it the
+    store's host, the store's (``failover``). Connects never block: every peer is dialed at
+    once, and the kernel says which ones completed."""
+
+    def __init__(
+        self, key: JobKey, member: str, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._key, self._member = key, member  # what we answer challenges with, as whom
+        self._clock = clock
+        self._peers: dict[Any, tuple[str, int]] = {}  # what ``watch`` was given
+        # each address as resolved once: a redial from the supervisor's loop must not wait
+        # on a resolver (a name's lookup can take the resolver's 5 s timeout)
+        self._resolved: dict[tuple[str, int], tuple[int, int, int, Any]] = {}
         self._links: dict[Any, _Link] = {}
+        self._redial_at: dict[Any, float] = {}  # node -> when it is dialed again
+        self._waited: dict[Any, float] = {}  # node -> the last wait before a redial
         # every link's socket, for ``lost()``: the kernel says which turned readable (a
-        # goodbye, EOF or reset), so a check of N open links is one call, not N reads
+        # goodbye, EOF or reset) or finished connecting, so a check of N links is one call
         self._poller = select.poll()
         self._node_of: dict[int, Any] = {}  # fd -> node
         self._lost: set[Any] = set()
@@ -349,47 +372,103 @@ class PeerWatch:
         re-form (16,000 at 128 agents). What was found lost or left before is forgotten:
         those are not in a new round."""
         self.lost()  # settles every connection: a closed one or a goodbye ends it
+        self._peers = {node: (address[0], address[1]) for node, address in peers.items()}
+        kept = set(self._peers.values())
+        self._resolved = {a: r for a, r in self._resolved.items() if a in kept}
         for node, link in list(self._links.items()):
-            if not link.answered or peers.get(node) != link.address:
+            if not link.answered or self._peers.get(node) != link.address:
                 self._end(node, None)
+        self._redial_at.clear()  # a new round: every peer not held is dialed now
+        self._waited.clear()
         self._lost.clear()
         self._left.clear()
         self._stragglers.clear()
-        for node, address in peers.items():
-            if node in self._links:
-                continue
-            self._answer_all(0.0)  # what came so far: no answer waits for every connect
-            try:
-                sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
-            except ConnectionRefusedError:
-                self._lost.add(node)  # nothing listens there: its agent is gone
-                continue
-            except OSError:
-                continue  # unreachable or slow: unknown, the heartbeat expiry decides
-            sock.setblocking(False)  # from here on, only what has arrived is read
-            self._links[node] = _Link(sock, tuple(address))  # type: ignore[arg-type]
-            self._poller.register(sock, select.POLLIN)
-            self._node_of[sock.fileno()] = node
+        for node in self._peers.keys() - self._links.keys():
+            self._dial(node)
         self._answer_all(ANSWER_WAIT_S)
 
+    def _dial(self, node: Any) -> None:
+        """Start a connect to ``node``'s port without waiting for it (``_service`` goes on)."""
+        self._redial_at.pop(node, None)
+        address = self._peers[node]
+        try:
+            if address not in self._resolved:
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(
+                    address[0], address[1], type=socket.SOCK_STREAM
+                )[0]
+                self._resolved[address] = (family, kind, proto, sockaddr)
+            family, kind, proto, sockaddr = self._resolved[address]
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a name not resolved now, or no file left: unknown, try again
+            self._retry(node)
+            return
+        sock.setblocking(False)  # from here on, only what has arrived is read
+        error = sock.connect_ex(sockaddr)
+        if error == errno.ECONNREFUSED:
+            sock.close()
+            self._lost.add(node)  # nothing listens there: its agent is gone
+            return
+        if error not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._retry(node)  # unreachable: unknown, the heartbeat expiry decides meanwhile
+            return
+        self._links[node] = _Link(sock, address, self._clock(), connected=error == 0)
+        self._poller.register(sock, select.POLLIN if error == 0 else select.POLLOUT)
+        self._node_of[sock.fileno()] = node
+
+    def _retry(self, node: Any) -> None:
+        """Dial ``node`` again later, waiting twice as long as the last time."""
+        if node not in self._peers:
+            return
+        wait = min(RETRY_MAX_S, 2 * self._waited.get(node, RETRY_FIRST_S / 2))
+        self._waited[node], self._redial_at[node] = wait, self._clock() + wait
+
+    def _redial_due(self) -> None:
+        now = self._clock()
+        for node, link in list(self._links.items()):
+            if not link.connected and now - link.dialed_at >= CONNECT_TIMEOUT_S:
+                self._end(node, None)  # no answer to our connect: unknown, dialed again
+        for node, when in list(self._redial_at.items()):
+            if when <= now and node not in self._links:
+                self._dial(node)
+
     def _answer_all(self, wait_s: float) -> None:
-        """Answer the peers' challenges as they come, for up to ``wait_s``. One that sends
-        none by then (a frozen agent) is answered later, by ``lost()``: its connection turns
-        readable, which wakes the supervisor's loop (``fds``)."""
-        deadline = time.monotonic() + wait_s
-        with selectors.DefaultSelector() as selector:
-            for node, link in self._links.items():
-                if not link.answered:
-                    selector.register(link.sock, selectors.EVENT_READ, node)
-            while selector.get_map():
-                left = deadline - time.monotonic()
-                for key, _ in selector.select(max(0.0, left)):
-                    selector.unregister(key.fileobj)
-                    self._greet(key.data)
-                    if (link := self._links.get(key.data)) and not link.answered:
-                        selector.register(link.sock, selectors.EVENT_READ, key.data)
-                if left <= 0:
-                    return
+        """Complete the connects and answer the peers' challenges as they come, for up to
+        ``wait_s``. One that sends none by then (a frozen agent) is answered later, by
+        ``lost()``: its connection turns readable, which wakes the supervisor's loop
+        (``fds``)."""
+        deadline = time.monotonic() + wait_s  # a wait in the kernel: on its clock
+        while any(not link.answered for link in self._links.values()):
+            left = deadline - time.monotonic()
+            self._service(self._poller.poll(max(0.0, left) * 1000))
+            self._redial_due()
+            if left <= 0:
+                return
+
+    def _service(self, ready: list[tuple[int, int]]) -> None:
+        """Act on what the kernel reported of the links: a connect done, a challenge come, a
+        goodbye, EOF or reset."""
+        for fd, _ in ready:
+            node = self._node_of.get(fd)
+            if node is None:  # ended by an earlier entry of this list
+                continue
+            link = self._links[node]
+            if not link.connected:
+                self._connected(node, link)
+            elif not link.answered:
+                self._greet(node)
+            else:
+                self._read_end(node, link)
+
+    def _connected(self, node: Any, link: _Link) -> None:
+        error = link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error == errno.ECONNREFUSED:
+            self._end(node, self._lost)  # nothing listens there: its agent is gone
+        elif error:
+            self._end(node, None)  # unreachable: unknown, dialed again
+        else:
+            link.connected = True
+            self._poller.modify(link.sock, select.POLLIN)  # its challenge comes next
 
     def _greet(self, node: Any) -> None:
         """Read what came of ``node``'s challenge; answer it once whole."""
@@ -415,17 +494,36 @@ class PeerWatch:
             if nonce is not None:
                 link.sock.send(hello(self._key, nonce, self._member))  # fits an empty buffer
                 link.answered = True
+                self._waited.pop(node, None)
         if not link.answered:
             self._end(node, None)  # unknown, the heartbeat expiry decides
 
+    def _read_end(self, node: Any, link: _Link) -> None:
+        """An answered link turned readable: what its first byte says."""
+        try:
+            data: bytes | None = link.sock.recv(1, _PEEK)
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            return  # woken, nothing to read after all: alive
+        except OSError:
+            data = None  # reset
+        if data in GOODBYES:
+            self._end_with(node, data)
+        elif data == REFUSED:
+            self._end(node, None)  # turned away: unknown, the heartbeat expiry decides
+        else:  # EOF or reset without a goodbye: the process is gone
+            self._end(node, self._lost)
+
     def _end(self, node: Any, into: set[Any] | None) -> None:
-        """Stop watching ``node``; ``into``: lost or left, None when unknown."""
+        """Stop watching ``node``'s link; ``into``: lost or left. None when unknown: dialed
+        again later (``_retry``)."""
         sock = self._links.pop(node).sock
         self._poller.unregister(sock)
         del self._node_of[sock.fileno()]
         sock.close()
         if into is not None:
             into.add(node)
+        else:
+            self._retry(node)
 
     def _end_with(self, node: Any, first: bytes) -> None:
         """Stop watching ``node``, whose first unread byte is ``first``: a goodbye (left), or
@@ -435,29 +533,12 @@ class PeerWatch:
         self._end(node, self._left if first in GOODBYES else None)
 
     def lost(self) -> set[Any]:
-        """Peers whose connection was closed or reset (read without blocking); one their port
-        turned away is no longer watched, and not lost. Only connections with something to
-        read are read: an open, quiet one is a live peer."""
-        for fd, _ in self._poller.poll(0):
-            node = self._node_of.get(fd)
-            if node is None:  # ended by an earlier entry of this list
-                continue
-            link = self._links[node]
-            if not link.answered:
-                self._greet(node)
-                continue
-            try:
-                data: bytes | None = link.sock.recv(1, _PEEK)
-            except (BlockingIOError, InterruptedError, TimeoutError):
-                continue  # woken, nothing to read after all: alive
-            except OSError:
-                data = None  # reset
-            if data in GOODBYES:
-                self._end_with(node, data)
-            elif data == REFUSED:
-                self._end(node, None)  # turned away: unknown, the heartbeat expiry decides
-            else:  # EOF or reset without a goodbye: the process is gone
-                self._end(node, self._lost)
+        """Peers whose connection was closed or reset, or whose port no longer listens (read
+        without blocking); one their port turned away is no longer watched, and not lost
+        (dialed again later). Only connections with something to read are read: an open,
+        quiet one is a live peer."""
+        self._service(self._poller.poll(0))
+        self._redial_due()
         return set(self._lost)
 
     def left(self) -> set[Any]:
@@ -470,18 +551,21 @@ class PeerWatch:
         return set(self._stragglers)
 
     def fds(self) -> list[int]:
-        """The open connections' fds: readable once a peer closes or resets one (its
-        supervisor's loop waits on them, ``StopRequest.wait_for_change``), or once a late
-        challenge arrives; ``lost`` then reads it."""
+        """The links' fds: readable once a peer closes or resets one (its supervisor's loop
+        waits on them, ``StopRequest.wait_for_change``), once a late challenge arrives or a
+        connect fails; ``lost`` then reads it."""
         return [link.sock.fileno() for link in self._links.values()]
 
     def watching(self) -> set[Any]:
-        """Peers whose connection is still open."""
-        return set(self._links)
+        """Peers whose connection is open (connected, answered or not yet)."""
+        return {node for node, link in self._links.items() if link.connected}
 
     def close(self) -> None:
+        self._peers = {}
         for node in list(self._links):
             self._end(node, None)
+        self._redial_at.clear()
+        self._waited.clear()
         self._lost.clear()
         self._left.clear()
         self._stragglers.clear()

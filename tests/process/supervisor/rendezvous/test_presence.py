@@ -454,6 +454,88 @@ def test_a_member_answers_without_waiting_for_slow_connects_to_others(
         watch.close()
 
 
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_peer_whose_connect_timed_out_is_dialed_again_and_found_lost_once_it_is_gone(
+    monkeypatch,
+) -> None:
+    """A dial that times out proves nothing, but the peer was left unwatched for the rest of
+    the round: its death was then found by heartbeat only, and a store host's not at all.
+    It is dialed again, and a port that no longer listens is a lost peer."""
+    monkeypatch.setattr(presence, "CONNECT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(presence, "RETRY_FIRST_S", 0.05)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    filler = socket.create_connection(listener.getsockname(), timeout=5)  # the queue is full
+    watch = member()
+    try:
+        watch.watch({"x": listener.getsockname()})
+        wait_until(lambda: not watch.fds(), 10, "the connect given up")
+        assert watch.lost() == set() and watch.watching() == set()
+        listener.close()  # its agent is gone: nothing listens there any more
+        assert lost_within(watch, 10.0) == {"x"}
+    finally:
+        filler.close()
+        listener.close()
+        watch.close()
+
+
+def test_a_member_turned_away_by_a_full_port_is_held_once_a_place_is_free(monkeypatch) -> None:
+    monkeypatch.setattr(presence, "RETRY_FIRST_S", 0.05)
+    server = PresenceServer("127.0.0.1", KEY, max_connections=1)
+    first, second = member("first"), member("second")
+    try:
+        first.watch({"b": ("127.0.0.1", server.port)})
+        held(first, lambda: server.held)
+        second.watch({"b": ("127.0.0.1", server.port)})
+        wait_until(lambda: server.refused >= 1, 10, "the second turned away")
+        first.close()  # a place is free once the server reads the close
+        wait_until(
+            lambda: not second.lost() and second.watching() == {"b"} and server.held == 1,
+            10,
+            "the second held",
+        )
+        server.close()  # says goodbye: the second, watching it now, knows it left
+        wait_until(lambda: not second.lost() and second.left() == {"b"}, 10, "the goodbye")
+    finally:
+        server.close()
+        for watch in (first, second):
+            watch.close()
+
+
+def test_a_peer_not_held_is_dialed_again_after_waits_that_double_up_to_a_bound(
+    unanswering,
+) -> None:
+    clock = Clock()
+    watch = PeerWatch(KEY, "a", clock=clock)
+    try:
+        watch.watch({"x": unanswering[0]})  # the wait for answers ends on the real clock
+        dials = []
+        for _ in range(9):
+            assert len(watch.fds()) == 1  # dialed, the connect under way
+            clock.now += presence.CONNECT_TIMEOUT_S
+            watch.lost()
+            assert watch.fds() == []  # given up
+            began = clock.now
+            while not watch.fds():
+                clock.now += 0.25
+                watch.lost()
+            dials.append(clock.now - began)
+        assert dials == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0]
+        watch.watch({})  # no longer a member: not dialed again
+        clock.now += 60
+        assert watch.lost() == set() and watch.fds() == []
+    finally:
+        watch.close()
+
+
 def test_a_flood_from_the_members_own_address_never_keeps_it_out() -> None:
     """Every local process shares 127.0.0.1: a cap per address was used up by 8 connections
     of another user. Pending connections are capped apart, the oldest pushed out first."""
