@@ -468,9 +468,15 @@ def open_next_round(ctx: Any, members: set[Any], *, close: Callable[[set[Any]], 
     """Round r+1 of ``ctx.state`` (a complete round r), with ``members`` (of round r, each
     said it joins the next) and the nodes on the wait list, up to max_nodes: complete at once,
     ranks assigned as torch's ``_mark_rendezvous_complete`` does, where ``close`` says so of
-    the nodes in it; else open, its last call running from now as torch's join starts it."""
+    the nodes in it; else open, its last call running from now as torch's join starts it.
+    ``members`` each said so a moment ago, in their own signed keys: a heartbeat's worth of
+    news, stamped now (the members reading the round at once then read no one's heartbeat
+    key, ``SignedStateBackend.beats_fresh_s``)."""
     state, settings = ctx.state, ctx.settings
     joining = [*sorted(members), *sorted(state.wait_list - set(members))][: settings.max_nodes]
+    now = datetime.now(timezone.utc)
+    for node in set(members) & set(joining):
+        state.last_heartbeats[node] = now
     state.round += 1
     state.participants = dict.fromkeys(joining, 0)
     state.wait_list = state.wait_list - set(joining)

@@ -543,6 +543,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 named = SignedStateBackend.round_of(version) if version is not None else None
                 if quiet and named == (view.round, view.complete):
                     continue  # another node let in: N waiters each read the state per join
+                if named is not None and named != (view.round, view.complete):
+                    return  # moved on or closed: torch's sync reads it (not twice: N each)
                 state = self.state_backend.peek() if self.state_backend is not None else None
             except Exception:  # unreadable or refused now: torch's own sync deals with it
                 return
@@ -707,9 +709,11 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         all joined), the same lineage (set here unless a survivor set it first)."""
         run_id = self.get_run_id()
         store = signed_store.signed(store, self.store.key, self.store.log)
-        reuse_s = self.state_backend.beats_reuse_s if self.state_backend is not None else 0.0
+        old = self.state_backend
         self.state_backend = SignedStateBackend(store, run_id)
-        self.state_backend.beats_reuse_s = reuse_s
+        if old is not None:
+            self.state_backend.beats_reuse_s = old.beats_reuse_s
+            self.state_backend.beats_fresh_s = old.beats_fresh_s
         torch_compat.rebind_store(self, store, self.state_backend)
         self.store = store
         self.endpoint = endpoint or self.endpoint
@@ -862,6 +866,7 @@ def handler_on(
         keep_alive_max_attempt=keep_alive_max_attempt,
     )
     backend.beats_reuse_s = keep_alive_interval / 4  # expiry: keep_alive_max_attempt intervals
+    backend.beats_fresh_s = keep_alive_interval / 2  # a heartbeat's tick: see there
     handler.lobby_patience_s = 2 * keep_alive_interval * keep_alive_max_attempt
     handler.store, handler.state_backend = store, backend
     return handler

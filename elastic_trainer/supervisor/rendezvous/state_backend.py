@@ -67,6 +67,19 @@ class SignedStateBackend(RendezvousBackend):
         self.beats_reuse_s = 0.0  # handler_on: a quarter of the keep-alive interval
         self._beats_read: dict[str, int | None] = {}
         self._beats_read_at = -math.inf
+        # another node's entry younger than this needs no read of its key: a live node
+        # beats once per this (half a keep-alive interval), so its key's time could be no
+        # fresher than such an entry by more than a tick, and torch's expiry (several
+        # intervals, counted on a state its holder may keep a second before acting) keeps
+        # the same margin as with the key's time. A round just opened stamps its members:
+        # those reading it at once read no key. This node's own entry takes the time of its
+        # last beat, known here (torch rewrites the whole state for its own node's beat one
+        # interval after the time it finds there).
+        self.beats_fresh_s = 0.0  # handler_on: half the keep-alive interval
+        self._own_beats: dict[tuple[Any, ...], int] = {}  # [addr, pid, local_id] -> time
+        # the last state pickled for the holder: (the stored value's plain data, the times
+        # merged into it, the pickle), returned again while both are the same
+        self._built: tuple[dict[str, Any], list[Any], bytes] | None = None
         # as torch's backend: the key exists from now on (a write without a token expects it)
         self._call("compare_set", self._key, "", self._empty)
 
@@ -143,7 +156,9 @@ class SignedStateBackend(RendezvousBackend):
 
     def beat(self, node: Any, at_us: int) -> None:
         """``node``'s heartbeat at ``at_us`` (microseconds since the epoch): its own key."""
-        self._store.set(beat_key(self._run_id, node_entry(node)), str(at_us))
+        entry = node_entry(node)
+        self._store.set(beat_key(self._run_id, entry), str(at_us))
+        self._own_beats[tuple(entry)] = at_us
 
     def beats(self, nodes: list[Any]) -> dict[Any, int | None]:
         """Each of ``nodes``' own heartbeat time (µs since the epoch; None: no key, or a bad
@@ -152,21 +167,36 @@ class SignedStateBackend(RendezvousBackend):
         return dict(zip(nodes, self._read_beats(keys), strict=True))
 
     def _with_beats(self, plain: dict[str, Any]) -> dict[str, Any]:
+        """``plain`` with this node's last beat, and the other nodes' own heartbeat keys
+        where the state's time is older than ``beats_fresh_s``, merged in."""
         entries = plain["last_heartbeats"]
-        if not entries:
-            return plain
-        keys = [beat_key(self._run_id, e) for e in entries]
-        reused = self._beats_read
-        if time.monotonic() - self._beats_read_at < self.beats_reuse_s and reused.keys() >= set(
-            keys
-        ):
-            return with_beats(plain, [reused[k] for k in keys])
-        beats = self._read_beats(keys)
-        self._beats_read, self._beats_read_at = (
-            dict(zip(keys, beats, strict=True)),
-            time.monotonic(),
-        )
-        return with_beats(plain, beats)
+        every = [self._own_beats.get(tuple(e[:3])) for e in entries]  # None: the entry's own
+        now_us = time.time_ns() // 1000
+        due = [
+            i
+            for i in due_beats(entries, now_us=now_us, fresh_us=self._fresh_us)
+            if every[i] is None
+        ]
+        if due:
+            keys = [beat_key(self._run_id, entries[i]) for i in due]
+            reused = self._beats_read
+            if time.monotonic() - self._beats_read_at < self.beats_reuse_s and reused.keys() >= set(
+                keys
+            ):
+                beats = [reused[k] for k in keys]
+            else:
+                beats = self._read_beats(keys)
+                self._beats_read, self._beats_read_at = (
+                    dict(zip(keys, beats, strict=True)),
+                    time.monotonic(),
+                )
+            for i, beat in zip(due, beats, strict=True):
+                every[i] = beat
+        return with_beats(plain, every)
+
+    @property
+    def _fresh_us(self) -> int:
+        return int(self.beats_fresh_s * 1_000_000)
 
     def _read_beats(self, keys: list[str]) -> list[int | None]:
         """The heartbeats at ``keys``: two store operations when every key exists (a get of
@@ -225,8 +255,15 @@ class SignedStateBackend(RendezvousBackend):
 
     def _fresh(self, plain: dict[str, Any]) -> bytes:
         """``plain`` with the nodes' own heartbeats, pickled for the holder (and kept as the
-        last good state)."""
-        self._last_good = pickle.dumps(torch_compat.state_from_plain(self._with_beats(plain)))
+        last good state). A state read again unchanged, its times all fresh, is not built
+        and pickled again."""
+        merged = self._with_beats(plain)
+        beats = merged["last_heartbeats"]
+        if self._built is not None and self._built[0] is plain and self._built[1] == beats:
+            self._last_good = self._built[2]
+            return self._last_good
+        self._last_good = pickle.dumps(torch_compat.state_from_plain(merged))
+        self._built = (plain, beats, self._last_good)
         return self._last_good
 
     def _put_back(self, planted: bytes) -> None:
@@ -303,6 +340,13 @@ def parse_beat(payload: bytes | None) -> int | None:
 
 
 EXPIRED = 0  # a heartbeat at the epoch: the node was expired on purpose (known dead)
+
+
+def due_beats(entries: list[list[Any]], *, now_us: int, fresh_us: int) -> list[int]:
+    """The indexes of ``entries`` (``[addr, pid, local_id, time]``) whose time is at least
+    ``fresh_us`` old at ``now_us``: those whose node's own key is read. An entry expired on
+    purpose (``EXPIRED``) stays so, and is not read."""
+    return [i for i, e in enumerate(entries) if e[3] != EXPIRED and now_us - e[3] >= fresh_us]
 
 
 def with_beats(plain: dict[str, Any], beats: list[int | None]) -> dict[str, Any]:

@@ -320,6 +320,9 @@ def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch
     assert [writes[h] for h in (a, b, c)] == [[True], [], []]  # a opened the round
     assert shared_state(a).round == 1
     assert a.num_nodes_waiting() == 0
+    # each announced a moment ago: stamped at the open, their readers need none of their keys
+    beats = shared_state(a).last_heartbeats
+    assert beats[b.this_node] == beats[c.this_node] <= beats[a.this_node]
 
 
 def test_a_re_formed_round_s_mark_is_removed_from_the_store(nodes) -> None:
@@ -681,7 +684,7 @@ def test_a_node_waiting_in_a_first_round_reads_the_state_when_it_closes_not_per_
     wait_for(lambda: c.this_node in joined(a))
     assert peeks == []  # c let in: not b's business
     assert (Joining(d).result(), first.result(), second.result(), third.result()) == (4,) * 4
-    assert len(peeks) == 1  # the round closed
+    assert peeks == []  # the mark said it closed: torch's sync reads it (a peek read it twice)
 
 
 def test_the_state_s_write_mark_names_its_round_and_completion() -> None:

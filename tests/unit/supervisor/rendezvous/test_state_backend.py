@@ -296,6 +296,57 @@ def test_a_state_read_again_soon_takes_the_heartbeats_just_read(monkeypatch) -> 
     assert pickle.loads(bits).last_heartbeats[a] == _state().deadline + timedelta(seconds=8)
 
 
+def test_only_entries_older_than_the_fresh_bound_read_their_nodes_keys(monkeypatch) -> None:
+    """A round just opened stamps every member with the opener's time: each member read all
+    N members' keys after it anyway (two store operations of O(N) bytes, N signature checks),
+    though a younger time than the bound changes nothing torch does with the state. An entry
+    expired on purpose stays at the epoch and is not read either."""
+    store = _CountingStore()
+    writer, reader = _backend(store), _backend(store)
+    reader.beats_fresh_s = 0.5
+    now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+    monkeypatch.setattr(state_backend.time, "time_ns", lambda: _micros(now) * 1000)
+    fresh, old, expired = _NodeDesc("a", 1, 0), _NodeDesc("b", 2, 0), _NodeDesc("c", 3, 0)
+    me = _NodeDesc("d", 4, 0)
+    state = _state()
+    state.participants = {fresh: 0, old: 1, expired: 2, me: 3}
+    state.wait_list = set()
+    state.last_heartbeats = {
+        fresh: now - timedelta(seconds=0.4),
+        old: now - timedelta(seconds=0.6),
+        expired: datetime(1970, 1, 1, tzinfo=timezone.utc),
+        me: now - timedelta(seconds=5),
+    }
+    _write(writer, state)
+    for node in (fresh, old, expired):
+        writer.beat(node, _micros(now))
+    reader.beat(me, _micros(now - timedelta(seconds=0.1)))  # its own: known without a read
+    store.calls.clear()
+    beats = pickle.loads(reader.get_state()[0]).last_heartbeats
+    assert beats[fresh] == now - timedelta(seconds=0.4)  # its own time: its key not read
+    assert beats[old] == now and beats[expired] == state.last_heartbeats[expired]
+    assert beats[me] == now - timedelta(seconds=0.1)
+    assert store.calls == ["check", "multi_get"]  # of the one key due
+    monkeypatch.setattr(state_backend.time, "time_ns", lambda: _micros(now) * 1000 - 10**9)
+    store.calls.clear()
+    builds: list[int] = []
+    build = torch_compat.state_from_plain
+    monkeypatch.setattr(torch_compat, "state_from_plain", lambda p: builds.append(1) or build(p))
+    first, second = reader.get_state()[0], reader.get_state()[0]  # every time fresh a second ago
+    assert "check" not in store.calls and "multi_get" not in store.calls
+    assert first == second and builds == [1]  # the same value: built and pickled once
+    assert pickle.loads(first).last_heartbeats == {**state.last_heartbeats, me: beats[me]}
+
+
+@pytest.mark.parametrize(
+    ("times", "due"),
+    [([10, 9, 5, 0], [2]), ([5, 6, 4], [0, 2]), ([10, 10], []), ([], [])],
+)
+def test_the_entries_due_a_key_read_are_those_at_least_the_bound_old(times, due) -> None:
+    entries = [["h", i, 0, t] for i, t in enumerate(times)]
+    assert state_backend.due_beats(entries, now_us=10, fresh_us=5) == due
+
+
 def test_a_lost_write_pauses_longer_the_more_nodes_there_are(monkeypatch) -> None:
     """N nodes writing at one moment: each loser pauses a random time drawn from a range
     that grows with N before its retry, instead of all retrying at once again."""
