@@ -9,6 +9,11 @@ whose workers all succeeded. Here each member that finishes sets its own signed 
 (``finished_key``), and a node waits until every member of the round has one or is gone
 (``still_running``), up to the timeout.
 
+One node reads the members' keys: the first member in name order not gone (``collector``);
+once all are there it sets one more key (``all_finished_key``), which every other node
+waits on. Every node reading every member's key moved N key names a poll per node, N² in
+all, at the moment every node of a job ends; now a poll is one key, and one node's N.
+
 Why wait at all: the node that hosts the rendezvous store must not take it away while the
 others still end their own workers (they read the store until then).
 """
@@ -29,9 +34,21 @@ def finished_key(run_id: str, round_: int, member: str) -> str:
     return f"elastic-train/{run_id}/finished/{round_}/{member}"
 
 
+def all_finished_key(run_id: str, round_: int) -> str:
+    """Where the collector says every member of round ``round_`` finished or is gone."""
+    return f"elastic-train/{run_id}/finished/{round_}"
+
+
 def still_running(members: Set[str], finished: Set[str], gone: Set[str]) -> set[str]:
     """The members the barrier still waits for: neither finished nor gone."""
     return set(members) - set(finished) - set(gone)
+
+
+def collector(members: Set[str], gone: Set[str]) -> str | None:
+    """The member that reads every member's key: the first in name order not gone. One still
+    running collects once it finishes (until then nobody could end the wait anyway); one
+    that dies or leaves hands it on to the next."""
+    return min(set(members) - set(gone), default=None)
 
 
 def wait_for_peers(
@@ -62,9 +79,14 @@ def wait_for_peers(
         if waiting:
             emit("exit_barrier.waiting", nodes=_labels(waiting, members), timeout_s=timeout_s)
         while waiting:
-            finished |= _finished(store, run_id, round_, waiting)
-            waiting -= finished
-            if not waiting:
+            if collector(members.keys(), gone()) == me:
+                finished |= _finished(store, run_id, round_, waiting)
+                waiting -= finished
+                if not waiting:
+                    store.set(all_finished_key(run_id, round_), "1")
+                    break
+            elif _all_finished(store, run_id, round_):
+                waiting = set()
                 break
             if clock() - started >= timeout_s:
                 waiting -= _each_finished(store, run_id, round_, waiting)  # whom to name
@@ -95,6 +117,12 @@ def _finished(store: Any, run_id: str, round_: int, members: Set[str]) -> set[st
     if values is None:
         return set()
     return {m for m, v in zip(keys, values, strict=True) if v == b"1"}
+
+
+def _all_finished(store: Any, run_id: str, round_: int) -> bool:
+    """Has the collector said every member finished (signed: a forged key is no answer)?"""
+    values = store.get_each_if_all([all_finished_key(run_id, round_)])
+    return values is not None and values[0] == b"1"
 
 
 def _each_finished(store: Any, run_id: str, round_: int, members: Set[str]) -> set[str]:

@@ -31,9 +31,9 @@ def waits(on_wait: Callable[[int], None] = lambda n: None, stop_at: int = 10**9)
     return wait
 
 
-def barrier(store, *, gone=frozenset(), wait=None, timeout_s=60.0, clock=lambda: 0.0):
+def barrier(store, *, gone=frozenset(), wait=None, timeout_s=60.0, clock=lambda: 0.0, me=A):
     return exit_barrier.wait_for_peers(
-        store=store, run_id="job", round_=3, me=A, members=MEMBERS, gone=lambda: gone,
+        store=store, run_id="job", round_=3, me=me, members=MEMBERS, gone=lambda: gone,
         wait=wait or waits(), timeout_s=timeout_s, clock=clock,
     )  # fmt: skip
 
@@ -123,3 +123,53 @@ def test_a_poll_is_one_check_of_every_key_not_one_per_member() -> None:
     finish(store, C)
     assert barrier(store, wait=waits(stop_at=4)) == {B, C}  # c not read alone
     assert checks == [2] * 5  # b's and c's keys, together, at each of the 5 looks
+
+
+class CountingChecks(SignedStore):
+    """A signed store that records the number of keys of each ``check``."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.checks: list[int] = []
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks.append(len(keys))
+        return super().check(keys)
+
+
+def test_one_member_collects_and_the_others_poll_one_key() -> None:
+    """Every node read every member's key at each poll: N names a poll per node at the
+    moment every node of a job ends. The first member not gone reads them; the others wait
+    for its one key."""
+    store = CountingChecks(HashStore(), KEY)
+    finish(store, C)
+    said = exit_barrier.all_finished_key("job", 3)
+    wait = waits(lambda n: store.set(said, "1") if n == 2 else None)  # a, the collector
+    assert barrier(store, wait=wait, me=B) == set()
+    assert store.checks == [1, 1, 1, 1]  # one key a look, until the collector's is there
+
+
+def test_a_forged_all_finished_key_ends_no_wait() -> None:
+    store = SignedStore(HashStore(), KEY)
+    store.raw.set(exit_barrier.all_finished_key("job", 3), "1")
+    finish(store, C)
+    assert barrier(store, wait=waits(stop_at=3), me=B) == {A, C}  # not known: a never said
+
+
+def test_the_collector_says_so_once_all_finished_and_the_next_collects_when_it_is_gone() -> None:
+    store = SignedStore(HashStore(), KEY)
+    finish(store, C)
+    wait = waits(lambda n: finish(store, B) if n == 1 else None)
+    assert barrier(store, wait=wait) == set()  # a collects
+    said = exit_barrier.all_finished_key("job", 3)
+    assert store.get_each_if_all([said]) == [b"1"]
+    other = SignedStore(HashStore(), KEY)
+    finish(other, C)
+    assert barrier(other, gone={A}, me=B) == set()  # a is gone: b collects
+    assert other.get_each_if_all([said]) == [b"1"]
+
+
+def test_the_collector_is_the_first_member_not_gone() -> None:
+    assert exit_barrier.collector({A, B, C}, set()) == A
+    assert exit_barrier.collector({A, B, C}, {A}) == B
+    assert exit_barrier.collector({A}, {A}) is None
