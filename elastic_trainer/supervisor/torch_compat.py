@@ -386,6 +386,12 @@ def _resync_now(holder: Any) -> None:
     _told.skip_sync_delay = True
 
 
+def trust_cached_state(handler: DynamicRendezvousHandler) -> None:
+    """The handler's state is the stored one (its write mark is unchanged): the holder's next
+    syncs, within its cache duration, serve it without a read (nor torch's expiry)."""
+    handler._state_holder._last_sync_time = time.monotonic()
+
+
 # What this thread's joins told dynamic_rendezvous' ``_delay`` to skip: .no_jitter (the
 # jitter of next_rendezvous, no_join_jitter), .skip_sync_delay (the next SYNC sleep, once).
 # Thread-local flags read by one wrapper installed once, not a function swapped in and out

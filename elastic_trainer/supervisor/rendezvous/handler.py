@@ -89,6 +89,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
     _joining = False  # inside torch's next_rendezvous
     _rejoin_round: int | None = None  # ... having announced a re-join from this round
     _announced = ""  # the key of our last announcement (deleted at the next)
+    _state_cached = False  # ... made from torch's cached state (``_state_to_leave``)
     _mark_checked_at = -math.inf  # when num_nodes_waiting last read the round's mark
     _state_checked_at = -math.inf  # when a running member last asked if the state moved
     _state_read_at = -math.inf  # ... and last read it whole (``_running_state``)
@@ -163,7 +164,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             self._stop_heartbeats()  # as torch leaves them after a failed join
             raise
         finally:
-            self._joining, self._rejoin_round = False, None
+            self._joining, self._rejoin_round, self._state_cached = False, None, False
         if self.lineage:  # the workers of this round start after it: they inherit it
             os.environ[ENV_RDZV_LINEAGE] = self.lineage
         if self.endpoint:  # ... and where it is now (snapshots' owner record: run_liveness)
@@ -186,7 +187,7 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         if self.state_backend is None or self.store is None or self._rounds_joined <= 1:
             return None
         try:
-            state = torch_compat.rendezvous_state(self, sync=True)
+            state = self._state_to_leave()
             if not state.complete or state.closed or self.this_node not in state.participants:
                 return None
             round_ = int(state.round)
@@ -199,6 +200,22 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
             return None
         self._announced = key
         return round_
+
+    def _state_to_leave(self) -> Any:
+        """The state of the round this member re-joins from: torch's cached one when the
+        store's version mark says it is unchanged (two small reads), which torch's exit op
+        then takes too; else read. A read of the running round's state takes every member's
+        heartbeat key (its times are the round's start): each survivor of a re-form read the
+        state and N keys before its announcement. A cached state is never written
+        (``_leave_hook`` reads it first): torch's expiry, run on a write's own copy, would
+        find every member's time stale and drop them all. A mark that lags a write only
+        delays the news: the exit op waits on the mark and then reads the state."""
+        backend = self.state_backend
+        if backend is not None and backend.unchanged():
+            torch_compat.trust_cached_state(self)
+            self._state_cached = True
+            return torch_compat.rendezvous_state(self)
+        return torch_compat.rendezvous_state(self, sync=True)
 
     def _leave_hook(self, ctx: Any) -> str | None:
         """torch's exit op, for a member that announced its re-join (``_announce_rejoin``):
@@ -218,7 +235,8 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
         self._raise_if_static_conflict()
         self._newly_dead()
         members = set(state.participants) - self._dead
-        if min(members) == self.this_node:
+        opens = min(members) == self.this_node
+        if opens and not self._state_cached:  # else it reads the state first (POLLED)
             if self._all_announced(announced, members):
                 view = torch_compat.round_view(ctx)
                 torch_compat.open_next_round(
@@ -227,8 +245,9 @@ class FastRecoveryRendezvousHandler(DynamicRendezvousHandler):
                 self._forget_mark(announced)
                 return torch_compat.OPENED
             time.sleep(self.poll_s)  # a member's key may be on its way
-        else:
+        elif not opens:
             self._wait_for_change(torch_compat.round_view(ctx))
+        self._state_cached = False  # POLLED: the executor reads the state at once
         return torch_compat.POLLED
 
     def _forget_mark(self, round_: int) -> None:

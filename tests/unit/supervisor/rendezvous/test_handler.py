@@ -325,6 +325,44 @@ def test_a_re_form_is_each_members_announcement_and_one_write(nodes, monkeypatch
     assert beats[b.this_node] == beats[c.this_node] <= beats[a.this_node]
 
 
+def test_a_member_re_joins_an_unchanged_round_without_reading_it_whole(nodes, monkeypatch):
+    """Its holder's state is the stored one (the version mark says so): the announcement and
+    torch's exit op take it, and the member reads the state whole once, when the next round
+    opens. Each survivor of a re-form read the running round's state (and every member's
+    heartbeat key, its times being the round's start) before it announced."""
+    a, b, c = nodes(max_nodes=3), nodes(max_nodes=3), nodes(max_nodes=3)
+    form(a, b, c)
+    b._state_holder._last_sync_time = -1.0  # its last read seconds ago: not torch's cache
+    reads = _count_state_reads(b, monkeypatch)
+    first = Joining(b)
+    wait_for(lambda: a.num_nodes_waiting() == 1)  # b announced, and waits
+    assert reads == []
+    second, third = Joining(c), Joining(a)
+    assert (first.result(), second.result(), third.result()) == (3, 3, 3)
+    assert reads == ["state"]  # the next round, as a opened it
+    assert shared_state(b).round == 1
+
+
+def test_an_opener_reads_the_round_it_leaves_before_it_writes_the_next(nodes) -> None:
+    """Its cached state's times are those of its last read: torch's expiry, run on the copy
+    it writes, dropped every node there whose time was stale (at 64 agents, before members
+    were stamped at the open, a round of 1). An opener that announced from the cache reads
+    the state, with the nodes' heartbeats, before it opens the next round: here a node
+    waiting to join, which the re-form admits."""
+    a, b, c, d = (nodes(max_nodes=4) for _ in range(4))
+    form_with_last_call_of(a, b, c)
+    newcomer = Joining(d)  # the round is complete: d waits, and the members re-form for it
+    wait_for(lambda: a.num_nodes_waiting() == 1)
+    held = a._state_holder.state  # a opens: as if read long ago, beyond the expiry
+    assert d.this_node in held.wait_list
+    long_ago = datetime.now(timezone.utc) - timedelta(minutes=5)
+    held.last_heartbeats = dict.fromkeys(held.last_heartbeats, long_ago)
+    a._state_holder._last_sync_time = -1.0
+    first, second, third = Joining(b), Joining(c), Joining(a)
+    assert (newcomer.result(), first.result(), second.result(), third.result()) == (4,) * 4
+    assert joined(a) == {a.this_node, b.this_node, c.this_node, d.this_node}
+
+
 def test_a_re_formed_round_s_mark_is_removed_from_the_store(nodes) -> None:
     """Once the next round is open nobody reads the last one's re-join mark: the store kept
     one per round for the life of the job."""
