@@ -255,8 +255,8 @@ class SignedStateBackend(RendezvousBackend):
 
     def _fresh(self, plain: dict[str, Any]) -> bytes:
         """``plain`` with the nodes' own heartbeats, pickled for the holder (and kept as the
-        last good state). A state read again unchanged, its times all fresh, is not built
-        and pickled again."""
+        last good state). A state read again unchanged, with the same times merged in, is
+        not built and pickled again."""
         merged = self._with_beats(plain)
         beats = merged["last_heartbeats"]
         if self._built is not None and self._built[0] is plain and self._built[1] == beats:
